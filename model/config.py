@@ -1,0 +1,66 @@
+"""The model's shape: nanoGPT's `GPTConfig`, field for field, so configs map one to one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024  # longest context the position embedding covers
+    vocab_size: int = 50304  # GPT-2's 50,257 padded up to a multiple of 64 for speed
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
+        """Build from a dict, refusing unknown or missing fields with a message that names them."""
+        if not isinstance(data, dict):
+            raise ValueError(f"model config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model config fields {unknown}; expected {sorted(known)}")
+        missing = sorted(known - set(data))
+        if missing:
+            raise ValueError(f"model config is missing fields {missing}")
+        return cls(**data)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count computed from the shape (the LM head is tied to `wte`)."""
+        d, v, L = self.n_embd, self.vocab_size, self.n_layer
+        b = 1 if self.bias else 0
+        per_block = (
+            2 * d * (1 + b)  # ln_1, ln_2
+            + d * 3 * d + b * 3 * d  # c_attn
+            + d * d + b * d  # attn.c_proj
+            + d * 4 * d + b * 4 * d  # c_fc
+            + 4 * d * d + b * d  # mlp.c_proj
+        )
+        n = v * d + self.block_size * d + L * per_block + d * (1 + b)
+        if non_embedding:
+            n -= self.block_size * d
+        return n
