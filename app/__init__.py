@@ -1,0 +1,1 @@
+"""Folio's HTTP service and the inference engine behind it."""

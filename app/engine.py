@@ -1,0 +1,533 @@
+"""The inference engine: continuous batching over a preallocated KV cache, on its own thread.
+
+The engine owns the model, the tokenizer and the KV cache. Callers hand it token ids and validated
+`SamplingParams`; it hands back a stream of `TokenEvent`s ending in a `Finished` (or an error). Model work
+runs on the engine thread only, never on the asyncio event loop; results cross over with
+`loop.call_soon_threadsafe`.
+
+Scheduling, one iteration of the engine loop:
+1. admit waiting requests into free batch slots (FIFO), up to `max_batch_size`;
+2. drop cancelled requests (their slot is free before the next model step);
+3. prefill: up to `prefill_chunk` prompt tokens of the oldest admitted request, in one forward; a long
+   prompt therefore takes several iterations, and running streams get a decode step between its chunks;
+4. one decode step for every running row together: each row at its own position, with its own sampling
+   parameters, generator and stop rules.
+
+Rows: the running requests occupy cache rows 0..R-1 (a contiguous slice, so a decode step reads the cache
+without copying). A request being prefilled sits in row R. When a row finishes, the last running row is
+moved into its place.
+
+Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
+position `block_size`, the window slides: the row keeps its last `block_size - window_shift + 1` tokens,
+re-prefilled at positions 0.., so the next `window_shift - 1` tokens decode from the cache before the next
+slide. With `window_shift=1` every step past the window re-prefills the last `block_size` tokens, which is
+exactly what nanoGPT's cropping `generate` does (and what the naive loop does). The result reports how
+often the window slid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model.checkpoint import Checkpoint
+from model.gpt import KVCache
+from model.sampling import SamplingParams, ValidationError, choose_token, new_generator
+from model.stopping import LENGTH, STOP_SEQUENCE, TextStream, check_stop_token
+
+log = logging.getLogger("folio.engine")
+
+
+class EngineError(Exception):
+    """Base of the engine's domain errors (the app maps each to an HTTP status)."""
+
+
+class Overloaded(EngineError):
+    """The running batch and the waiting queue are both full."""
+
+
+class GenerationError(EngineError):
+    """Generation failed for this request (the engine keeps serving the others)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down or stopped."""
+
+
+@dataclass(frozen=True)
+class TopToken:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str  # the text this token releases: UTF-8 safe, stop strings held back
+    logprob: float
+    special: bool
+    index: int  # 1-based count of generated tokens
+    top_tokens: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "length", "eos_token", "stop_sequence"
+    generated_text: str
+    generated_tokens: int
+    seed: int
+    prompt_tokens: int
+    prefill: tuple[int, ...]  # the prompt's token ids as the model saw them (after truncation)
+    stop_sequence: str | None = None
+    window_slides: int = 0
+    truncated_prompt_tokens: int = 0
+
+
+@dataclass
+class Result:
+    """A whole generation, gathered from a stream (what the non-streaming routes return)."""
+
+    tokens: list[TokenEvent]
+    finished: Finished
+
+    @property
+    def text(self) -> str:
+        return self.finished.generated_text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+
+Event = TokenEvent | Finished | EngineError
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    sink: Callable[[Event], None]
+    truncated: int = 0
+    context: list[int] = field(default_factory=list)  # tokens the model sees (the window)
+    output: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens already in the cache
+    pos: int = 0  # position of the next token fed to the model
+    row: int = -1
+    slides: int = 0
+    cancelled: bool = False
+    generator: torch.Generator | None = None
+    stream: TextStream | None = None
+    text: list[str] = field(default_factory=list)
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class GenerationStream:
+    """What `Engine.submit` returns: an async iterator of events; `cancel()` when the client is gone."""
+
+    def __init__(self, engine: Engine, request: _Request, events: asyncio.Queue[Event]) -> None:
+        self._engine = engine
+        self._request = request
+        self._events = events
+        self.seed = request.seed
+        self.prompt_tokens = len(request.prompt)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self._request)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent | Finished]:
+        try:
+            while True:
+                ev = await self._events.get()
+                if isinstance(ev, EngineError):
+                    raise ev
+                yield ev
+                if isinstance(ev, Finished):
+                    return
+        finally:
+            self.cancel()  # no-op once finished; frees the slot if the consumer stopped early
+
+    async def collect(self) -> Result:
+        tokens: list[TokenEvent] = []
+        async for ev in self:
+            if isinstance(ev, Finished):
+                return Result(tokens, ev)
+            tokens.append(ev)
+        raise GenerationError("stream ended without a result")
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    cancelled_total: int = 0
+    rejected_total: int = 0
+    failed_total: int = 0
+    generated_tokens_total: int = 0
+
+
+class Engine:
+    """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        max_batch_size: int = 16,
+        max_waiting: int = 64,
+        prefill_chunk: int = 512,
+        window_shift: int | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads or os.cpu_count() or 1)
+        self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.n_vocab = self.tokenizer.n_vocab
+        self.eos_id = self.tokenizer.eos_id
+        self.block_size = self.config.block_size
+        if max_batch_size < 1 or max_waiting < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
+        self.max_batch_size = max_batch_size
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.window_shift = window_shift or max(1, self.block_size // 8)
+        if not 1 <= self.window_shift < self.block_size:
+            raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
+        # one extra row for the request being prefilled while max_batch_size rows run
+        self.cache = KVCache(self.config, max_batch_size + 1, device=self.device, dtype=self.dtype)
+        self.stats = EngineStats()
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._prefilling: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.on_step: Callable[[list[_Request]], None] | None = None  # test hook: fault injection
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="folio-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail whatever is still queued or running with `EngineStopped`, then join the thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def busy(self) -> int:
+        with self._lock:
+            return len(self._running) + len(self._prefilling) + len(self._waiting)
+
+    def warmup(self) -> None:
+        """One short generation so the first real request pays no first-call costs."""
+        self.generate([0] * min(8, self.block_size - 1), SamplingParams(max_new_tokens=4, seed=0))
+
+    # -- submission -----------------------------------------------------------------------------------
+    def validate(self, prompt: list[int], params: SamplingParams, truncate: int | None = None) -> list[int]:
+        """The prompt the model will see; raises `ValidationError` for an empty or too long prompt."""
+        if truncate is not None:
+            if not 1 <= truncate <= self.block_size:
+                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], got {truncate}")
+            prompt = prompt[-truncate:]
+        if not prompt:
+            raise ValidationError("inputs", "the prompt must hold at least one token, got 0")
+        if len(prompt) > self.block_size:
+            raise ValidationError(
+                "inputs",
+                f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
+                f"shorten it or set parameters.truncate to at most {self.block_size}",
+            )
+        return prompt
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
+                 truncate: int | None) -> _Request:
+        seen = self.validate(prompt, params, truncate)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        req = _Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the engine is shutting down")
+            admitted = len(self._running) + len(self._prefilling)
+            if admitted >= self.max_batch_size and len(self._waiting) >= self.max_waiting:
+                self.stats.rejected_total += 1
+                raise Overloaded(
+                    f"the server is at capacity ({self.max_batch_size} running, {self.max_waiting} waiting)"
+                )
+            self._waiting.append(req)
+            self.stats.waiting = len(self._waiting)
+            self._lock.notify_all()
+        return req
+
+    def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None) -> GenerationStream:
+        """From the event loop: enqueue and return the request's async stream (raises Overloaded at once)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        req = self._enqueue(prompt, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), truncate)
+        return GenerationStream(self, req, events)
+
+    def generate(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
+                 timeout: float | None = None) -> Result:
+        """Blocking convenience for scripts and tests (not for the event loop)."""
+        events: queue.Queue[Event] = queue.Queue()
+        req = self._enqueue(prompt, params, events.put, truncate)
+        self.start()
+        tokens: list[TokenEvent] = []
+        while True:
+            try:
+                ev = events.get(timeout=timeout)
+            except queue.Empty:
+                self.cancel(req)
+                raise GenerationError("generation timed out") from None
+            if isinstance(ev, EngineError):
+                raise ev
+            if isinstance(ev, Finished):
+                return Result(tokens, ev)
+            tokens.append(ev)
+
+    def cancel(self, req: _Request) -> None:
+        """Thread-safe; the request leaves the batch before the next model step."""
+        with self._lock:
+            if not req.cancelled and (req in self._waiting or req in self._prefilling or req in self._running):
+                req.cancelled = True
+                self._lock.notify_all()
+
+    # -- the engine thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not (self._stopping or self._waiting or self._prefilling or self._running):
+                    self._lock.wait()
+                if self._stopping:
+                    self._fail_all(EngineStopped("the engine stopped before this request finished"))
+                    return
+                self._reap_cancelled()
+                while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
+                    self._prefilling.append(self._waiting.popleft())
+                self.stats.waiting = len(self._waiting)
+            try:
+                with torch.inference_mode():
+                    if self._prefilling:
+                        self._prefill_step()
+                    if self._running:
+                        self._decode_step()
+            except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
+                log.exception("engine step failed")
+                with self._lock:
+                    for req in list(self._running) + list(self._prefilling):
+                        self._fail(req, GenerationError(f"generation failed: {e}"))
+            self.stats.running = len(self._running)
+
+    def _reap_cancelled(self) -> None:
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            self.stats.cancelled_total += 1
+        for req in [r for r in self._prefilling if r.cancelled]:
+            self._prefilling.remove(req)
+            self.stats.cancelled_total += 1
+        for req in [r for r in self._running if r.cancelled]:
+            self._remove_running(req)
+            self.stats.cancelled_total += 1
+
+    def _fail_all(self, err: EngineError) -> None:
+        for req in list(self._waiting) + list(self._prefilling) + list(self._running):
+            req.sink(err)
+        self._waiting.clear()
+        self._prefilling.clear()
+        self._running.clear()
+
+    def _fail(self, req: _Request, err: EngineError) -> None:
+        self.stats.failed_total += 1
+        if req in self._running:
+            self._remove_running(req)
+        elif req in self._prefilling:
+            self._prefilling.remove(req)
+        req.sink(err)
+
+    def _remove_running(self, req: _Request) -> None:
+        """Free `req`'s row, moving the last running row into it so rows stay contiguous."""
+        i = self._running.index(req)
+        last = self._running.pop()
+        if last is not req:
+            self.cache.k[:, i, :, : last.pos] = self.cache.k[:, last.row, :, : last.pos]
+            self.cache.v[:, i, :, : last.pos] = self.cache.v[:, last.row, :, : last.pos]
+            last.row = i
+            self._running[i] = last
+
+    def _begin(self, req: _Request) -> None:
+        req.context = list(req.prompt)
+        req.generator = None if req.params.is_greedy else new_generator(req.seed, self.device)
+        skip = [self.eos_id] if self.eos_id is not None else []
+        req.stream = TextStream(self.tokenizer, req.params.stop, skip_ids=skip)
+
+    def _prefill_step(self) -> None:
+        """Feed up to `prefill_chunk` prompt tokens of the oldest admitted request."""
+        req = self._prefilling[0]
+        if req.prefilled == 0:
+            self._begin(req)
+            req.row = len(self._running)
+        end = min(len(req.prompt), req.prefilled + self.prefill_chunk)
+        try:
+            if self.on_step is not None:
+                self.on_step([req])
+            logits = self._forward_row(req, req.prompt[req.prefilled : end], req.prefilled)
+        except Exception as e:
+            log.warning("request %d failed in prefill: %s", req.id, e)
+            self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
+            return
+        req.prefilled = end
+        req.pos = end
+        if end < len(req.prompt):
+            return
+        self._prefilling.popleft()
+        row = len(self._running)
+        if req.row != row:  # rows finished while this one prefilled: move it down to stay contiguous
+            self.cache.k[:, row, :, : req.pos] = self.cache.k[:, req.row, :, : req.pos]
+            self.cache.v[:, row, :, : req.pos] = self.cache.v[:, req.row, :, : req.pos]
+            req.row = row
+        self._running.append(req)
+        self._emit_next(req, logits)
+
+    def _forward_row(self, req: _Request, tokens: list[int], start: int) -> torch.Tensor:
+        """Forward `tokens` at positions start.. for one request's row; the last position's logits."""
+        idx = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
+        rows = torch.tensor([req.row], device=self.device)
+        logits = self.model(idx, pos=pos, kv_cache=self.cache, rows=rows, kv_len=start + len(tokens),
+                            last_only=True)
+        return logits[0, -1]
+
+    def _decode_step(self) -> None:
+        """One token for every running row; rows whose window is full slide it (re-prefill) first."""
+        rows = list(self._running)
+        if self.on_step is not None:
+            for req in list(rows):
+                try:
+                    self.on_step([req])
+                except Exception as e:
+                    log.warning("request %d failed in decode: %s", req.id, e)
+                    self._fail(req, GenerationError(f"generation failed: {e}"))
+            rows = list(self._running)
+        logits_by_req: dict[int, torch.Tensor] = {}
+        normal = []
+        for req in rows:
+            if req.pos > self.block_size:  # the unfed token would sit at position block_size
+                keep = self.block_size - self.window_shift + 1
+                req.context = req.context[-keep:]
+                req.slides += 1
+                logits_by_req[req.id] = self._forward_row(req, req.context, 0)
+                req.pos = len(req.context)
+            else:
+                normal.append(req)
+        if normal:
+            n = len(normal)
+            # normal rows are not always 0..n-1 (a sliding row may sit between them): pass rows then
+            contiguous = [r.row for r in normal] == list(range(n))
+            idx = torch.tensor([[r.context[-1]] for r in normal], dtype=torch.long, device=self.device)
+            pos = torch.tensor([[r.pos - 1] for r in normal], dtype=torch.long, device=self.device)
+            kv_len = max(r.pos for r in normal)
+            row_idx = None if contiguous else torch.tensor([r.row for r in normal], device=self.device)
+            out = self.model(idx, pos=pos, kv_cache=self.cache, rows=row_idx, kv_len=kv_len, last_only=True)
+            for i, req in enumerate(normal):
+                logits_by_req[req.id] = out[i, -1]
+        logprobs = {}
+        if rows:
+            stacked = torch.stack([logits_by_req[r.id] for r in rows]).float()
+            if stacked.size(-1) > self.n_vocab:
+                stacked[:, self.n_vocab :] = float("-inf")
+            lp = torch.log_softmax(stacked, dim=-1)
+            for i, req in enumerate(rows):
+                logprobs[req.id] = lp[i]
+        for req in rows:
+            try:
+                self._emit_next(req, logits_by_req[req.id], logprobs[req.id])
+            except Exception as e:
+                log.warning("request %d failed choosing a token: %s", req.id, e)
+                self._fail(req, GenerationError(f"generation failed: {e}"))
+
+    def _emit_next(self, req: _Request, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
+        """Choose the next token from `logits`, stream it, and finish the request if it should stop."""
+        params = req.params
+        context = None
+        if params.repetition_penalty not in (None, 1.0):
+            context = torch.tensor(req.context, device=logits.device)
+        token = choose_token(logits, params, n_vocab=self.n_vocab, context=context, generator=req.generator)
+        if logprobs is None:
+            logits = logits.float()
+            if logits.size(-1) > self.n_vocab:
+                logits = logits.clone()
+                logits[self.n_vocab :] = float("-inf")
+            logprobs = torch.log_softmax(logits, dim=-1)
+        top: tuple[TopToken, ...] = ()
+        if params.top_n_tokens:
+            values, ids = torch.topk(logprobs, params.top_n_tokens)
+            top = tuple(
+                TopToken(i, self._token_text(i), v, self._special(i))
+                for i, v in zip(ids.tolist(), values.tolist())
+            )
+        req.output.append(token)
+        req.context.append(token)
+        req.pos += 1
+        self.stats.generated_tokens_total += 1
+        assert req.stream is not None
+        text = req.stream.push(token)
+        stop, reason = check_stop_token(token, len(req.output), params.max_new_tokens, self.eos_id,
+                                        params.stop_at_eos)
+        if req.stream.stopped_by is not None:
+            stop, reason = True, STOP_SEQUENCE
+        if stop:
+            text += req.stream.finish()
+        req.text.append(text)
+        req.sink(TokenEvent(token, text, float(logprobs[token]), self._special(token), len(req.output), top))
+        if stop:
+            self._remove_running(req)
+            req.sink(
+                Finished(
+                    finish_reason=reason or LENGTH,
+                    generated_text="".join(req.text),
+                    generated_tokens=len(req.output),
+                    seed=req.seed,
+                    prompt_tokens=len(req.prompt),
+                    prefill=tuple(req.prompt),
+                    stop_sequence=req.stream.stopped_by,
+                    window_slides=req.slides,
+                    truncated_prompt_tokens=req.truncated,
+                )
+            )
+
+    def _special(self, token: int) -> bool:
+        return self.eos_id is not None and token == self.eos_id
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])

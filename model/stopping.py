@@ -1,0 +1,87 @@
+"""Stopping and text streaming: small pieces the engine and the offline sampler share.
+
+- `check_stop_token` decides, per token, whether generation ends on length or EOS: `(stop, reason)`.
+- `TextStream` turns token ids into text that is safe to show: bytes are held back until they form whole
+  UTF-8 characters (byte-level BPE splits characters across tokens), and text that could be the start of
+  a stop string is held back until it is known not to be one. A matched stop string ends the stream and is
+  not part of the output. Concatenating every delta gives exactly the final text.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class _Decodes(Protocol):
+    def decode_bytes(self, ids: list[int]) -> bytes: ...
+
+
+LENGTH = "length"
+EOS_TOKEN = "eos_token"
+STOP_SEQUENCE = "stop_sequence"
+
+
+def check_stop_token(
+    token: int, n_generated: int, max_new_tokens: int, eos_id: int | None, stop_at_eos: bool = True
+) -> tuple[bool, str | None]:
+    """After `token` (the n-th generated): EOS ends first, then the length limit."""
+    if stop_at_eos and eos_id is not None and token == eos_id:
+        return True, EOS_TOKEN
+    if n_generated >= max_new_tokens:
+        return True, LENGTH
+    return False, None
+
+
+class TextStream:
+    """Incremental, UTF-8-safe detokenizer with stop-string matching and hold-back."""
+
+    def __init__(self, tokenizer: _Decodes, stop: Sequence[str] = (), skip_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.skip_ids = set(skip_ids)  # special tokens (EOS) that produce no text
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # all text decoded so far (up to the stop string, once matched)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped_by: str | None = None
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text now safe to emit (maybe empty)."""
+        if self.stopped_by is not None:
+            return ""
+        if token not in self.skip_ids:
+            self.text += self._decoder.decode(self.tokenizer.decode_bytes([token]))
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """End of generation: flush incomplete bytes (as U+FFFD) and release held-back text."""
+        if self.stopped_by is None:
+            self.text += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped_by is None and self.stop:
+            # a stop string may begin in already-emitted text only if it overlaps the new tail
+            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.text = self.text[:i]
+                self.stopped_by = s
+                final = True
+        end = len(self.text) if final else len(self.text) - self._held_back()
+        end = max(end, self.emitted)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
