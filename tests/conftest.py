@@ -1,0 +1,75 @@
+"""Shared test fixtures: repository paths, GPT-2's BPE tokenizer built once, a tiny seeded GPT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import BPETokenizer, gpt2_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+# GPT-2's vocab.bpe + encoder.json live beside the repository, never inside it
+BPE_DIR = REPO.parent / "shared" / "data" / "gpt2-bpe"
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    """The repository root."""
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def bpe_dir() -> Path:
+    """The folder holding GPT-2's vocab.bpe and encoder.json (it may be absent; `gpt2_tok` skips then)."""
+    return BPE_DIR
+
+
+@pytest.fixture(scope="session")
+def gpt2_tok() -> BPETokenizer:
+    """GPT-2's BPE from the local files (built once per session; tiktoken never touches the network)."""
+    missing = [name for name in ("vocab.bpe", "encoder.json") if not (BPE_DIR / name).is_file()]
+    if missing:
+        pytest.skip(f"GPT-2 BPE files {missing} not found in {BPE_DIR}")
+    return gpt2_tokenizer(BPE_DIR)
+
+
+@pytest.fixture
+def tiny_config() -> GPTConfig:
+    return GPTConfig(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+
+
+@pytest.fixture
+def tiny_model(tiny_config: GPTConfig) -> GPT:
+    """A randomly initialised GPT in eval mode, the same weights every time (seeded)."""
+    torch.manual_seed(1234)
+    return GPT(tiny_config).eval()
+
+
+@pytest.fixture
+def hf_gpt2(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: a random GPT2LMHeadModel (eval mode) saved with save_pretrained -> (directory, model).
+
+    Every parameter is perturbed after init so that biases and LayerNorm gains are not their trivial 0 and 1
+    and a mapping mistake in them shows up in the logits. Nothing is downloaded.
+    """
+    transformers = pytest.importorskip("transformers")
+
+    def make(*, seed: int = 0, **overrides: object) -> tuple[Path, torch.nn.Module]:
+        settings = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=1000)
+        settings.update(overrides)
+        last = int(settings["vocab_size"]) - 1  # keep HF's bos/eos ids inside a small vocabulary
+        config = transformers.GPT2Config(**settings, bos_token_id=last, eos_token_id=last)
+        torch.manual_seed(seed)
+        hf = transformers.GPT2LMHeadModel(config).eval()
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        directory = tmp_path_factory.mktemp("hf-gpt2")
+        hf.save_pretrained(directory)
+        return directory, hf
+
+    return make

@@ -1,0 +1,185 @@
+"""Checkpoints: exact round trips, a specific refusal for every kind of damage, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import checkpoint
+from model.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, save_checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import BPE_FILE, BPETokenizer, CharTokenizer
+
+CHARS = [chr(c) for c in range(32, 32 + 64)] + ["\n"]  # 65 characters, tiny_config's vocab_size
+
+
+@pytest.fixture
+def char_tok() -> CharTokenizer:
+    return CharTokenizer(CHARS)
+
+
+@pytest.fixture
+def saved(tmp_path: Path, tiny_model: GPT, char_tok: CharTokenizer) -> Path:
+    return save_checkpoint(tmp_path / "ckpt", tiny_model, char_tok, training={"step": 7})
+
+
+def _edit_config(directory: Path, edit) -> None:
+    path = directory / "config.json"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _logits(model: GPT) -> torch.Tensor:
+    idx = torch.arange(32).reshape(2, 16) * 3 % 65
+    with torch.no_grad():
+        return model(idx)
+
+
+def test_round_trip_gives_identical_logits(saved: Path, tiny_model: GPT, char_tok: CharTokenizer) -> None:
+    ckpt = load_checkpoint(saved)
+    assert ckpt.config == tiny_model.config
+    assert not ckpt.model.training
+    assert ckpt.model.lm_head.weight is ckpt.model.transformer.wte.weight
+    assert torch.equal(_logits(ckpt.model), _logits(tiny_model))
+    assert isinstance(ckpt.tokenizer, CharTokenizer) and ckpt.tokenizer.chars == char_tok.chars
+    assert ckpt.training == {"step": 7}
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# --- refusals ------------------------------------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="checkpoint directory not found"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_missing_config(saved: Path) -> None:
+    (saved / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_checkpoint(saved)
+
+
+def test_malformed_json(saved: Path) -> None:
+    (saved / "config.json").write_text('{"format": "folio-checkpoint",')
+    with pytest.raises(CheckpointError, match="is not valid JSON"):
+        load_checkpoint(saved)
+
+
+def test_wrong_format_field(saved: Path) -> None:
+    _edit_config(saved, lambda m: m.update(format="hf-transformers"))
+    with pytest.raises(CheckpointError, match='is not a Folio checkpoint config \\(expected "format"'):
+        load_checkpoint(saved)
+
+
+def test_missing_weights(saved: Path) -> None:
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+        load_checkpoint(saved)
+
+
+def test_truncated_weights(saved: Path) -> None:
+    weights = saved / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file"):
+        load_checkpoint(saved)
+
+
+def test_pickle_renamed_to_safetensors_is_never_unpickled(saved: Path, tiny_model: GPT) -> None:
+    torch.save(tiny_model.state_dict(), saved / "model.safetensors")
+    with pytest.raises(CheckpointError, match="is not a readable safetensors file") as e:
+        load_checkpoint(saved)
+    assert "never unpickles" in str(e.value) and "python -m model.convert" in str(e.value)
+
+
+def test_shapes_that_disagree_with_the_config(saved: Path) -> None:
+    _edit_config(saved, lambda m: m["model"].update(n_embd=64))  # the weights are n_embd 32
+    with pytest.raises(CheckpointError, match=r"wte.weight has shape \(65, 32\), the config needs \(65, 64\)"):
+        load_checkpoint(saved)
+
+
+def test_unknown_tokenizer_kind(saved: Path) -> None:
+    _edit_config(saved, lambda m: m["tokenizer"].update(kind="sentencepiece"))
+    with pytest.raises(CheckpointError, match="unknown tokenizer kind 'sentencepiece'"):
+        load_checkpoint(saved)
+
+
+def test_tokenizer_bigger_than_vocab_size(saved: Path) -> None:
+    _edit_config(saved, lambda m: m["tokenizer"].update(chars=[*CHARS, "é"]))
+    with pytest.raises(CheckpointError, match="tokenizer has 66 tokens but vocab_size is 65"):
+        load_checkpoint(saved)
+
+
+def test_save_refuses_tokenizer_bigger_than_vocab_size(tmp_path: Path, tiny_model: GPT) -> None:
+    with pytest.raises(CheckpointError, match="tokenizer has 66 tokens but the model's vocab_size is 65"):
+        save_checkpoint(tmp_path, tiny_model, CharTokenizer([*CHARS, "é"]))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def bpe_saved(tmp_path: Path, gpt2_tok: BPETokenizer) -> Path:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=50304, n_layer=1, n_head=1, n_embd=8))
+    return save_checkpoint(tmp_path / "bpe", model, gpt2_tok)
+
+
+def test_missing_tokenizer_file(bpe_saved: Path) -> None:
+    (bpe_saved / BPE_FILE).unlink()
+    with pytest.raises(CheckpointError, match="BPE tokenizer file missing: .*tokenizer.tiktoken"):
+        load_checkpoint(bpe_saved)
+
+
+def test_tampered_tokenizer_file(bpe_saved: Path) -> None:
+    path = bpe_saved / BPE_FILE
+    path.write_bytes(path.read_bytes().replace(b" 0\n", b" 1\n", 1))
+    with pytest.raises(CheckpointError, match="tokenizer.tiktoken has sha256 .*, config.json says"):
+        load_checkpoint(bpe_saved)
+
+
+# --- atomic writes -------------------------------------------------------------------------------------------
+
+
+def test_save_leaves_no_temp_files(saved: Path, tiny_model: GPT, char_tok: CharTokenizer) -> None:
+    save_checkpoint(saved, tiny_model, char_tok)  # overwrite in place
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(
+    saved: Path, tiny_model: GPT, char_tok: CharTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = {p.name: p.read_bytes() for p in saved.iterdir()}
+    torch.manual_seed(99)
+    other = GPT(tiny_model.config).eval()
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_checkpoint(saved, other, char_tok)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in saved.iterdir()} == before  # no temp file left, nothing changed
+    assert torch.equal(_logits(load_checkpoint(saved).model), _logits(tiny_model))
+
+
+def test_atomic_write_bytes_replaces_or_keeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f.json"
+    atomic_write_bytes(path, b"old")
+    atomic_write_bytes(path, b"new")
+    assert path.read_bytes() == b"new"
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        atomic_write_bytes(path, b"half-written")
+    assert path.read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
