@@ -74,16 +74,6 @@ class TopToken:
 
 
 @dataclass(frozen=True)
-class TokenEvent:
-    id: int
-    text: str  # the text this token releases: UTF-8 safe, stop strings held back
-    logprob: float
-    special: bool
-    index: int  # 1-based count of generated tokens
-    top_tokens: tuple[TopToken, ...] = ()
-
-
-@dataclass(frozen=True)
 class Finished:
     finish_reason: str  # "length", "eos_token", "stop_sequence"
     generated_text: str
@@ -94,6 +84,17 @@ class Finished:
     stop_sequence: str | None = None
     window_slides: int = 0
     truncated_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str  # the text this token releases: UTF-8 safe, stop strings held back
+    logprob: float
+    special: bool
+    index: int  # 1-based count of generated tokens
+    top_tokens: tuple[TopToken, ...] = ()
+    finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
 
 
 @dataclass
@@ -243,6 +244,9 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        else:  # never started: no loop will fail what is queued, so fail it here
+            with self._lock:
+                self._fail_all(EngineStopped("the engine stopped before this request started"))
 
     @property
     def busy(self) -> int:
@@ -278,8 +282,10 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            admitted = len(self._running) + len(self._prefilling)
-            if admitted >= self.max_batch_size and len(self._waiting) >= self.max_waiting:
+            # bound the total, not just the waiting queue: requests wait in `_waiting` until the engine thread
+            # admits them, so a burst (or an engine not yet started) must not grow the backlog past capacity
+            in_flight = len(self._running) + len(self._prefilling) + len(self._waiting)
+            if in_flight >= self.max_batch_size + self.max_waiting:
                 self.stats.rejected_total += 1
                 raise Overloaded(
                     f"the server is at capacity ({self.max_batch_size} running, {self.max_waiting} waiting)"
@@ -481,7 +487,9 @@ class Engine:
         params = req.params
         context = None
         if params.repetition_penalty not in (None, 1.0):
-            context = torch.tensor(req.context, device=logits.device)
+            # every id seen so far (prompt and output), as the naive loop does; `req.context` is only the
+            # window once it has slid
+            context = torch.tensor(req.prompt + req.output, device=logits.device)
         token = choose_token(logits, params, n_vocab=self.n_vocab, context=context, generator=req.generator)
         if logprobs is None:
             logits = logits.float()
@@ -509,22 +517,24 @@ class Engine:
         if stop:
             text += req.stream.finish()
         req.text.append(text)
-        req.sink(TokenEvent(token, text, float(logprobs[token]), self._special(token), len(req.output), top))
+        finished = None
         if stop:
-            self._remove_running(req)
-            req.sink(
-                Finished(
-                    finish_reason=reason or LENGTH,
-                    generated_text="".join(req.text),
-                    generated_tokens=len(req.output),
-                    seed=req.seed,
-                    prompt_tokens=len(req.prompt),
-                    prefill=tuple(req.prompt),
-                    stop_sequence=req.stream.stopped_by,
-                    window_slides=req.slides,
-                    truncated_prompt_tokens=req.truncated,
-                )
+            finished = Finished(
+                finish_reason=reason or LENGTH,
+                generated_text="".join(req.text),
+                generated_tokens=len(req.output),
+                seed=req.seed,
+                prompt_tokens=len(req.prompt),
+                prefill=tuple(req.prompt),
+                stop_sequence=req.stream.stopped_by,
+                window_slides=req.slides,
+                truncated_prompt_tokens=req.truncated,
             )
+        req.sink(TokenEvent(token, text, float(logprobs[token]), self._special(token), len(req.output), top,
+                            finished))
+        if finished is not None:
+            self._remove_running(req)
+            req.sink(finished)
 
     def _special(self, token: int) -> bool:
         return self.eos_id is not None and token == self.eos_id

@@ -1,0 +1,96 @@
+"""Domain errors to HTTP: one table, one body shape per API family.
+
+TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.sampling import ValidationError
+from model.tokenizer import TokenizerError
+
+
+class Unavailable(Exception):
+    """The model is not loaded yet, or the server is draining."""
+
+
+class Unauthorized(Exception):
+    """Missing or wrong API key."""
+
+
+# exception type -> (HTTP status, TGI error_type, OpenAI error type)
+ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
+    ValidationError: (422, "validation", "invalid_request_error"),
+    TokenizerError: (422, "validation", "invalid_request_error"),
+    Overloaded: (429, "overloaded", "rate_limit_error"),
+    GenerationError: (424, "generation", "server_error"),
+    EngineStopped: (503, "unavailable", "server_error"),
+    Unavailable: (503, "unavailable", "server_error"),
+    Unauthorized: (401, "authentication", "authentication_error"),
+}
+
+
+def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
+    if path.startswith("/v1/"):
+        return {"error": {"message": message, "type": oa_type, "param": param, "code": status}}
+    return {"error": message, "error_type": kind}
+
+
+def error_response(request: Request, exc: Exception, retry_after: int = 1) -> JSONResponse:
+    for cls, (status, kind, oa_type) in ERROR_TABLE.items():
+        if isinstance(exc, cls):
+            param = getattr(exc, "field", None)
+            headers = {"Retry-After": str(retry_after)} if status == 429 else None
+            if status == 401:
+                headers = {"WWW-Authenticate": "Bearer"}
+            body = error_body(request.url.path, status, kind, oa_type, str(exc), param)
+            return JSONResponse(body, status_code=status, headers=headers)
+    raise exc
+
+
+def _describe(err: dict[str, Any]) -> tuple[str, str]:
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    msg = err.get("msg", "invalid value")
+    ctx = err.get("ctx") or {}
+    if err.get("type") == "json_invalid":
+        return "body", f"body is not valid JSON: {ctx.get('error', msg)}"
+    if err.get("type") == "extra_forbidden":
+        return field, f"{field}: unknown field"
+    value = err.get("input")
+    shown = repr(value) if not isinstance(value, str) or len(value) < 80 else repr(value[:77] + "...")
+    return field, f"{field}: {msg}, got {shown}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
+
+    async def domain(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, exc, retry_after(request))
+
+    for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized):
+        app.add_exception_handler(cls, domain)
+
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        described = [_describe(e) for e in exc.errors()]
+        message = "; ".join(m for _, m in described)
+        param = described[0][0] if described else None
+        body = error_body(request.url.path, 422, "validation", "invalid_request_error", message, param)
+        return JSONResponse(body, status_code=422)
+
+    app.add_exception_handler(RequestValidationError, validation)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http")
+        body = error_body(request.url.path, exc.status_code, kind, "invalid_request_error", str(exc.detail), None)
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    app.add_exception_handler(StarletteHTTPException, http_error)

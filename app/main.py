@@ -1,0 +1,93 @@
+"""The app factory: `create_app(settings)` builds the FastAPI app; the lifespan loads the checkpoint,
+starts the engine and warms it up. Nothing heavy happens at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.concurrency import run_in_threadpool
+
+from app import openai_api, system, tgi
+from app.engine import Engine
+from app.errors import install_error_handlers
+from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
+from app.service import GenerationService
+from app.settings import Settings
+from model.checkpoint import Checkpoint, load_checkpoint
+
+log = logging.getLogger("folio")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {name!r} was asked for, but CUDA is not available on this machine")
+    return device
+
+
+def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
+    device = resolve_device(settings.device)
+    return Engine(
+        checkpoint,
+        device=device,
+        dtype=DTYPES.get(settings.dtype),
+        max_batch_size=settings.max_batch_size,
+        max_waiting=settings.max_waiting,
+        prefill_chunk=settings.prefill_chunk,
+        window_shift=settings.window_shift or None,
+        threads=settings.threads or None,
+    )
+
+
+def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None,
+               engine: Engine | None = None) -> FastAPI:
+    """The service. Pass a loaded `checkpoint` (or a ready `engine`) to skip loading in the lifespan."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ck = checkpoint
+        if ck is None:
+            ck = await run_in_threadpool(load_checkpoint, settings.checkpoint)
+        eng = engine or await run_in_threadpool(build_engine, settings, ck)
+        eng.start()
+        metrics: Metrics = app.state.metrics
+        metrics.bind(eng)
+        service = GenerationService(eng, ck, settings, metrics)
+        app.state.service = service
+        await run_in_threadpool(eng.warmup)
+        service.ready = True
+        log.info("serving %s on %s (%s)", service.model_id, eng.device, str(eng.dtype).removeprefix("torch."))
+        try:
+            yield
+        finally:
+            service.draining = True
+            await run_in_threadpool(eng.stop)
+
+    app = FastAPI(
+        title="Folio",
+        version=system.VERSION,
+        summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.service = None
+    install_error_handlers(app)
+    app.include_router(system.router)
+    app.include_router(tgi.router)
+    app.include_router(openai_api.router)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
+    return app

@@ -1,0 +1,142 @@
+"""Prometheus metrics, one registry per app (so tests can build many apps), and the ASGI middleware that
+counts requests by route and status."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.engine import Engine
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("folio_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.ttft = Histogram("folio_time_to_first_token_seconds", "submission to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("folio_inter_token_latency_seconds", "time between tokens of a stream",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def bind(self, engine: Engine) -> None:
+        """Engine figures are read from the engine itself at scrape time."""
+        self.registry.register(EngineCollector(engine))
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):  # noqa: ANN201 (prometheus_client's protocol)
+        s = self.engine.stats
+        yield GaugeMetricFamily("folio_queue_depth", "requests waiting for a batch slot", value=s.waiting)
+        yield GaugeMetricFamily("folio_running_batch_size", "requests in the running batch", value=s.running)
+        yield CounterMetricFamily("folio_generated_tokens", "tokens generated", value=s.generated_tokens_total)
+        yield CounterMetricFamily("folio_cancelled_requests", "requests cancelled (client gone)",
+                                  value=s.cancelled_total)
+        yield CounterMetricFamily("folio_rejected_requests", "requests refused as overloaded (429)",
+                                  value=s.rejected_total)
+        yield CounterMetricFamily("folio_failed_requests", "requests that failed in generation",
+                                  value=s.failed_total)
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by its route template and final status (pure ASGI: streaming-safe)."""
+
+    def __init__(self, app: ASGIApp, get_metrics: Callable[[], Metrics | None]) -> None:
+        self.app = app
+        self.get_metrics = get_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            metrics = self.get_metrics()
+            if metrics is not None:
+                route = scope.get("route")
+                label = getattr(route, "path", None) or "unmatched"
+                metrics.requests.labels(label, str(status["code"])).inc()
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over `max_bytes` with 413, by Content-Length or as the body streams in."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _too_large(scope, send, self.max_bytes, int(length))
+            return
+        seen = 0
+        too_large = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    too_large = True
+                    raise _BodyTooLarge
+            return message
+
+        started = False
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, send_wrapper)
+        except _BodyTooLarge:
+            if not started:
+                await _too_large(scope, send, self.max_bytes, seen)
+        except Exception:
+            if too_large and not started:
+                await _too_large(scope, send, self.max_bytes, seen)
+            else:
+                raise
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _too_large(scope: Scope, send: Send, limit: int, got: int) -> None:
+    import json
+
+    msg = f"request body is {got} bytes, more than the limit of {limit} bytes"
+    if scope.get("path", "").startswith("/v1/"):
+        body = {"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": 413}}
+    else:
+        body = {"error": msg, "error_type": "payload_too_large"}
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,120 @@
+"""OpenAI-compatible API: POST /v1/completions (streaming and not) and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.deps import AuthDep, ServiceDep
+from app.engine import EngineError, Finished, GenerationStream, TokenEvent
+from app.errors import ERROR_TABLE, error_body
+from app.schemas import CompletionRequest, OpenAIError
+from app.service import ClientGone, GenerationService
+from app.sse import SSE_HEADERS, sse
+from model.sampling import ValidationError
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+def _logprobs(service: GenerationService, tokens: list[TokenEvent], offset: int) -> dict[str, Any]:
+    texts = [service.token_text(t.id) for t in tokens]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@router.get("/models")
+async def models(service: ServiceDep) -> dict[str, Any]:
+    created = int(service.checkpoint.path.stat().st_mtime) if service.checkpoint.path else 0
+    return {"object": "list",
+            "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
+
+
+@router.post("/completions", responses=ERRORS)
+async def completions(body: CompletionRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+    """OpenAI's legacy completions: one prompt, one choice."""
+    service.check_ready()
+    if body.model is not None and body.model != service.model_id:
+        msg = f"model: the model {body.model!r} does not exist; this server serves {service.model_id!r}"
+        return JSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise ValidationError("prompt", f"must be a string or a list of exactly one string, got {len(prompt)}")
+        prompt = prompt[0]
+    params = service.params_from_openai(body)
+    prepared = await service.prepare(prompt, params, None, "prompt")
+    stream = service.submit(prepared)
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    echo = prompt if body.echo else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream(service, stream, cid, created, echo, body.logprobs is not None, include_usage)
+        return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        result = await service.result(request, stream)
+    except ClientGone:
+        return Response(status_code=499)
+    fin = result.finished
+    choice = {
+        "text": echo + result.text,
+        "index": 0,
+        "logprobs": _logprobs(service, result.tokens, len(echo)) if body.logprobs is not None else None,
+        "finish_reason": FINISH[fin.finish_reason],
+    }
+    return JSONResponse({
+        "id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+        "choices": [choice], "usage": _usage(fin.prompt_tokens, fin.generated_tokens),
+    })
+
+
+async def _stream(
+    service: GenerationService, stream: GenerationStream, cid: str, created: int, echo: str, logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    def chunk(text: str, finish: str | None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+               "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    offset = len(echo)
+    try:
+        if echo:
+            yield sse(chunk(echo, None))
+        async for ev in service.events(stream):
+            if isinstance(ev, Finished):
+                break
+            finish = FINISH[ev.finished.finish_reason] if ev.finished else None
+            if ev.text or finish or logprobs:
+                yield sse(chunk(ev.text, finish, _logprobs(service, [ev], offset) if logprobs else None))
+            offset += len(ev.text)
+            if ev.finished and include_usage:
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+                           "choices": [], "usage": _usage(ev.finished.prompt_tokens, ev.finished.generated_tokens)})
+        yield sse("[DONE]")
+    except EngineError as e:
+        status, _, oa_type = next(v for cls, v in ERROR_TABLE.items() if isinstance(e, cls))
+        yield sse({"error": {"message": str(e), "type": oa_type, "param": None, "code": status}})
+        yield sse("[DONE]")
+    finally:
+        stream.cancel()

@@ -1,0 +1,149 @@
+"""HTTP request and response models: Hugging Face TGI's schema and OpenAI's completions.
+
+These are the wire types; `app.service` turns them into validated engine parameters. Field descriptions
+become the OpenAPI docs at /docs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SEED = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class GenerateParameters(_Strict):
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (server default if unset)")
+    temperature: float | None = Field(None, ge=0, le=100, description="0 means greedy; unset means 1.0")
+    top_k: int | None = Field(None, ge=0, description="keep the k most likely tokens; 0 or unset: off")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass; 1.0 or unset: off")
+    do_sample: bool = Field(False, description="sample; without it and without sampling controls: greedy")
+    greedy: bool = Field(False, description="Folio: force argmax decoding whatever else is set")
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="CTRL penalty; 1.0 or unset: off")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="random seed; drawn and reported if unset")
+    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings (not in the output)")
+    return_full_text: bool | None = Field(False, description="prepend the prompt to generated_text")
+    details: bool = Field(False, description="return finish reason, seed, tokens and logprobs")
+    decoder_input_details: bool = Field(False, description="return the prompt's tokens in details.prefill")
+    top_n_tokens: int | None = Field(None, ge=0, le=20, description="alternatives with logprobs per token")
+    truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    # accepted for TGI client compatibility; only their 'off' values are supported
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    typical_p: float | None = Field(None, description="not supported (must be unset)")
+    frequency_penalty: float | None = Field(None, description="not supported (must be unset or 0)")
+    watermark: bool = Field(False, description="not supported (must be false)")
+    grammar: None = Field(None, description="not supported (must be unset)")
+    adapter_id: None = Field(None, description="not supported (must be unset)")
+
+
+class GenerateRequest(_Strict):
+    inputs: str = Field(description="the prompt")
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = Field(False, description="POST / only: stream server-sent events")
+
+
+class Token(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+    special: bool = False
+
+
+class PrefillToken(BaseModel):
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class Details(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+    window_slides: int = Field(0, description="Folio: how often the context window slid")
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(BaseModel):
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    input_length: int
+
+
+class StreamResponse(BaseModel):
+    index: int
+    token: Token
+    top_tokens: list[Token] = Field(default_factory=list)
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class TokenizeRequest(_Strict):
+    inputs: str
+    parameters: GenerateParameters | None = None
+    add_special_tokens: bool | None = None
+
+
+class SimpleToken(BaseModel):
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class ErrorBody(BaseModel):
+    error: str
+    error_type: str
+
+
+# -- OpenAI ---------------------------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Strict):
+    model: str | None = Field(None, description="ignored beyond a check that it names this model, if given")
+    prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string)")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy; unset: 1.0 (sampling)")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="extension (vLLM): keep the k most likely tokens")
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="extension (vLLM)")
+    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    best_of: int | None = Field(None, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5, description="return this many top alternatives per token")
+    echo: bool = False
+    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
+    frequency_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported (empty only)")
+    user: str | None = None
+    suffix: None = None
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int | str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail

@@ -1,0 +1,165 @@
+"""Between HTTP and the engine: request models -> validated `SamplingParams` (request value, then server
+default, then hard default), tokenisation off the event loop, and engine events -> response shapes.
+No tensors here; the engine owns those."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from app.engine import Engine, Finished, GenerationStream, Result, TokenEvent
+from app.errors import Unavailable
+from app.metrics import Metrics
+from app.schemas import CompletionRequest, GenerateParameters
+from app.settings import Settings
+from model.checkpoint import Checkpoint
+from model.sampling import SamplingParams, ValidationError
+
+
+class ClientGone(Exception):
+    """The client disconnected; its generation was cancelled."""
+
+
+@dataclass
+class Prepared:
+    prompt: list[int]
+    params: SamplingParams
+    truncate: int | None
+
+
+class GenerationService:
+    def __init__(self, engine: Engine, checkpoint: Checkpoint, settings: Settings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.settings = settings
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        self.model_id = settings.model_id or checkpoint.path.name
+
+    def check_ready(self) -> None:
+        if self.draining:
+            raise Unavailable("the server is shutting down and admits no new requests")
+        if not self.ready:
+            raise Unavailable("the model is still loading")
+
+    # -- parameters -----------------------------------------------------------------------------------
+    def _max_new_tokens(self, value: int | None, field: str) -> int:
+        limit = self.settings.max_new_tokens_limit
+        value = value if value is not None else min(self.settings.max_new_tokens_default, limit)
+        if value > limit:
+            raise ValidationError(field, f"must be an integer in [1, {limit}], got {value}")
+        return value
+
+    def params_from_tgi(self, p: GenerateParameters) -> tuple[SamplingParams, int | None]:
+        unsupported = {
+            "typical_p": p.typical_p not in (None, 1.0),
+            "frequency_penalty": p.frequency_penalty not in (None, 0.0),
+            "watermark": p.watermark,
+        }
+        for name, bad in unsupported.items():
+            if bad:
+                raise ValidationError(f"parameters.{name}", f"is not supported by Folio, got {getattr(p, name)!r}")
+        if any(s == "" for s in p.stop):
+            raise ValidationError("parameters.stop", "stop strings must be non-empty, got ''")
+        params = SamplingParams(
+            max_new_tokens=self._max_new_tokens(p.max_new_tokens, "parameters.max_new_tokens"),
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            do_sample=p.do_sample,
+            greedy=p.greedy,
+            repetition_penalty=p.repetition_penalty,
+            seed=p.seed,
+            stop=tuple(p.stop),
+            top_n_tokens=p.top_n_tokens or 0,
+        )
+        return params, p.truncate
+
+    def params_from_openai(self, r: CompletionRequest) -> SamplingParams:
+        stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+        if any(s == "" for s in stop):
+            raise ValidationError("stop", "stop strings must be non-empty, got ''")
+        if len(stop) > 16:
+            raise ValidationError("stop", f"at most 16 stop strings are allowed, got {len(stop)}")
+        greedy = r.temperature == 0
+        return SamplingParams(
+            max_new_tokens=self._max_new_tokens(r.max_tokens, "max_tokens"),
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            do_sample=not greedy,  # OpenAI samples at temperature 1 unless told otherwise
+            greedy=greedy,
+            repetition_penalty=r.repetition_penalty,
+            seed=r.seed,
+            stop=tuple(stop),
+            top_n_tokens=r.logprobs or 0,
+        )
+
+    async def encode(self, text: str, field: str = "inputs") -> list[int]:
+        """Tokenise off the event loop (a megabyte prompt takes a while)."""
+        try:
+            return await run_in_threadpool(self.tokenizer.encode, text)
+        except ValueError as e:
+            raise ValidationError(field, str(e)) from None
+
+    async def prepare(self, text: str, params: SamplingParams, truncate: int | None, field: str) -> Prepared:
+        prompt = await self.encode(text, field)
+        try:
+            prompt = self.engine.validate(prompt, params, truncate)
+        except ValidationError as e:
+            name = e.field if e.field != "inputs" else field
+            raise ValidationError(name, e.message) from None
+        return Prepared(prompt, params, truncate)
+
+    def submit(self, prepared: Prepared) -> GenerationStream:
+        self.check_ready()
+        return self.engine.submit(prepared.prompt, prepared.params, truncate=prepared.truncate)
+
+    # -- running --------------------------------------------------------------------------------------
+    async def events(self, stream: GenerationStream) -> AsyncIterator[TokenEvent | Finished]:
+        """The stream's events, with time-to-first-token and inter-token latency recorded."""
+        t_start = last = time.perf_counter()
+        first = True
+        async for ev in stream:
+            now = time.perf_counter()
+            if isinstance(ev, TokenEvent):
+                (self.metrics.ttft if first else self.metrics.itl).observe(now - (t_start if first else last))
+                first = False
+                last = now
+            yield ev
+
+    async def result(self, request: Request, stream: GenerationStream) -> Result:
+        """Await a whole generation, cancelling it if the client disconnects meanwhile."""
+        async def gather() -> Result:
+            tokens: list[TokenEvent] = []
+            async for ev in self.events(stream):
+                if isinstance(ev, Finished):
+                    return Result(tokens, ev)
+                tokens.append(ev)
+            raise RuntimeError("stream ended without a result")
+
+        task = asyncio.ensure_future(gather())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    self.cancel(stream)
+                    raise ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def cancel(self, stream: GenerationStream) -> None:
+        stream.cancel()
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])

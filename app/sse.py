@@ -1,0 +1,14 @@
+"""Server-sent events framing: `data: <json>\\n\\n`, the shape TGI and OpenAI clients read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(data: Any) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+SSE_DOC = {"description": "server-sent events, `data: <json>` per token", "content": {"text/event-stream": {}}}

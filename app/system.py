@@ -1,0 +1,66 @@
+"""Operational routes: /health, /info, /metrics, and the playground page at GET /."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app.deps import ServiceDep
+
+router = APIRouter(tags=["system"])
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
+VERSION = "0.1.0"
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
+    service = getattr(request.app.state, "service", None)
+    if service is None or not service.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    if service.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/info")
+async def info(service: ServiceDep) -> dict[str, Any]:
+    ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
+    tok = ck.tokenizer
+    return {
+        "model_id": service.model_id,
+        "model_sha": ck.meta.get("weights_sha256"),
+        "checkpoint": str(ck.path) if ck.path else None,
+        "checkpoint_sha256": ck.meta.get("weights_sha256"),
+        "parameters": ck.model.num_params(),
+        "model_config": cfg.to_dict(),
+        "tokenizer": {"kind": tok.to_config()["kind"], "n_vocab": tok.n_vocab, "eos_token_id": tok.eos_id},
+        "block_size": cfg.block_size,
+        "max_input_tokens": cfg.block_size,
+        "max_total_tokens": cfg.block_size + service.settings.max_new_tokens_limit,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "max_batch_size": engine.max_batch_size,
+        "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,
+        "max_waiting": engine.max_waiting,
+        "prefill_chunk": engine.prefill_chunk,
+        "window_shift": engine.window_shift,
+        "max_new_tokens_limit": service.settings.max_new_tokens_limit,
+        "training": ck.training,
+        "version": VERSION,
+        "router": "folio",
+    }
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def playground() -> HTMLResponse:
+    return HTMLResponse(PLAYGROUND.read_text(encoding="utf-8"))

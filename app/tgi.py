@@ -1,0 +1,139 @@
+"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"), POST /tokenize."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from app.deps import AuthDep, ServiceDep
+from app.engine import EngineError, Finished, GenerationStream, Result, TokenEvent
+from app.errors import ERROR_TABLE
+from app.schemas import (
+    Details,
+    ErrorBody,
+    GenerateRequest,
+    GenerateResponse,
+    PrefillToken,
+    SimpleToken,
+    StreamDetails,
+    StreamResponse,
+    Token,
+    TokenizeRequest,
+)
+from app.service import ClientGone, GenerationService, Prepared
+from app.sse import SSE_DOC, SSE_HEADERS, sse
+
+router = APIRouter(tags=["TGI"])
+ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
+
+
+async def _start(service: GenerationService, body: GenerateRequest) -> tuple[Prepared, GenerationStream]:
+    service.check_ready()
+    params, truncate = service.params_from_tgi(body.parameters)
+    prepared = await service.prepare(body.inputs, params, truncate, "inputs")
+    return prepared, service.submit(prepared)
+
+
+def _token(ev: TokenEvent, text: str | None = None) -> Token:
+    return Token(id=ev.id, text=ev.text if text is None else text, logprob=ev.logprob, special=ev.special)
+
+
+def _response(service: GenerationService, body: GenerateRequest, result: Result) -> GenerateResponse:
+    p = body.parameters
+    text = (body.inputs if p.return_full_text else "") + result.text
+    details = None
+    if p.details:
+        fin = result.finished
+        prefill = (
+            [PrefillToken(id=i, text=service.token_text(i)) for i in fin.prefill] if p.decoder_input_details else []
+        )
+        details = Details(
+            finish_reason=fin.finish_reason,
+            generated_tokens=fin.generated_tokens,
+            seed=fin.seed,
+            prefill=prefill,
+            tokens=[Token(id=t.id, text=service.token_text(t.id), logprob=t.logprob, special=t.special)
+                    for t in result.tokens],
+            top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
+                        for t in result.tokens] if p.top_n_tokens else [],
+            window_slides=fin.window_slides,
+        )
+    return GenerateResponse(generated_text=text, details=details)
+
+
+@router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
+async def generate(body: GenerateRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+    """Generate text for a prompt and return it whole."""
+    _, stream = await _start(service, body)
+    try:
+        result = await service.result(request, stream)
+    except ClientGone:
+        return Response(status_code=499)
+    return Response(_response(service, body, result).model_dump_json(exclude_none=True),
+                    media_type="application/json")
+
+
+async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream) -> AsyncIterator[bytes]:
+    prefix = body.inputs if body.parameters.return_full_text else ""
+    try:
+        async for ev in service.events(stream):
+            if isinstance(ev, Finished):
+                return
+            out = StreamResponse(
+                index=ev.index,
+                token=_token(ev),
+                top_tokens=[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special)
+                            for a in ev.top_tokens],
+            )
+            if ev.finished is not None:
+                out.generated_text = prefix + ev.finished.generated_text
+                out.details = StreamDetails(
+                    finish_reason=ev.finished.finish_reason,
+                    generated_tokens=ev.finished.generated_tokens,
+                    seed=ev.finished.seed,
+                    input_length=ev.finished.prompt_tokens,
+                )
+            yield sse(out.model_dump())
+    except EngineError as e:
+        kind = next(k for cls, (_, k, _) in ERROR_TABLE.items() if isinstance(e, cls))
+        yield sse({"error": str(e), "error_type": kind})
+    finally:
+        stream.cancel()  # the client went away mid-stream (or we are done): free the slot
+
+
+@router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
+async def generate_stream(body: GenerateRequest, service: ServiceDep, _: AuthDep) -> StreamingResponse:
+    """Generate text as server-sent events, one per token; the last carries generated_text and details."""
+    _, stream = await _start(service, body)
+    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.post("/", responses=ERRORS, summary="TGI compatibility route")
+async def compat(body: GenerateRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+    """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
+    (as a one-element list, as TGI does)."""
+    if body.stream:
+        return await generate_stream(body, service, None)
+    _, stream = await _start(service, body)
+    try:
+        result = await service.result(request, stream)
+    except ClientGone:
+        return Response(status_code=499)
+    return Response("[" + _response(service, body, result).model_dump_json(exclude_none=True) + "]",
+                    media_type="application/json")
+
+
+@router.post("/tokenize", response_model=list[SimpleToken], responses=ERRORS)
+async def tokenize(body: TokenizeRequest, service: ServiceDep) -> list[SimpleToken]:
+    """The prompt's tokens with their text and character offsets."""
+    ids = await service.encode(body.inputs)
+    out, pos = [], 0
+    for i in ids:
+        piece = service.tokenizer.decode_bytes([i])
+        # character offsets: count the characters that start inside this token's bytes
+        chars = sum(1 for b in piece if b & 0xC0 != 0x80)
+        out.append(SimpleToken(id=i, text=service.token_text(i), start=pos, stop=pos + chars))
+        pos += chars
+    return out
