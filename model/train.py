@@ -136,13 +136,22 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise TrainError(f"--config file not found: {p}")
     try:
         values = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TrainError(f"--config {p}: {e}") from None
-    names = {f.name for f in fields(TrainConfig)}
+    if not isinstance(values, dict):
+        raise TrainError(f"--config {p}: expected an object of TrainConfig fields, got {type(values).__name__}")
+    types = {f.name: f.type for f in fields(TrainConfig)}
     values = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = sorted(set(values) - names)
+    unknown = sorted(set(values) - set(types))
     if unknown:
         raise TrainError(f"--config {p}: unknown fields {unknown}")
+    for name, value in values.items():
+        # bool is an int subclass: accept it only where the field is bool; an int is a fine float
+        want = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}[types[name]]
+        if not isinstance(value, want) or (isinstance(value, bool) and types[name] != "bool"):
+            raise TrainError(f"--config {p}: {name} must be of type {types[name]}, got {value!r}")
+        if types[name] == "float":
+            values[name] = float(value)
     return values
 
 
@@ -156,11 +165,14 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
         out = args.get("out")
         if not out:
             raise TrainError("--resume needs --out, the directory of the run to continue")
+        last = Path(out) / "last"
+        if not last.is_dir() and (Path(out) / "last.old").is_dir():
+            last = Path(out) / "last.old"  # a crash hit between the two renames of a checkpoint swap
         try:
-            saved = read_config(Path(out) / "last")["training"]["train_config"]
+            saved = read_config(last)["training"]["train_config"]
         except (CheckpointError, KeyError) as e:
-            raise TrainError(f"cannot resume from {out}/last: {e}") from None
-        values.update(saved)
+            raise TrainError(f"cannot resume from {last}: {e}") from None
+        values.update(saved, stop_after=0)  # a time box applies to the run that set it, not to resumes
     else:
         preset = args.get("preset") or (config_file and _load_config_file(config_file).get("preset"))
         if preset:
@@ -302,9 +314,14 @@ class Trainer:
         self._truncate_metrics(self.step)
 
     def _truncate_metrics(self, step: int) -> None:
+        """Drop what was logged after the checkpoint at `step`. The training row for `step` was logged
+        before that checkpoint and is kept; an evaluation at `step` is dropped, since the resumed loop
+        evaluates `step` again (same weights, same eval batches, so the same row comes back)."""
         path = self.out / "metrics.jsonl"
         if path.is_file():
-            keep = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] < step]
+            rows = [ln for ln in path.read_text().splitlines() if ln]
+            keep = [ln for ln in rows
+                    if (r := json.loads(ln))["step"] < step or (r["step"] == step and "loss" in r)]
             path.write_text("".join(ln + "\n" for ln in keep))
 
     # -- bookkeeping ----------------------------------------------------------------------------------
