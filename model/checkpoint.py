@@ -183,6 +183,12 @@ def load_checkpoint(
             f"{directory}: tokenizer has {tokenizer.n_vocab} tokens but vocab_size is {config.vocab_size}"
         )
     state = load_weights(directory / WEIGHTS_FILE, config, device=device)
+    want = meta.get("weights_sha256")
+    if want and (got := sha256_file(directory / WEIGHTS_FILE)) != want:
+        raise CheckpointError(
+            f"{directory / WEIGHTS_FILE} has sha256 {got}, but {CONFIG_FILE} records {want}: the weights were "
+            "corrupted or replaced after the checkpoint was written"
+        )
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True, strict=True)

@@ -99,6 +99,16 @@ def test_pickle_renamed_to_safetensors_is_never_unpickled(saved: Path, tiny_mode
     assert "never unpickles" in str(e.value) and "python -m model.convert" in str(e.value)
 
 
+def test_corrupted_tensor_bytes_are_caught_by_the_recorded_sha256(saved: Path) -> None:
+    # a flipped byte inside tensor data still parses as safetensors; only the hash notices
+    weights = saved / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupted or replaced"):
+        load_checkpoint(saved)
+
+
 def test_shapes_that_disagree_with_the_config(saved: Path) -> None:
     _edit_config(saved, lambda m: m["model"].update(n_embd=64))  # the weights are n_embd 32
     with pytest.raises(CheckpointError, match=r"wte.weight has shape \(65, 32\), the config needs \(65, 64\)"):
