@@ -1,0 +1,241 @@
+"""Engine-only decode speed against Hugging Face `transformers` and the naive no-cache loop, same run.
+
+    python bench/engine_decode.py [--models default,gpt2-124m] [--new-tokens 128] [--concurrency 8,32]
+
+For each model (the bundled default and a random-init GPT-2 124M shape):
+- batch 1, greedy: Folio's engine vs `transformers` `generate` (KV cache on, same weights) vs the naive
+  loop (full forward every step, nanoGPT's `generate`), plus the memory-bandwidth ceiling: the tokens/s a
+  decoder reaches if every step only reads the weights once at this machine's measured read bandwidth;
+- N concurrent requests of different lengths: aggregate tokens/s of the engine (continuous batching) vs
+  `transformers`' static batched `generate` (left-padded prompts, run to the longest request; only the
+  tokens each request asked for count).
+
+Prints a table, writes bench/results/engine_decode.json and engine_decode.png. Ratios are what matter:
+absolute figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from app.engine import Engine  # noqa: E402
+from model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
+from model.config import GPTConfig  # noqa: E402
+from model.generate import generate_naive  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from model.tokenizer import CharTokenizer  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s for reading a large fp32 tensor once (a sum), best of `repeats`."""
+    x = torch.ones(int(gib * 2**30 / 4))
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def to_hf(model: GPT):  # noqa: ANN201
+    """The same weights in `transformers`' GPT2LMHeadModel (Conv1D layouts, zero biases where Folio has none)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = model.config
+    hf_cfg = GPT2Config(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size,
+                        vocab_size=c.vocab_size, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(hf_cfg).eval()
+    sd = {k: v for k, v in model.state_dict().items()}
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    with torch.no_grad():
+        for name, p in hf.state_dict().items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            if name in sd:
+                src = sd[name]
+                p.copy_(src.t() if name.endswith(conv1d) else src)
+            else:
+                assert name.endswith(".bias"), name  # Folio built without biases: zero
+                p.zero_()
+    return hf
+
+
+def gpt2_124m() -> Checkpoint:
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
+    tok = CharTokenizer([chr(0x4E00 + i) for i in range(cfg.vocab_size)])  # ids only: text is not used
+    return Checkpoint(path=Path("gpt2-124m-random"), config=cfg, tokenizer=tok, model=GPT(cfg).eval())
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 48, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+    prompt = prompts(1, ck.tokenizer.n_vocab)[0]
+    params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
+    engine = Engine(ck, max_batch_size=1, max_waiting=0).start()
+    engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm
+    out: dict[str, float] = {}
+
+    def best(fn) -> float:  # noqa: ANN001
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return new_tokens / min(times)
+
+    folio_ids: list[int] = []
+
+    def folio() -> None:
+        folio_ids[:] = engine.generate(prompt, params).token_ids
+
+    out["folio"] = best(folio)
+    engine.stop()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        hf_ids: list[int] = []
+
+        def hf_run() -> None:
+            r = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            pad_token_id=0, use_cache=True)
+            hf_ids[:] = r[0, len(prompt):].tolist()
+
+        out["transformers"] = best(hf_run)
+
+        def naive() -> None:
+            list(generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab))
+
+        out["naive"] = best(naive) if repeats else 0.0
+    out["same_tokens_as_transformers"] = float(folio_ids == hf_ids)
+    return out
+
+
+def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, float]:  # noqa: ANN001
+    ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
+    g = torch.Generator().manual_seed(100 + n)
+    lengths = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g).tolist()
+    wanted = sum(lengths)
+    engine = Engine(ck, max_batch_size=n, max_waiting=n).start()
+    engine.generate(ps[0], SamplingParams(max_new_tokens=8))
+
+    async def run() -> float:
+        t = time.perf_counter()
+        streams = [engine.submit(p, SamplingParams(max_new_tokens=L, stop_at_eos=False))
+                   for p, L in zip(ps, lengths)]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        assert sum(r.finished.generated_tokens for r in results) == wanted
+        return time.perf_counter() - t
+
+    folio_s = asyncio.run(run())
+    engine.stop()
+    # transformers: static batch, left padding, runs until the longest request is done
+    width = max(len(p) for p in ps)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+                    do_sample=False, pad_token_id=0)
+        hf_s = time.perf_counter() - t
+    return {"folio": wanted / folio_s, "transformers": wanted / hf_s, "tokens": wanted}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="default,gpt2-124m")
+    p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bandwidth = measure_read_bandwidth()
+    report: dict = {"machine": {"threads": args.threads, "read_bandwidth_GBps": bandwidth / 1e9,
+                                "torch": torch.__version__, "device": "cpu"},
+                    "new_tokens": args.new_tokens, "models": {}}
+    rows = []
+    for name in args.models.split(","):
+        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m()
+        hf = to_hf(ck.model)
+        weight_bytes = ck.model.num_params() * 4
+        ceiling = bandwidth / weight_bytes
+        b1 = bench_batch1(ck, hf, args.new_tokens, args.repeats)
+        entry = {"params": ck.model.num_params(), "weight_bytes": weight_bytes, "ceiling_tok_s": ceiling,
+                 "batch1": b1, "concurrent": {}}
+        rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
+        for n in [int(x) for x in args.concurrency.split(",") if x]:
+            c = bench_concurrent(ck, hf, n, args.new_tokens)
+            entry["concurrent"][str(n)] = c
+            rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
+        report["models"][name] = entry
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads, {args.new_tokens} new tokens")
+    print(f"{'model':<12} {'load':<14} {'folio tok/s':>11} {'HF tok/s':>9} {'x HF':>6} {'naive':>7} "
+          f"{'x naive':>7} {'ceiling':>8} {'% ceil':>6}")
+    for name, load, f, h, nv, ceil in rows:
+        xn = f"{f / nv:7.2f}" if nv == nv and nv else "      -"
+        pc = f"{100 * f / ceil:5.0f}%" if ceil == ceil else "     -"
+        cs = f"{ceil:8.1f}" if ceil == ceil else "       -"
+        nvs = f"{nv:7.1f}" if nv == nv else "      -"
+        print(f"{name:<12} {load:<14} {f:11.1f} {h:9.1f} {f / h:6.2f} {nvs} {xn} {cs} {pc}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_decode.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / "engine_decode.png")
+    return 0
+
+
+def plot(report: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(report["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        e = report["models"][name]
+        labels = ["batch 1"] + [f"{n} conc." for n in e["concurrent"]]
+        folio = [e["batch1"]["folio"]] + [c["folio"] for c in e["concurrent"].values()]
+        hf = [e["batch1"]["transformers"]] + [c["transformers"] for c in e["concurrent"].values()]
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], folio, 0.4, label="Folio engine")
+        ax.bar([i + 0.2 for i in x], hf, 0.4, label="transformers generate")
+        ax.axhline(e["ceiling_tok_s"], ls="--", c="grey", label="batch-1 bandwidth ceiling")
+        ax.set_xticks(list(x), labels)
+        ax.set_ylabel("tokens/s")
+        ax.set_yscale("log")
+        ax.set_title(f"{name} ({e['params'] / 1e6:.1f}M params)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
