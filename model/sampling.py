@@ -52,6 +52,8 @@ class SamplingParams:
     stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
         _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
         if self.temperature is not None:
             _float("temperature", self.temperature, 0.0, 100.0)
