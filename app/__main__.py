@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.drain_timeout) + 2, access_log=False)
     server = DrainingServer(config, app, settings.drain_timeout)
+    # once shut down, uvicorn re-raises the signal it caught under the handlers it found: no-op ones make a
+    # drained shutdown return 0 below instead of dying of that signal (exit status -15 for SIGTERM)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 

@@ -270,7 +270,7 @@ class Engine:
             raise ValidationError(
                 "inputs",
                 f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
-                f"shorten it or set parameters.truncate to at most {self.block_size}",
+                f"shorten it or truncate it to at most {self.block_size} tokens",
             )
         return prompt
 

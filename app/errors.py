@@ -56,6 +56,34 @@ def error_response(request: Request, exc: Exception, retry_after: int = 1) -> JS
     raise exc
 
 
+def _ranges() -> dict[str, str]:
+    """'parameters.temperature' -> '[0, 100]', from the request models' Field constraints."""
+    import annotated_types as at
+
+    from app.schemas import CompletionRequest, GenerateParameters, TokenizeRequest
+
+    out: dict[str, str] = {}
+    for prefix, model in (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest)):
+        for name, f in model.model_fields.items():
+            lo = hi = None
+            lo_b, hi_b = "[", "]"
+            for m in f.metadata:
+                if isinstance(m, at.Ge):
+                    lo = m.ge
+                elif isinstance(m, at.Gt):
+                    lo, lo_b = m.gt, "("
+                elif isinstance(m, at.Le):
+                    hi = m.le
+                elif isinstance(m, at.Lt):
+                    hi, hi_b = m.lt, ")"
+            if lo is not None or hi is not None:
+                out[prefix + name] = f"{lo_b}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{hi_b}"
+    return out
+
+
+_RANGES: dict[str, str] | None = None
+
+
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
@@ -67,7 +95,12 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return field, f"{field}: unknown field"
     value = err.get("input")
     shown = repr(value) if not isinstance(value, str) or len(value) < 80 else repr(value[:77] + "...")
-    return field, f"{field}: {msg}, got {shown}"
+    global _RANGES
+    if _RANGES is None:
+        _RANGES = _ranges()
+    allowed = _RANGES.get(field)
+    where = f" (allowed: {allowed})" if allowed and err.get("type", "").endswith(("than", "than_equal")) else ""
+    return field, f"{field}: {msg}{where}, got {shown}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -108,6 +108,8 @@ class BodyLimitMiddleware:
 
         async def send_wrapper(message: Message) -> None:
             nonlocal started
+            if too_large and not started:
+                return  # the app's answer to a body it could not read (FastAPI sends 400): the 413 replaces it
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
@@ -115,13 +117,12 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, limited_receive, send_wrapper)
         except _BodyTooLarge:
-            if not started:
-                await _too_large(scope, send, self.max_bytes, seen)
+            pass
         except Exception:
-            if too_large and not started:
-                await _too_large(scope, send, self.max_bytes, seen)
-            else:
+            if not (too_large and not started):
                 raise
+        if too_large and not started:
+            await _too_large(scope, send, self.max_bytes, seen)
 
 
 class _BodyTooLarge(Exception):

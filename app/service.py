@@ -110,12 +110,16 @@ class GenerationService:
             raise ValidationError(field, str(e)) from None
 
     async def prepare(self, text: str, params: SamplingParams, truncate: int | None, field: str) -> Prepared:
+        """Tokenise and check the prompt against the context; errors name this API's fields
+        (`inputs` and `parameters.truncate` for TGI, `prompt` for OpenAI)."""
         prompt = await self.encode(text, field)
         try:
             prompt = self.engine.validate(prompt, params, truncate)
         except ValidationError as e:
-            name = e.field if e.field != "inputs" else field
-            raise ValidationError(name, e.message) from None
+            if e.field == "truncate":
+                raise ValidationError("parameters.truncate", e.message) from None
+            hint = " (parameters.truncate)" if field == "inputs" and "context" in e.message else ""
+            raise ValidationError(field, e.message + hint) from None
         return Prepared(prompt, params, truncate)
 
     def submit(self, prepared: Prepared) -> GenerationStream:

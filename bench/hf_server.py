@@ -1,0 +1,60 @@
+"""The baseline for bench/server_load.py: the server a user would otherwise write.
+
+A FastAPI endpoint that calls `transformers` `generate` once per request (a plain `def`, so FastAPI runs
+it in its thread pool), on the same weights as the Folio checkpoint it is given.
+
+    python bench/hf_server.py --checkpoint DIR --port 8010
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from engine_decode import to_hf  # noqa: E402
+
+from model.checkpoint import load_checkpoint  # noqa: E402
+
+
+class Body(BaseModel):
+    inputs: str
+    parameters: dict = {}
+
+
+def build(checkpoint: str) -> FastAPI:
+    ck = load_checkpoint(checkpoint)
+    hf = to_hf(ck.model)
+    tok = ck.tokenizer
+    app = FastAPI()
+
+    @app.post("/generate")
+    def generate(body: Body) -> dict:
+        ids = torch.tensor([tok.encode(body.inputs)])
+        n = int(body.parameters.get("max_new_tokens", 20))
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return {"generated_text": tok.decode(out[0, ids.shape[1]:].tolist())}
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--port", type=int, default=8010)
+    args = p.parse_args()
+    uvicorn.run(build(args.checkpoint), host="127.0.0.1", port=args.port, log_level="warning")

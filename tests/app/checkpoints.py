@@ -1,0 +1,73 @@
+"""Checkpoints for the app tests, written with `save_checkpoint`.
+
+- `make_char_checkpoint` (fixture `char_checkpoint`): a seeded random GPT (block_size 64, 2 layers,
+  n_embd 32) over a character tokenizer of printable ASCII plus newline. Weights are scaled up from GPT-2's
+  init so that logits are spread out: greedy output must not hang on a near tie that the KV-cache path and
+  the naive loop could break differently.
+- `make_bpe_checkpoint` (fixture `bpe_checkpoint`): GPT-2's BPE (vocab_size 50304, n_embd 16, 1 layer) with
+  weights set by hand so that, whatever the prompt, greedy decoding cycles through single-byte tokens that
+  spell "😀中" (F0 9F 98 80 E4 B8 AD). Every character is split across tokens, which is what UTF-8-safe
+  streaming must handle; a random model would mostly emit byte soup where U+FFFD is the right answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model.checkpoint import save_checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.tokenizer import BPETokenizer, CharTokenizer
+
+CHARS = sorted({chr(c) for c in range(32, 127)} | {"\n"})  # 96 characters
+TRAINING = {"note": "random weights for the app tests", "iters": 0, "seed": 1234, "dataset": "none"}
+EMOJI_CJK = "😀中"
+
+
+def make_char_checkpoint(directory: Path, *, seed: int = 1234) -> Path:
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=64, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    return save_checkpoint(directory, model, CharTokenizer(CHARS), training=TRAINING)
+
+
+def make_bpe_checkpoint(directory: Path, tok: BPETokenizer) -> Path:
+    """A hand-wired bigram: the MLP recognises each cycle token and pushes the residual towards the next one.
+
+    Cycle tokens t_k get the embedding u_k = e_2k - e_2k+1 (zero mean, mutually orthogonal); every other token
+    embeds to 0, so its logit is 0. Attention and position embeddings contribute nothing. MLP hidden unit k
+    fires only on t_k (LayerNorm makes u_k into sqrt(8) u_k) and writes 10 u_k+1; the output bias writes 3 u_0,
+    so any other token leads into the cycle at t_0.
+    """
+    cycle = [tok.enc.encode_single_token(bytes([b])) for b in EMOJI_CJK.encode("utf-8")]
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config).eval()
+    d = config.n_embd
+    u = torch.zeros(len(cycle), d)
+    for k in range(len(cycle)):
+        u[k, 2 * k], u[k, 2 * k + 1] = 1.0, -1.0
+    z = u * 8**0.5  # LayerNorm(u_k) with unit gain, zero bias
+    with torch.no_grad():
+        model.transformer.wte.weight.zero_()
+        model.transformer.wte.weight[cycle] = u
+        model.transformer.wpe.weight.zero_()
+        block = model.transformer.h[0]
+        block.attn.c_proj.weight.zero_()
+        block.attn.c_proj.bias.zero_()
+        block.mlp.c_fc.weight.zero_()
+        block.mlp.c_fc.bias.fill_(-100.0)  # unused hidden units stay off
+        block.mlp.c_proj.weight.zero_()
+        for k in range(len(cycle)):
+            block.mlp.c_fc.weight[k] = 2 * z[k]  # pre-activation 2 * 8 = 16 on t_k, 0 - 8 = -8 elsewhere
+            block.mlp.c_fc.bias[k] = -8.0
+            block.mlp.c_proj.weight[:, k] = 10 * u[(k + 1) % len(cycle)] / 8.0
+        block.mlp.c_proj.bias.copy_(3 * u[0])
+        model.transformer.ln_f.weight.fill_(10.0)
+    return save_checkpoint(directory, model, tok, training={"note": "hand-wired UTF-8 cycle"})

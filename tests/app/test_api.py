@@ -1,0 +1,684 @@
+"""The HTTP API in process, against the real app: `create_app(settings)` with its lifespan run by Starlette's
+TestClient, a real checkpoint loaded from disk, the real engine thread. Every assertion is on status and body.
+
+Disconnects are driven at the ASGI level (a `receive` that reports `http.disconnect` when the test says so),
+which is what uvicorn does when a socket closes; `test_server.py` repeats the non-streaming case over TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from checkpoints import CHARS, EMOJI_CJK, TRAINING
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
+
+from app.main import create_app
+from app.settings import Settings
+from app.system import VERSION
+from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
+from model.generate import generate_naive
+from model.sampling import SamplingParams
+
+LIMIT = 256  # max_new_tokens_limit of the test apps
+BODY_LIMIT = 16 * 1024
+BASE = dict(device="cpu", threads=1, max_batch_size=4, max_waiting=8, max_new_tokens_limit=LIMIT,
+            max_body_bytes=BODY_LIMIT)
+PROMPT = "Hello there"
+
+
+@pytest.fixture(scope="module")
+def make_client(char_checkpoint: Path) -> Iterator[Callable[..., TestClient]]:
+    """Factory: a started app (lifespan run) for the char checkpoint or another; all shut down at the end."""
+    with ExitStack() as stack:
+        def make(checkpoint: Path | None = None, **overrides: Any) -> TestClient:
+            settings = Settings(checkpoint=checkpoint or char_checkpoint, **{**BASE, **overrides})
+            return stack.enter_context(TestClient(create_app(settings)))
+
+        yield make
+
+
+@pytest.fixture(scope="module")
+def client(make_client: Callable[..., TestClient]) -> TestClient:
+    return make_client()
+
+
+@pytest.fixture(scope="module")
+def reference(char_checkpoint: Path) -> Callable[..., tuple[list[int], str]]:
+    """The naive reference loop on the same checkpoint: (token ids, decoded text)."""
+    ck = load_checkpoint(char_checkpoint)
+
+    def run(prompt: str, max_new_tokens: int, **params: Any) -> tuple[list[int], str]:
+        p = SamplingParams(max_new_tokens=max_new_tokens, **params)
+        ids = [t for t, _ in generate_naive(ck.model, ck.tokenizer.encode(prompt), p, n_vocab=ck.tokenizer.n_vocab)]
+        return ids, ck.tokenizer.decode(ids)
+
+    return run
+
+
+def engine_of(client: TestClient):  # noqa: ANN201
+    return client.app.state.service.engine
+
+
+def generate(client: TestClient, inputs: str = PROMPT, route: str = "/generate", **parameters: Any) -> dict:
+    r = client.post(route, json={"inputs": inputs, "parameters": parameters})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client: TestClient, inputs: str = PROMPT, route: str = "/generate_stream", **parameters: Any) -> list:
+    r = client.post(route, json={"inputs": inputs, "parameters": parameters})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return parse_sse(r.text)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+# -- operational routes -------------------------------------------------------------------------------------
+
+
+def test_health_is_ok_after_startup(client: TestClient) -> None:
+    r = client.get("/health")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+
+
+def test_info_describes_model_engine_and_training(client: TestClient, char_checkpoint: Path) -> None:
+    r = client.get("/info")
+    assert r.status_code == 200
+    info = r.json()
+    ck = load_checkpoint(char_checkpoint)
+    assert info["model_id"] == "tiny-char"  # the directory name
+    assert info["checkpoint_sha256"] == sha256_file(char_checkpoint / WEIGHTS_FILE)
+    assert info["parameters"] == ck.model.num_params() > 0
+    assert info["model_config"] == {"block_size": 64, "vocab_size": 96, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                                    "dropout": 0.0, "bias": True}
+    assert info["tokenizer"] == {"kind": "char", "n_vocab": 96, "eos_token_id": None}
+    assert (info["block_size"], info["device"], info["dtype"]) == (64, "cpu", "float32")
+    assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
+    assert info["training"] == TRAINING
+    assert info["version"] == VERSION
+
+
+def test_v1_models_lists_the_served_model(client: TestClient) -> None:
+    r = client.get("/v1/models")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    model = body["data"][0]
+    assert (model["id"], model["object"], model["owned_by"]) == ("tiny-char", "model", "folio")
+    assert isinstance(model["created"], int) and model["created"] > 0
+
+
+def test_tokenize_gives_ids_texts_and_character_offsets(client: TestClient) -> None:
+    r = client.post("/tokenize", json={"inputs": "Hi, you!"})
+    assert r.status_code == 200
+    assert r.json() == [{"id": CHARS.index(c), "text": c, "start": i, "stop": i + 1} for i, c in enumerate("Hi, you!")]
+
+
+def test_metrics_exposes_every_folio_series(client: TestClient) -> None:
+    generate(client, max_new_tokens=3)
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f.type for f in text_string_to_metric_families(r.text)}
+    for name, kind in [("folio_requests", "counter"), ("folio_queue_depth", "gauge"),
+                       ("folio_running_batch_size", "gauge"), ("folio_time_to_first_token_seconds", "histogram"),
+                       ("folio_inter_token_latency_seconds", "histogram"), ("folio_generated_tokens", "counter"),
+                       ("folio_cancelled_requests", "counter"), ("folio_rejected_requests", "counter")]:
+        assert families.get(name) == kind, (name, families.get(name))
+    assert metric(r.text, "folio_requests_total", route="/generate", status="200") >= 1
+    assert metric(r.text, "folio_generated_tokens_total") >= 3
+    assert metric(r.text, "folio_time_to_first_token_seconds_count") >= 1
+    assert metric(r.text, "folio_inter_token_latency_seconds_count") >= 2
+    assert metric(r.text, "folio_queue_depth") == 0 and metric(r.text, "folio_running_batch_size") == 0
+
+
+def test_docs_openapi_and_playground_are_served(client: TestClient) -> None:
+    docs = client.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    spec = client.get("/openapi.json")
+    assert spec.status_code == 200
+    assert spec.json()["info"]["title"] == "Folio"
+    assert {"/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/models"} <= set(spec.json()["paths"])
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+
+
+# -- /generate ------------------------------------------------------------------------------------------------
+
+
+def test_greedy_generate_equals_the_naive_loop(client: TestClient, reference: Callable) -> None:
+    ids, text = reference(PROMPT, 24)
+    body = generate(client, max_new_tokens=24, details=True)
+    assert body["generated_text"] == text
+    assert [t["id"] for t in body["details"]["tokens"]] == ids
+    assert body["details"]["finish_reason"] == "length" and body["details"]["generated_tokens"] == 24
+
+
+def test_seeded_sampling_reproduces_and_reports_the_seed(client: TestClient, reference: Callable) -> None:
+    a = generate(client, max_new_tokens=24, do_sample=True, seed=7, details=True)
+    b = generate(client, max_new_tokens=24, do_sample=True, seed=7, details=True)
+    other = generate(client, max_new_tokens=24, do_sample=True, seed=8)
+    assert a["generated_text"] == b["generated_text"] == reference(PROMPT, 24, do_sample=True, seed=7)[1]
+    assert other["generated_text"] != a["generated_text"]
+    assert a["details"]["seed"] == 7
+
+
+def test_unseeded_sampling_reports_a_seed_that_reproduces(client: TestClient) -> None:
+    first = generate(client, max_new_tokens=24, do_sample=True, details=True)
+    seed = first["details"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**63
+    again = generate(client, max_new_tokens=24, do_sample=True, seed=seed)
+    assert again["generated_text"] == first["generated_text"]
+
+
+def test_temperature_zero_and_top_p_one_mean_greedy(client: TestClient, reference: Callable) -> None:
+    greedy = reference(PROMPT, 16)[1]
+    assert generate(client, max_new_tokens=16, temperature=0, do_sample=True, seed=3)["generated_text"] == greedy
+    assert generate(client, max_new_tokens=16, top_p=1.0)["generated_text"] == greedy
+    sampled = generate(client, max_new_tokens=16, do_sample=True, seed=3)["generated_text"]
+    assert generate(client, max_new_tokens=16, do_sample=True, seed=3, top_p=1.0)["generated_text"] == sampled
+
+
+def test_return_full_text_prepends_the_prompt(client: TestClient, reference: Callable) -> None:
+    body = generate(client, max_new_tokens=8, return_full_text=True)
+    assert body["generated_text"] == PROMPT + reference(PROMPT, 8)[1]
+
+
+def test_details_tokens_logprobs_and_top_tokens(client: TestClient) -> None:
+    d = generate(client, max_new_tokens=6, details=True, top_n_tokens=3, decoder_input_details=True)["details"]
+    assert d["generated_tokens"] == len(d["tokens"]) == len(d["top_tokens"]) == 6
+    for token, top in zip(d["tokens"], d["top_tokens"]):
+        assert token["text"] == CHARS[token["id"]] and token["special"] is False
+        assert token["logprob"] <= 0
+        assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert top[0]["id"] == token["id"] and math.isclose(top[0]["logprob"], token["logprob"], rel_tol=1e-5)
+        assert sum(math.exp(t["logprob"]) for t in top) <= 1 + 1e-5
+    assert [(p["id"], p["text"]) for p in d["prefill"]] == [(CHARS.index(c), c) for c in PROMPT]
+
+
+def test_stop_sequences_end_the_output_before_the_stop(client: TestClient, reference: Callable) -> None:
+    greedy = reference(PROMPT, 32)[1]
+    stop = greedy[12:14]
+    expected = greedy[: greedy.index(stop)]
+    body = generate(client, max_new_tokens=32, stop=["not in there", stop], details=True)
+    assert body["generated_text"] == expected
+    assert body["details"]["finish_reason"] == "stop_sequence"
+    events = stream(client, max_new_tokens=32, stop=[stop])
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"] == expected
+
+
+def test_truncate_keeps_the_last_prompt_tokens(client: TestClient, reference: Callable) -> None:
+    prompt = "x" * 90 + "0123456789"  # longer than block_size 64
+    body = generate(client, prompt, max_new_tokens=8, truncate=10, details=True, decoder_input_details=True)
+    assert [p["text"] for p in body["details"]["prefill"]] == list("0123456789")
+    assert body["generated_text"] == reference("0123456789", 8)[1]
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+
+
+def test_generate_stream_frames_one_event_per_token(client: TestClient) -> None:
+    params = dict(max_new_tokens=12, do_sample=True, seed=5)
+    events = stream(client, **params)
+    assert [e["index"] for e in events] == list(range(1, 13))
+    assert all(e.get("generated_text") is None and e.get("details") is None for e in events[:-1])
+    last = events[-1]
+    assert last["details"] == {"finish_reason": "length", "generated_tokens": 12, "seed": 5,
+                               "input_length": len(PROMPT)}
+    text = "".join(e["token"]["text"] for e in events)
+    assert text == last["generated_text"] == generate(client, **params)["generated_text"]
+    assert all(e["token"]["logprob"] <= 0 for e in events)
+
+
+def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) -> None:
+    payload = {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "seed": 4, "do_sample": True, "details": True}}
+    whole = client.post("/generate", json=payload).json()
+    r = client.post("/", json={**payload, "stream": False})
+    assert r.status_code == 200 and r.json() == [whole]
+    r = client.post("/", json={**payload, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = parse_sse(r.text)
+    assert len(events) == 6 and events[-1]["generated_text"] == whole["generated_text"]
+
+
+# -- UTF-8 with byte-level BPE ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bpe_client(make_client: Callable[..., TestClient], bpe_checkpoint: Path) -> TestClient:
+    return make_client(bpe_checkpoint)
+
+
+BPE_PROMPT = "emoji 😀 and 中文 ok"
+
+
+def test_bpe_emoji_prompt_streams_whole_characters(bpe_client: TestClient) -> None:
+    # the model cycles through F0 9F 98 80 E4 B8 AD: every character arrives split over 3 or 4 tokens
+    body = generate(bpe_client, BPE_PROMPT, max_new_tokens=14, details=True)
+    assert body["generated_text"] == EMOJI_CJK * 2
+    assert body["details"]["finish_reason"] == "length"
+    events = stream(bpe_client, BPE_PROMPT, max_new_tokens=14)
+    texts = [e["token"]["text"] for e in events]
+    assert len(events) == 14 and not any("\ufffd" in t for t in texts)
+    assert [t for t in texts if t] == ["😀", "中", "😀", "中"]
+    assert "".join(texts) == events[-1]["generated_text"] == EMOJI_CJK * 2
+    chunks = parse_sse(bpe_client.post("/v1/completions", json={"prompt": BPE_PROMPT, "max_tokens": 14,
+                                                                "temperature": 0, "stream": True}).text)
+    pieces = [c["choices"][0]["text"] for c in chunks[:-1]]
+    assert not any("\ufffd" in p for p in pieces) and "".join(pieces) == EMOJI_CJK * 2
+
+
+def test_bpe_tokenize_offsets_count_characters(bpe_client: TestClient) -> None:
+    tokens = bpe_client.post("/tokenize", json={"inputs": BPE_PROMPT}).json()
+    assert tokens[0]["start"] == 0 and tokens[-1]["stop"] == len(BPE_PROMPT)
+    assert all(a["stop"] == b["start"] for a, b in zip(tokens, tokens[1:]))
+    for t in tokens:
+        if "\ufffd" not in t["text"]:  # a token of whole characters covers exactly its text
+            assert BPE_PROMPT[t["start"] : t["stop"]] == t["text"]
+
+
+# -- OpenAI completions -------------------------------------------------------------------------------------------
+
+
+def completion(client: TestClient, **body: Any) -> dict:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def completion_stream(client: TestClient, **body: Any) -> list:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "stream": True, **body})
+    assert r.status_code == 200, r.text
+    events = parse_sse(r.text)
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def test_completions_match_generate_greedy_and_seeded(client: TestClient) -> None:
+    greedy = generate(client, max_new_tokens=10)["generated_text"]
+    body = completion(client, max_tokens=10, temperature=0)
+    assert body["choices"][0]["text"] == greedy
+    sampled = generate(client, max_new_tokens=10, temperature=0.8, top_p=0.9, seed=11)["generated_text"]
+    assert completion(client, max_tokens=10, temperature=0.8, top_p=0.9, seed=11)["choices"][0]["text"] == sampled
+    # OpenAI samples at temperature 1 when none is given; TGI needs do_sample for that
+    sampled = generate(client, max_new_tokens=10, do_sample=True, seed=12)["generated_text"]
+    assert completion(client, max_tokens=10, seed=12)["choices"][0]["text"] == sampled
+
+
+def test_completion_body_usage_and_finish_reasons(client: TestClient) -> None:
+    body = completion(client, max_tokens=7, temperature=0, model="tiny-char")
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "tiny-char" and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert (choice["index"], choice["finish_reason"], choice["logprobs"]) == (0, "length", None)
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 7, "total_tokens": len(PROMPT) + 7}
+    text = choice["text"]
+    stopped = completion(client, max_tokens=7, temperature=0, stop=text[3:5])
+    assert stopped["choices"][0]["text"] == text[: text.index(text[3:5])]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completion_logprobs_and_echo(client: TestClient) -> None:
+    body = completion(client, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    choice = body["choices"][0]
+    assert choice["text"].startswith(PROMPT) and len(choice["text"]) == len(PROMPT) + 5
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list(choice["text"][len(PROMPT) :])
+    assert lp["text_offset"] == list(range(len(PROMPT), len(PROMPT) + 5))
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2 and logprob <= 0
+        assert max(top, key=top.get) == token and math.isclose(top[token], logprob, rel_tol=1e-5)
+
+
+def test_completion_stream_equals_the_whole_completion(client: TestClient) -> None:
+    whole = completion(client, max_tokens=9, seed=21)["choices"][0]
+    chunks = completion_stream(client, max_tokens=9, seed=21)
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    echoed = completion_stream(client, max_tokens=9, seed=21, echo=True)
+    assert "".join(c["choices"][0]["text"] for c in echoed) == PROMPT + whole["text"]
+
+
+def test_completion_stream_include_usage_ends_with_a_usage_chunk(client: TestClient) -> None:
+    chunks = completion_stream(client, max_tokens=4, temperature=0, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4,
+                                   "total_tokens": len(PROMPT) + 4}
+
+
+def test_completion_for_another_model_is_404(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "gpt-4"})
+    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4'", "'tiny-char'")
+
+
+# -- validation: 422 with the field, the bound and the value --------------------------------------------------------
+
+TGI_INVALID = [
+    ({"temperature": -1}, "parameters.temperature", "greater than or equal to 0", "got -1"),
+    ({"temperature": 101}, "parameters.temperature", "less than or equal to 100", "got 101"),
+    ({"top_p": 0}, "parameters.top_p", "greater than 0", "got 0"),
+    ({"top_p": 1.5}, "parameters.top_p", "less than or equal to 1", "got 1.5"),
+    ({"top_k": -1}, "parameters.top_k", "greater than or equal to 0", "got -1"),
+    ({"max_new_tokens": 0}, "parameters.max_new_tokens", "greater than or equal to 1", "got 0"),
+    ({"max_new_tokens": LIMIT + 1}, "parameters.max_new_tokens", f"[1, {LIMIT}]", f"got {LIMIT + 1}"),
+    ({"seed": -1}, "parameters.seed", "greater than or equal to 0", "got -1"),
+    ({"seed": 2**63}, "parameters.seed", f"less than or equal to {2**63 - 1}", f"got {2**63}"),
+    ({"repetition_penalty": 0}, "parameters.repetition_penalty", "greater than 0", "got 0"),
+    ({"top_n_tokens": 21}, "parameters.top_n_tokens", "less than or equal to 20", "got 21"),
+    ({"truncate": 0}, "parameters.truncate", "greater than or equal to 1", "got 0"),
+    ({"truncate": 65}, "parameters.truncate", "[1, 64]", "got 65"),
+    ({"best_of": 2}, "parameters.best_of", "less than or equal to 1", "got 2"),
+    ({"temperature": "hot"}, "parameters.temperature", "valid number", "'hot'"),
+    ({"max_new_tokens": 1.5}, "parameters.max_new_tokens", "valid integer", "1.5"),
+    ({"stop": "###"}, "parameters.stop", "valid list", "'###'"),
+    ({"details": "maybe"}, "parameters.details", "valid boolean", "'maybe'"),
+    ({"typical_p": 0.5}, "parameters.typical_p", "not supported", "0.5"),
+    ({"watermark": True}, "parameters.watermark", "not supported", "True"),
+    ({"frequency_penalty": 0.5}, "parameters.frequency_penalty", "not supported", "0.5"),
+    ({"stop": [""]}, "parameters.stop", "non-empty", "''"),
+    ({"stop": ["x"] * 17}, "parameters.stop", "at most 16"),
+    ({"no_such_knob": 1}, "parameters.no_such_knob", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream", "/"])
+@pytest.mark.parametrize(("parameters", "field", "needles"), [(p, f, n) for p, f, *n in TGI_INVALID],
+                         ids=[f"{f}={json.dumps(p)[:30]}" for p, f, *_ in TGI_INVALID])
+def test_tgi_bad_parameter_is_422_naming_field_bound_and_value(
+    client: TestClient, route: str, parameters: dict, field: str, needles: list[str]
+) -> None:
+    r = client.post(route, json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, **parameters}})
+    assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
+
+
+RAW_BODIES = [
+    ('{"inputs": "ab", "parameters": {"temperature": NaN}}', "parameters.temperature", "finite number"),
+    ('{"inputs": "ab", "parameters": {"temperature": Infinity}}', "parameters.temperature", "finite number"),
+    ('{"inputs": "ab", "parameters": {"top_p": -Infinity}}', "parameters.top_p", "finite number"),
+    ('{"inputs": "ab", "parameters": {"max_new_tokens": 2,}}', "body", "not valid JSON"),
+    ('{"inputs": "ab"', "body", "not valid JSON"),
+    ('{"parameters": {}}', "inputs", "Field required"),
+    ('{"inputs": 5}', "inputs", "valid string", "got 5"),
+    ('{"inputs": "ab", "temperature": 0.5}', "temperature", "unknown field"),
+    ('{"inputs": ""}', "inputs", "at least one token", "got 0"),
+    ('{"inputs": "' + "a" * 65 + '"}', "inputs", "65 tokens", "context of 64", "truncate"),
+    ('{"inputs": "h\\u00e9llo \\u2603"}', "inputs", "2 character(s)", "'é'", "'☃'"),
+]
+
+
+@pytest.mark.parametrize(("raw", "field", "needles"), [(r, f, n) for r, f, *n in RAW_BODIES],
+                         ids=[r[:40] for r, *_ in RAW_BODIES])
+def test_tgi_bad_body_is_422(client: TestClient, raw: str, field: str, needles: list[str]) -> None:
+    for route in ("/generate", "/generate_stream"):
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        assert_tgi_error(r, 422, "validation", f"{field}:" if field != "body" else "body is", *needles)
+
+
+def test_tokenize_rejects_unknown_characters(client: TestClient) -> None:
+    r = client.post("/tokenize", json={"inputs": "naïve"})
+    assert_tgi_error(r, 422, "validation", "inputs:", "'ï'")
+
+
+OPENAI_INVALID = [
+    ({"temperature": -1}, "temperature", "greater than or equal to 0", "got -1"),
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2", "got 2.5"),
+    ({"top_p": 0}, "top_p", "greater than 0", "got 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1", "got 1.5"),
+    ({"top_k": -1}, "top_k", "greater than or equal to 0", "got -1"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1", "got 0"),
+    ({"max_tokens": LIMIT + 1}, "max_tokens", f"[1, {LIMIT}]", f"got {LIMIT + 1}"),
+    ({"seed": -1}, "seed", "greater than or equal to 0", "got -1"),
+    ({"n": 2}, "n", "less than or equal to 1", "got 2"),
+    ({"logprobs": 6}, "logprobs", "less than or equal to 5", "got 6"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0", "got 0.5"),
+    ({"max_tokens": "many"}, "max_tokens", "valid integer", "'many'"),
+    ({"stop": ""}, "stop", "non-empty", "''"),
+    ({"stop": ["a"] * 17}, "stop", "at most 16", "got 17"),
+    ({"prompt": ["a", "b"]}, "prompt", "exactly one string", "got 2"),
+    ({"prompt": ""}, "prompt", "at least one token", "got 0"),
+    ({"prompt": "a" * 65}, "prompt", "65 tokens", "context of 64"),
+    ({"prompt": "naïve"}, "prompt", "'ï'"),
+    ({"typical_p": 0.5}, "typical_p", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("fields", "param", "needles"), [(b, p, n) for b, p, *n in OPENAI_INVALID],
+                         ids=[f"{p}={json.dumps(b)[:30]}" for b, p, *_ in OPENAI_INVALID])
+def test_openai_bad_parameter_is_422_with_param(
+    client: TestClient, streaming: bool, fields: dict, param: str, needles: list[str]
+) -> None:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": streaming, **fields})
+    assert_openai_error(r, 422, "invalid_request_error", param, f"{param}:", *needles)
+
+
+def test_openai_raw_nan_missing_prompt_and_malformed_json_are_422(client: TestClient) -> None:
+    for raw, param, needle in [('{"prompt": "ab", "temperature": NaN}', "temperature", "finite number"),
+                               ('{"prompt": "ab", "top_p": Infinity}', "top_p", "finite number"),
+                               ('{"max_tokens": 3}', "prompt", "Field required"),
+                               ('{"prompt": "ab",', "body", "not valid JSON")]:
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(r, 422, "invalid_request_error", param, needle)
+
+
+# -- 413, 429, 424, 503, 401, CORS ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+def test_body_over_the_limit_is_413_by_length_and_when_chunked(client: TestClient, route: str) -> None:
+    key = "prompt" if route.startswith("/v1") else "inputs"
+    big = json.dumps({key: "a" * (BODY_LIMIT + 100)}).encode()
+    headers = {"content-type": "application/json"}
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    for r in (client.post(route, content=big, headers=headers), client.post(route, content=chunks(), headers=headers)):
+        needles = ("more than the limit", f"{BODY_LIMIT} bytes")
+        if route.startswith("/v1"):
+            assert_openai_error(r, 413, "invalid_request_error", None, *needles)
+        else:
+            assert_tgi_error(r, 413, "payload_too_large", *needles)
+
+
+def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_batch_size=1, max_waiting=0, retry_after=3)
+    engine = engine_of(client)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(_: list) -> None:
+        entered.set()
+        gate.wait(10)
+
+    engine.on_step = hold
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+            assert entered.wait(10)
+            for route, body in [("/generate", {"inputs": PROMPT}), ("/generate_stream", {"inputs": PROMPT}),
+                                ("/v1/completions", {"prompt": PROMPT})]:
+                r = client.post(route, json=body)
+                assert r.headers["retry-after"] == "3"
+                if route.startswith("/v1"):
+                    assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+                else:
+                    assert_tgi_error(r, 429, "overloaded", "at capacity (1 running, 0 waiting)")
+            assert metric(client.get("/metrics").text, "folio_rejected_requests_total") == 3
+            gate.set()
+            assert first.result(timeout=10).status_code == 200
+    finally:
+        engine.on_step = None
+        gate.set()
+
+
+def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:
+    engine = engine_of(client)
+    tok = client.app.state.service.tokenizer
+    in_decode, in_prefill = tok.encode("boom"), tok.encode("bang")
+
+    def fault(reqs: list) -> None:
+        req = reqs[0]
+        if (req.prompt == in_decode and len(req.output) >= 2) or req.prompt == in_prefill:
+            raise RuntimeError("injected fault")
+
+    failed_before = metric(client.get("/metrics").text, "folio_failed_requests_total")
+    engine.on_step = fault
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            good = [pool.submit(generate, client, p, max_new_tokens=12) for p in ("alpha", "beta")]
+            bad = pool.submit(client.post, "/generate", json={"inputs": "boom", "parameters": {"max_new_tokens": 12}})
+            bad_prefill = pool.submit(client.post, "/generate", json={"inputs": "bang"})
+            assert_tgi_error(bad.result(), 424, "generation", "generation failed: injected fault")
+            assert_tgi_error(bad_prefill.result(), 424, "generation", "during prefill: injected fault")
+            assert [f.result()["generated_text"] for f in good] == [reference(p, 12)[1] for p in ("alpha", "beta")]
+        r = client.post("/v1/completions", json={"prompt": "boom", "max_tokens": 12})
+        assert_openai_error(r, 424, "server_error", None, "injected fault")
+        events = stream(client, "boom", max_new_tokens=12)
+        assert [e["index"] for e in events[:-1]] == [1, 2]
+        assert events[-1] == {"error": "generation failed: injected fault", "error_type": "generation"}
+        chunks = parse_sse(client.post("/v1/completions", json={"prompt": "boom", "stream": True}).text)
+        assert chunks[-2] == {"error": {"message": "generation failed: injected fault", "type": "server_error",
+                                        "param": None, "code": 424}} and chunks[-1] == "[DONE]"
+    finally:
+        engine.on_step = None
+    assert generate(client, "boom", max_new_tokens=4)["generated_text"] == reference("boom", 4)[1]
+    assert metric(client.get("/metrics").text, "folio_failed_requests_total") == failed_before + 5
+
+
+def test_draining_answers_503(client: TestClient) -> None:
+    service = client.app.state.service
+    service.draining = True
+    try:
+        r = client.get("/health")
+        assert (r.status_code, r.json()) == (503, {"status": "draining"})
+        for route in ("/generate", "/generate_stream", "/"):
+            assert_tgi_error(client.post(route, json={"inputs": PROMPT}), 503, "unavailable", "shutting down")
+        r = client.post("/v1/completions", json={"prompt": PROMPT})
+        assert_openai_error(r, 503, "server_error", None, "shutting down")
+        assert client.get("/metrics").status_code == 200
+    finally:
+        service.draining = False
+    assert client.get("/health").status_code == 200
+
+
+def test_api_key_guards_generation_routes_only(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(api_key="s3cret")
+    tgi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for route in ("/generate", "/generate_stream", "/"):
+            r = client.post(route, json=tgi, headers=headers)
+            assert_tgi_error(r, 401, "authentication", "Bearer <key>")
+            assert r.headers["www-authenticate"] == "Bearer"
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
+        assert_openai_error(r, 401, "authentication_error", None, "API key")
+    ok = {"Authorization": "Bearer s3cret"}
+    assert client.post("/generate", json=tgi, headers=ok).status_code == 200
+    assert len(parse_sse(client.post("/generate_stream", json=tgi, headers=ok).text)) == 2
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=ok).status_code == 200
+    for route in ("/health", "/metrics"):
+        assert client.get(route).status_code == 200
+
+
+def test_cors_headers_only_for_allowed_origins(make_client: Callable[..., TestClient], client: TestClient) -> None:
+    cors = make_client(cors_origins=["https://app.example"])
+    r = cors.get("/health", headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = cors.options("/generate", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                           "Access-Control-Request-Headers": "content-type,authorization"})
+    assert r.status_code == 200 and "POST" in r.headers["access-control-allow-methods"]
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = cors.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}},
+                  headers={"Origin": "https://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in cors.get("/health", headers={"Origin": "https://evil.example"}).headers
+    assert "access-control-allow-origin" not in client.get("/health", headers={"Origin": "https://app.example"}).headers
+
+
+# -- disconnects ------------------------------------------------------------------------------------------------------
+
+
+async def asgi_call(app: Any, path: str, payload: dict, *, hang_up: Callable[[bytes], bool]) -> tuple[int, bytes]:
+    """POST `payload` to `path` straight through ASGI, as uvicorn would; the client hangs up (the next `receive`
+    says `http.disconnect`) once `hang_up(body so far)` is true, or after 0.3 s without a response."""
+    body = json.dumps(payload).encode()
+    gone = asyncio.Event()
+    sent = False
+    status, received = 0, bytearray()
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            received.extend(message.get("body", b""))
+            if hang_up(bytes(received)):
+                gone.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 50000), "server": ("testserver", 80), "state": {},
+    }
+    asyncio.get_running_loop().call_later(0.3, gone.set)  # a non-streaming client gives up waiting
+    await app(scope, receive, send)
+    return status, bytes(received)
+
+
+@pytest.mark.parametrize(("route", "payload", "hang_up"), [
+    ("/generate_stream", {"inputs": PROMPT, "parameters": {"max_new_tokens": LIMIT}}, lambda b: b.count(b"\n\n") >= 2),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": LIMIT, "stream": True}, lambda b: b.count(b"\n\n") >= 2),
+    ("/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": LIMIT}}, lambda b: False),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": LIMIT}, lambda b: False),
+], ids=["tgi-stream", "openai-stream", "tgi-whole", "openai-whole"])
+def test_client_disconnect_cancels_the_generation(client: TestClient, route: str, payload: dict,
+                                                 hang_up: Callable[[bytes], bool]) -> None:
+    engine = engine_of(client)
+    before, tokens_before = engine.stats.cancelled_total, engine.stats.generated_tokens_total
+    metrics_before = metric(client.get("/metrics").text, "folio_cancelled_requests_total")
+    engine.on_step = lambda _: time.sleep(0.005)  # LIMIT tokens now take well over a second
+    try:
+        started = time.monotonic()
+        status, body = client.portal.call(lambda: asgi_call(client.app, route, payload, hang_up=hang_up))
+        assert time.monotonic() - started < 2.0
+        assert wait_until(lambda: engine.stats.cancelled_total == before + 1 and engine.busy == 0, 1.0)
+    finally:
+        engine.on_step = None
+    streaming = route == "/generate_stream" or payload.get("stream")
+    assert status == (200 if streaming else 499)
+    if streaming:
+        assert len(parse_sse(body[: body.rindex(b"\n\n") + 2].decode())) >= 2
+    assert 0 < engine.stats.generated_tokens_total - tokens_before < LIMIT
+    assert metric(client.get("/metrics").text, "folio_cancelled_requests_total") == metrics_before + 1

@@ -1,0 +1,174 @@
+"""End to end: `python -m app` as a real process on 127.0.0.1, driven by the clients people use (Hugging Face's
+InferenceClient, the OpenAI SDK, plain httpx), plus startup failures and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+from server_process import free_port, spawn, stop, wait_healthy
+from wire import metric, parse_sse
+
+from model.checkpoint import WEIGHTS_FILE
+
+PROMPT = "Hello there"
+
+
+def post_generate(base: str, inputs: str = PROMPT, **parameters: Any) -> dict:
+    r = httpx.post(f"{base}/generate", json={"inputs": inputs, "parameters": parameters}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+SAMPLED = dict(max_new_tokens=12, do_sample=True, seed=5, temperature=0.8)
+
+
+def test_inference_client_matches_generate(server: str) -> None:
+    expected = post_generate(server, **SAMPLED, details=True)
+    client = InferenceClient(model=server, timeout=30)
+    assert client.text_generation(PROMPT, **SAMPLED) == expected["generated_text"]
+    out = client.text_generation(PROMPT, **SAMPLED, details=True)
+    assert out.generated_text == expected["generated_text"]
+    assert (out.details.seed, out.details.finish_reason, out.details.generated_tokens) == (5, "length", 12)
+    assert [t.id for t in out.details.tokens] == [t["id"] for t in expected["details"]["tokens"]]
+    assert "".join(client.text_generation(PROMPT, **SAMPLED, stream=True)) == expected["generated_text"]
+    events = list(client.text_generation(PROMPT, **SAMPLED, stream=True, details=True))
+    assert [e.index for e in events] == list(range(1, 13))
+    assert "".join(e.token.text for e in events) == events[-1].generated_text == expected["generated_text"]
+    assert events[-1].details.seed == 5
+
+
+def test_inference_client_stop_sequences(server: str) -> None:
+    greedy = post_generate(server, max_new_tokens=24)["generated_text"]
+    stop = greedy[10:12]
+    expected = post_generate(server, max_new_tokens=24, stop=[stop], details=True)
+    assert expected["generated_text"] == greedy[: greedy.index(stop)]
+    assert expected["details"]["finish_reason"] == "stop_sequence"
+    client = InferenceClient(model=server, timeout=30)
+    out = client.text_generation(PROMPT, max_new_tokens=24, stop=[stop], details=True)
+    assert (out.generated_text, out.details.finish_reason) == (expected["generated_text"], "stop_sequence")
+    streamed = "".join(client.text_generation(PROMPT, max_new_tokens=24, stop=[stop], stream=True))
+    assert streamed == expected["generated_text"]
+
+
+def test_openai_sdk_matches_generate(server: str) -> None:
+    expected = post_generate(server, **SAMPLED)["generated_text"]
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    model = client.models.list().data[0].id
+    assert model == "tiny-char"
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=12, seed=5, temperature=0.8)
+    whole = client.completions.create(**kwargs)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens == len(PROMPT)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == len(PROMPT) + 12
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert greedy.choices[0].text == post_generate(server, max_new_tokens=12)["generated_text"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+
+
+def test_chunked_body_over_the_limit_is_413(server: str) -> None:
+    big = json.dumps({"inputs": "a" * 20_000}).encode()
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    for content in (big, chunks()):
+        r = httpx.post(f"{server}/generate", content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert r.json()["error_type"] == "payload_too_large" and "16384 bytes" in r.json()["error"]
+
+
+def test_client_timeout_cancels_a_whole_generation(server: str) -> None:
+    before = metric(httpx.get(f"{server}/metrics").text, "folio_cancelled_requests_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4096}},
+                   timeout=httpx.Timeout(5.0, read=0.5))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server}/metrics").text
+        cancelled, running = metric(text, "folio_cancelled_requests_total"), metric(text, "folio_running_batch_size")
+        if cancelled == before + 1 and running == 0:
+            break
+        time.sleep(0.05)
+    assert metric(text, "folio_cancelled_requests_total") == before + 1
+    assert metric(text, "folio_running_batch_size") == 0 and metric(text, "folio_queue_depth") == 0
+
+
+def test_bad_checkpoint_exits_2_with_one_error_line(char_checkpoint: Path, tmp_path: Path) -> None:
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(char_checkpoint, corrupt)
+    (corrupt / WEIGHTS_FILE).write_bytes(b"\x00\x01 this is not a safetensors file")
+    cases = {"missing": (tmp_path / "no-such-dir", "checkpoint directory not found"),
+             "corrupt": (corrupt, "not a readable safetensors file")}
+    procs = {name: spawn(path, tmp_path / f"{name}.log") for name, (path, _) in cases.items()}  # start both at once
+    for name, proc in procs.items():
+        assert proc.wait(120) == 2, name
+        lines = (tmp_path / f"{name}.log").read_text().strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"error: cannot serve {cases[name][0]}") and cases[name][1] in lines[0], lines
+
+
+def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Path) -> None:
+    drain = 2.0
+    port, log = free_port(), tmp_path / "server.log"
+    base = f"http://127.0.0.1:{port}"
+    proc = spawn(char_checkpoint, log, "--drain-timeout", str(drain), port=port)
+    try:
+        wait_healthy(proc, base, log)
+        results: dict[int, list] = {}
+        streaming = [threading.Event() for _ in range(4)]
+
+        def consume(i: int, max_new_tokens: int) -> None:
+            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens, "do_sample": True, "seed": i}}
+            raw = b""
+            with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60) as r:
+                for chunk in r.iter_bytes():
+                    raw += chunk
+                    if b"\n\n" in raw:
+                        streaming[i].set()
+            results[i] = parse_sse(raw.decode())
+
+        lengths = (4096, 4096, 4096, 150)
+        threads = [threading.Thread(target=consume, args=(i, n)) for i, n in enumerate(lengths)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in streaming), "streams did not start"
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            health = httpx.get(f"{base}/health", timeout=2)
+            assert (health.status_code, health.json()) == (503, {"status": "draining"})
+        except httpx.TransportError:
+            pass  # uvicorn already closed its listening socket: no new connection gets in at all
+        assert proc.wait(30) == 0, log.read_text()
+        assert time.monotonic() - signalled < drain + 5
+        for t in threads:
+            t.join(10)
+        # every stream ends properly: the short one usually completes within the drain, the long ones cannot
+        for i, n in enumerate(lengths):
+            *tokens, last = results[i]
+            assert all("token" in e for e in tokens)
+            if last.get("generated_text") is not None:
+                assert last["details"]["generated_tokens"] == n == len(tokens) + 1
+            else:
+                assert last == {"error": "the engine stopped before this request finished", "error_type": "unavailable"}
+        assert any("error" in results[i][-1] for i in range(3))  # 4096 slow tokens cannot finish in the drain
+    finally:
+        stop(proc)
