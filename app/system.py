@@ -36,7 +36,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "model_sha": ck.meta.get("weights_sha256"),
         "checkpoint": str(ck.path) if ck.path else None,
         "checkpoint_sha256": ck.meta.get("weights_sha256"),
-        "parameters": ck.model.num_params(),
+        "parameters": cfg.num_params(),
         "model_config": cfg.to_dict(),
         "tokenizer": {"kind": tok.to_config()["kind"], "n_vocab": tok.n_vocab, "eos_token_id": tok.eos_id},
         "block_size": cfg.block_size,
