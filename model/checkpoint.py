@@ -2,8 +2,15 @@
 
 `config.json` holds the model config under nanoGPT's `GPTConfig` names, the tokenizer (kind plus what it
 needs; a BPE tokenizer's ranks sit beside it in `tokenizer.tiktoken`) and training provenance. Resume state
-(optimizer, RNG, step) is a separate `resume.pt` written by the trainer. Every file is written atomically
-(temp file, fsync, rename), weights before config. Loading validates everything and never unpickles.
+(optimizer, RNG, step) is a separate `resume.pt` written by the trainer. Loading validates everything and
+never unpickles.
+
+Saving over an existing checkpoint (the trainer rewrites its best one in place) is crash-safe. Every file is
+written atomically (temp file, fsync, rename), and weights and config, which must agree (config.json records
+the weights' sha256), are committed as a pair: the new config is first written as `config.next.json`, then
+the weights are renamed into place, then the config. A crash between those two renames leaves new weights
+beside the old config; `read_config` then finds that `config.next.json` records the weights' sha256 and rolls
+forward to it. Before that point the old pair is intact, after it the new one.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ FORMAT = "folio-checkpoint"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+NEXT_CONFIG_FILE = "config.next.json"  # the config of a save in progress (see the module docstring)
 TIED_KEYS = ("lm_head.weight",)  # stored once, as transformer.wte.weight
 
 
@@ -66,8 +74,11 @@ def atomic_path(path: Path) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a checkpoint is readable like any file written
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -84,11 +95,6 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -122,29 +128,59 @@ def save_checkpoint(
         for k, v in raw.state_dict().items()
         if k not in TIED_KEYS
     }
-    weights = directory / WEIGHTS_FILE
-    atomic_save_tensors(weights, tensors, metadata={"format": "pt", "producer": "folio"})
-    tokenizer.save(directory)
-    config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "model": raw.config.to_dict(),
-        "tokenizer": tokenizer.to_config(),
-        "weights_sha256": sha256_file(weights),
-        "training": training or {},
-    }
-    atomic_write_json(directory / CONFIG_FILE, config)
+    weights, next_config = directory / WEIGHTS_FILE, directory / NEXT_CONFIG_FILE
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{WEIGHTS_FILE}.", suffix=".tmp")
+    os.close(fd)
+    weights_in_place = False
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", "producer": "folio"})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tokenizer.save(directory)
+        config = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model": raw.config.to_dict(),
+            "tokenizer": tokenizer.to_config(),
+            "weights_sha256": sha256_file(tmp),
+            "training": training or {},
+        }
+        atomic_write_json(next_config, config)
+        os.replace(tmp, weights)
+        weights_in_place = True
+        _fsync_dir(directory)  # the weights' rename reaches the disk before the config's
+        os.replace(next_config, directory / CONFIG_FILE)
+        _fsync_dir(directory)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        if not weights_in_place:  # the old pair is intact; the pending config would only mislead
+            next_config.unlink(missing_ok=True)
+        raise
     return directory
 
 
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse and check `config.json`; raises `CheckpointError` saying what is wrong."""
+    """Parse and check `config.json` (or `config.next.json`, where a save was cut short between renaming its
+    weights and its config into place); raises `CheckpointError` saying what is wrong."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
-    path = directory / CONFIG_FILE
-    if not path.is_file():
+    path, pending, weights = directory / CONFIG_FILE, directory / NEXT_CONFIG_FILE, directory / WEIGHTS_FILE
+    meta = _parse_config(path) if path.is_file() else None
+    if pending.is_file() and weights.is_file():
+        try:
+            next_meta = _parse_config(pending)
+        except CheckpointError:
+            next_meta = None
+        got = sha256_file(weights)
+        if next_meta and next_meta.get("weights_sha256") == got and (meta or {}).get("weights_sha256") != got:
+            return next_meta
+    if meta is None:
         raise CheckpointError(f"{path} is missing: a Folio checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    return meta
+
+
+def _parse_config(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

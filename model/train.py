@@ -7,6 +7,14 @@ Every `TrainConfig` field is a flag in kebab case (`--max-iters 2000`); values c
 schedule) from `OUT/last/`. The best-validation model is written to `OUT/` itself (what the server loads);
 `OUT/last/` holds the latest periodic checkpoint plus `resume.pt`. Metrics go to `OUT/metrics.jsonl` and the
 loss curve to `OUT/loss.png`.
+
+Distributed data parallel: `torchrun --nproc_per_node=N -m model.train ...` runs N processes (gloo on CPU,
+NCCL on CUDA, one GPU per process: `cuda:LOCAL_RANK`). `--gradient-accumulation-steps` stays the global
+number of micro-batches per step and is split across the ranks, so a step sees the same number of tokens
+whatever N is. Rank r draws its micro-batches from its own stream (seed + r); gradients are all-reduced on
+each rank's last micro-step only; evaluation splits the evaluation batches across the ranks and sums them
+back; rank 0 alone logs, shows progress and writes checkpoints and metrics. `OUT/last/resume.pt` keeps every
+rank's RNG streams, so `--resume` under the same N continues exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from model import distributed
 from model.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
 from model.config import GPTConfig
 from model.data import DataError, Dataset, get_batch, prepare
+from model.distributed import DistEnv, DistributedError, dist_env
 from model.gpt import GPT
 
 RESUME_FILE = "resume.pt"
@@ -203,19 +213,42 @@ def check_config(cfg: TrainConfig) -> None:
     out = Path(cfg.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test-{os.getpid()}"  # per process: torchrun's ranks probe at once
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise TrainError(f"output directory {out} is not writable: {e}") from None
 
 
-def pick_device(name: str) -> torch.device:
+def check_distributed(cfg: TrainConfig, env: DistEnv) -> None:
+    """What a run over `env.world_size` processes needs, checked before any process group is formed."""
+    if not env.enabled:
+        return
+    g, w = cfg.gradient_accumulation_steps, env.world_size
+    if g % w:
+        fits = sorted({w * max(1, g // w), w * (g // w + 1)})
+        raise TrainError(
+            f"--gradient-accumulation-steps ({g}) must be divisible by the number of processes ({w}): each "
+            f"rank runs its share of a step's micro-batches; use {' or '.join(map(str, fits))}"
+        )
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise TrainError(f"--device {cfg.device}: a distributed run takes --device auto, cpu (gloo) or cuda "
+                         "(NCCL; each rank drives cuda:LOCAL_RANK)")
+
+
+def pick_device(name: str, local_rank: int | None = None) -> torch.device:
+    """The device to train on; under torchrun (`local_rank` given) CUDA means this rank's own GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {name}: CUDA is not available on this machine")
+    if local_rank is not None and dev.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise TrainError(f"LOCAL_RANK {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
+                             "start at most that many processes per node (--nproc_per_node)")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
     return dev
 
 
@@ -255,17 +288,24 @@ def flops_per_token(config: GPTConfig) -> float:
 class Trainer:
     """One training run; `run()` trains to `max_iters` (or `stop_after`), checkpointing as it goes."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, env: DistEnv | None = None) -> None:
         check_config(cfg)
+        try:
+            self.dist = env or dist_env()
+        except DistributedError as e:
+            raise TrainError(str(e)) from None
+        check_distributed(cfg, self.dist)
         self.cfg = cfg
         self.out = Path(cfg.out)
-        self.device = pick_device(cfg.device)
+        self.is_main = self.dist.is_main
+        self.device = pick_device(cfg.device, self.dist.local_rank if self.dist.enabled else None)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.ds: Dataset = prepare(
-            cfg.data, self.out / "data", tokenizer=cfg.tokenizer, bpe_dir=cfg.bpe_dir or None,
-            block_size=cfg.block_size,
-        )
+        if self.dist.enabled:
+            distributed.init(self.dist, self.device)
+        self.ds: Dataset = self._prepare_data()
+        # micro-batches per step on this rank; the step's global batch is the same whatever the world size
+        self.accum_steps = cfg.gradient_accumulation_steps // self.dist.world_size
         vocab = self.ds.tokenizer.n_vocab
         vocab_size = vocab if cfg.tokenizer == "char" else (vocab + 63) // 64 * 64  # pad BPE for speed
         self.model_config = GPTConfig(
@@ -275,7 +315,11 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = GPT(self.model_config).to(self.device)
         self.optimizer = configure_optimizer(self.model, cfg, self.device)
-        self.batch_gen = torch.Generator().manual_seed(cfg.seed)
+        # rank r draws batches from stream seed + r (rank 0, and a single process, from seed itself); ranks
+        # after 0 also get their own dropout stream, rank 0 keeps the single-process one
+        self.batch_gen = torch.Generator().manual_seed(cfg.seed + self.dist.rank)
+        if self.dist.rank > 0:
+            torch.manual_seed(cfg.seed + self.dist.rank)
         self.step = 0
         self.best_val = float("inf")
         self.tokens_seen = 0
@@ -286,7 +330,36 @@ class Trainer:
             torch.autocast(device_type="cuda", dtype=torch.bfloat16)
             if self.device.type == "cuda" else nullcontext()
         )
-        self.fwd = torch.compile(self.model) if cfg.compile else self.model
+        self.eval_fwd = torch.compile(self.model) if cfg.compile else self.model
+        self.fwd = self.eval_fwd
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.fwd = DistributedDataParallel(
+                self.eval_fwd, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+
+    def _prepare_data(self) -> Dataset:
+        """Tokenize the text into `OUT/data/`. Distributed: rank 0 writes the cache first, then the first
+        process of every other machine (a cache hit on a shared disk), then everyone else reads it."""
+
+        def load() -> Dataset:
+            return prepare(self.cfg.data, self.out / "data", tokenizer=self.cfg.tokenizer,
+                           bpe_dir=self.cfg.bpe_dir or None, block_size=self.cfg.block_size)
+
+        if not self.dist.enabled:
+            return load()
+        ds, error = None, None
+        for my_turn in (self.dist.rank == 0, self.dist.local_rank == 0, True):
+            if my_turn and ds is None and error is None:
+                try:
+                    ds = load()
+                except DataError as e:
+                    error = e
+            if distributed.any_rank(error is not None, self.device):  # also the barrier between turns
+                raise error or DataError("another rank could not prepare the data; its error says why")
+        assert ds is not None
+        return ds
 
     # -- resume ---------------------------------------------------------------------------------------
     def _load_resume(self) -> None:
@@ -303,15 +376,32 @@ class Trainer:
         self.model.load_state_dict(ck.model.state_dict())
         state = torch.load(last / RESUME_FILE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        self.batch_gen.set_state(state["batch_rng"])
+        # the RNG streams: rank 0's at the top level (what a single process saves), every rank's under "ranks"
+        ranks = state.get("ranks") or [state]
+        if len(ranks) != self.dist.world_size and self.is_main:
+            print(f"warning: {last} was written by a run of {len(ranks)} process(es), this one has "
+                  f"{self.dist.world_size}: training continues, but on other batches than an uninterrupted run",
+                  file=sys.stderr)
+        if self.dist.rank < len(ranks):
+            self._set_rng_state(ranks[self.dist.rank])
         self.step = state["step"]
         self.best_val = state["best_val"]
         self.tokens_seen = state["tokens_seen"]
         self.wall_time = state["wall_time"]
-        self._truncate_metrics(self.step)
+        if self.is_main:
+            self._truncate_metrics(self.step)
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"torch_rng": torch.get_rng_state(), "batch_rng": self.batch_gen.get_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
+        self.batch_gen.set_state(state["batch_rng"].cpu())
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop what was logged after the checkpoint at `step`. The training row for `step` was logged
@@ -337,6 +427,7 @@ class Trainer:
             "wall_time_s": round(self.wall_time, 1),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device),
             "torch_version": torch.__version__,
+            "world_size": self.dist.world_size,
             "train_config": dataclasses.asdict(self.cfg),
         }
 
@@ -346,23 +437,36 @@ class Trainer:
 
     @torch.no_grad()
     def estimate_loss(self) -> dict[str, float]:
-        """Mean loss over `eval_iters` batches per split; the same batches every time (own generator)."""
+        """Mean loss over `eval_iters` batches per split; the same batches every time (own generator).
+
+        Distributed, every rank draws all the batches but evaluates only every world_size-th one, from its
+        rank on; summing the ranks' loss vectors (each entry nonzero on one rank only, so the sum is exact)
+        gives every rank the single-process mean over the same batches."""
         self.model.eval()
         out = {}
+        rank, world = self.dist.rank, self.dist.world_size
         for split, data in (("train", self.ds.train), ("val", self.ds.val)):
             gen = torch.Generator().manual_seed(self.cfg.seed + 1)
             losses = torch.zeros(self.cfg.eval_iters)
             for k in range(self.cfg.eval_iters):
                 x, y = get_batch(data, self.cfg.batch_size, self.cfg.block_size, gen, self.device)
+                if k % world != rank:
+                    continue
                 with self.autocast:
-                    logits = self.fwd(x)
+                    logits = self.eval_fwd(x)
                 losses[k] = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)).item()
+            if self.dist.enabled:
+                losses = distributed.all_reduce_sum(losses, self.device)
             out[split] = losses.mean().item()
         self.model.train()
         return out
 
     def save_last(self, losses: dict[str, float] | None) -> None:
-        """Swap in a complete `last/` (weights, config, resume state): write `last.tmp/`, then rename."""
+        """Swap in a complete `last/` (weights, config, resume state): write `last.tmp/`, then rename.
+        Distributed, every rank hands its RNG streams to rank 0, which alone writes."""
+        ranks = distributed.gather(self._rng_state()) if self.dist.enabled else None
+        if not self.is_main:
+            return
         tmp, last, old = self.out / "last.tmp", self.out / "last", self.out / "last.old"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(tmp, self.model, self.ds.tokenizer,
@@ -379,6 +483,8 @@ class Trainer:
         }
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if ranks is not None:
+            state["ranks"] = ranks
         with open(tmp / (RESUME_FILE + ".tmp"), "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -391,31 +497,45 @@ class Trainer:
         shutil.rmtree(old, ignore_errors=True)
 
     # -- the loop -------------------------------------------------------------------------------------
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next training micro-batch: inputs and targets, (B, T) each."""
+        cfg = self.cfg
+        return get_batch(self.ds.train, cfg.batch_size, cfg.block_size, self.batch_gen, self.device)
+
     def train_step(self, lr: float) -> float:
+        """One optimizer step over `accum_steps` micro-batches; returns this rank's mean micro-batch loss.
+
+        Each micro-batch's loss is divided by the micro-batches of this rank; DDP averages the gradients over
+        the ranks, so the step's gradient is the mean over the whole global batch, as in one process."""
         cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = 0.0
-        for _ in range(cfg.gradient_accumulation_steps):
-            x, y = get_batch(self.ds.train, cfg.batch_size, cfg.block_size, self.batch_gen, self.device)
-            with self.autocast:
-                logits = self.fwd(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-            (loss / cfg.gradient_accumulation_steps).backward()
+        for micro in range(self.accum_steps):
+            x, y = self.next_batch()
+            # DDP all-reduces gradients during backward: only on this step's last micro-batch
+            last = micro == self.accum_steps - 1
+            with nullcontext() if last or not self.dist.enabled else self.fwd.no_sync():
+                with self.autocast:
+                    logits = self.fwd(x)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+                (loss / self.accum_steps).backward()
             loss_sum += loss.item()
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / cfg.gradient_accumulation_steps
+        return loss_sum / self.accum_steps
 
     def evaluate_and_save(self) -> dict[str, float]:
-        losses = self.estimate_loss()
-        self._log({"step": self.step, "train_loss": losses["train"], "val_loss": losses["val"]})
+        losses = self.estimate_loss()  # every rank gets the same numbers, so every rank tracks best_val
+        if self.is_main:
+            self._log({"step": self.step, "train_loss": losses["train"], "val_loss": losses["val"]})
         if losses["val"] < self.best_val:
             self.best_val = losses["val"]
-            save_checkpoint(self.out, self.model, self.ds.tokenizer,
-                            training=self.provenance(losses["train"], losses["val"]))
+            if self.is_main:
+                save_checkpoint(self.out, self.model, self.ds.tokenizer,
+                                training=self.provenance(losses["train"], losses["val"]))
         return losses
 
     def run(self) -> dict[str, Any]:
@@ -426,7 +546,7 @@ class Trainer:
         ckpt_every = cfg.checkpoint_interval or cfg.eval_interval
         end = cfg.max_iters if not cfg.stop_after else min(cfg.max_iters, self.step + cfg.stop_after)
         self.model.train()
-        bar = tqdm(total=cfg.max_iters, initial=self.step, disable=not cfg.progress, unit="step",
+        bar = tqdm(total=cfg.max_iters, initial=self.step, disable=not (cfg.progress and self.is_main), unit="step",
                    dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
         losses: dict[str, float] | None = None
         t_log, tok_log = time.perf_counter(), 0
@@ -434,7 +554,8 @@ class Trainer:
             t0 = time.perf_counter()
             if self.step % cfg.eval_interval == 0 and self.step > 0:
                 losses = self.evaluate_and_save()
-                bar.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                if self.is_main:
+                    bar.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             if self.step % ckpt_every == 0 and self.step > 0:
                 self.save_last(losses)
             lr = get_lr(self.step, cfg)
@@ -449,16 +570,21 @@ class Trainer:
                 dt = time.perf_counter() - t_log
                 tps = tok_log / dt
                 t_log, tok_log = time.perf_counter(), 0
-                self._log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
+                if self.dist.enabled:  # the global batch's mean loss, as one process would log it
+                    loss = distributed.mean_over_ranks(loss, self.device)
+                if self.is_main:
+                    self._log({"step": self.step, "loss": loss, "lr": lr, "tokens_per_s": tps})
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
             bar.update(1)
         bar.close()
         if self.step >= cfg.max_iters:  # the run is complete: final evaluation
             losses = self.evaluate_and_save()
-            print(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
-                  file=sys.stderr)
+            if self.is_main:
+                print(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
+                      file=sys.stderr)
         self.save_last(losses)
-        plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
+        if self.is_main:
+            plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
         return {"step": self.step, "best_val": self.best_val, "losses": losses, "wall_time_s": self.wall_time,
                 "tokens_seen": self.tokens_seen}
 
@@ -498,7 +624,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = trainer.run()
-    print(json.dumps({k: v for k, v in result.items()}, default=str))
+    distributed.close()  # after a failure, torchrun ends the other ranks: no waiting for them
+    if trainer.is_main:
+        print(json.dumps({k: v for k, v in result.items()}, default=str))
     return 0
 
 

@@ -193,3 +193,51 @@ def test_atomic_write_bytes_replaces_or_keeps(tmp_path: Path, monkeypatch: pytes
         atomic_write_bytes(path, b"half-written")
     assert path.read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_crash_between_the_weights_and_config_renames_rolls_forward(
+    saved: Path, tiny_model: GPT, char_tok: CharTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after the new weights are in place and before the new config is: the checkpoint still loads,
+    as the new one (config.next.json records the weights' sha256); the next save tidies up."""
+    torch.manual_seed(99)
+    other = GPT(tiny_model.config).eval()
+    real_replace = os.replace
+
+    def replace(src: object, dst: object) -> None:
+        if Path(dst).name == "config.json":
+            raise OSError("simulated crash between the renames")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(OSError, match="between the renames"):
+        save_checkpoint(saved, other, char_tok, training={"step": 8})
+    monkeypatch.undo()
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "config.next.json", "model.safetensors"]
+    ckpt = load_checkpoint(saved)
+    assert ckpt.training == {"step": 8}
+    assert torch.equal(_logits(ckpt.model), _logits(other))
+
+    save_checkpoint(saved, tiny_model, char_tok, training={"step": 9})
+    assert sorted(p.name for p in saved.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_checkpoint(saved).training == {"step": 9}
+
+
+def test_stale_next_config_is_ignored(saved: Path) -> None:
+    """A config.next.json whose sha256 is not the weights' (a save cut short before its weights' rename)."""
+    meta = json.loads((saved / "config.json").read_text())
+    (saved / "config.next.json").write_text(json.dumps({**meta, "weights_sha256": "0" * 64, "training": {}}))
+    assert load_checkpoint(saved).training == {"step": 7}
+
+
+def test_checkpoint_files_are_readable_by_others_under_the_usual_umask(
+    tmp_path: Path, tiny_model: GPT, char_tok: CharTokenizer
+) -> None:
+    # a server in a container runs as another user than the one who trained the model
+    old = os.umask(0o022)
+    try:
+        saved = save_checkpoint(tmp_path / "ckpt", tiny_model, char_tok)
+    finally:
+        os.umask(old)
+    for f in saved.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644, f
