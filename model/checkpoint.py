@@ -66,6 +66,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _make_readable(path: Path | str) -> None:
+    """mkstemp creates 0600 files; give a checkpoint file the mode any new file gets under the umask, so a
+    server running as another user (a container's non-root user) can read it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temp path beside `path` to write to; on success it is fsynced and renamed over `path`, so a
@@ -74,11 +82,9 @@ def atomic_path(path: Path) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a checkpoint is readable like any file written
+        _make_readable(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -134,6 +140,7 @@ def save_checkpoint(
     weights_in_place = False
     try:
         save_file(tensors, tmp, metadata={"format": "pt", "producer": "folio"})
+        _make_readable(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         tokenizer.save(directory)
