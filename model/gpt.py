@@ -11,6 +11,7 @@ the token at position `p`, so rows may sit at different positions; a query at po
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -48,6 +49,18 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
 
 
+@dataclass(frozen=True)
+class CacheStep:
+    """What every layer needs for one cached forward, computed once per forward."""
+
+    cache: KVCache
+    rows: torch.Tensor | slice  # cache rows of the batch rows
+    row_idx: torch.Tensor  # (B, 1) the same rows as an index
+    pos: torch.Tensor  # (B, T) positions of the new tokens
+    kv_len: int  # cache slots read
+    mask: torch.Tensor  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's cannot drop only the bias)."""
 
@@ -71,39 +84,24 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        pos: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        rows: torch.Tensor | slice,
-        kv_len: int,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if kv_cache is None:
+        if step is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
-            assert pos is not None
-            k_cache, v_cache = kv_cache.k[self.layer], kv_cache.v[self.layer]
-            row_idx = (
-                torch.arange(rows.start or 0, rows.stop, device=x.device)
-                if isinstance(rows, slice)
-                else rows
-            )[:, None]  # (B, 1)
+            k_cache, v_cache = step.cache.k[self.layer], step.cache.v[self.layer]
             # write this step's keys/values at each token's own position: cache[b, :, pos[b, t]]
-            k_cache[row_idx, :, pos] = k.transpose(1, 2).to(k_cache.dtype)
-            v_cache[row_idx, :, pos] = v.transpose(1, 2).to(v_cache.dtype)
-            keys = k_cache[rows, :, :kv_len]  # (B, nh, kv_len, hs)
-            values = v_cache[rows, :, :kv_len]
-            # query at position p sees slots 0..p of its own row; later slots may be stale
-            mask = torch.arange(kv_len, device=x.device) <= pos[:, None, :, None]  # (B, 1, T, kv_len)
+            k_cache[step.row_idx, :, step.pos] = k.transpose(1, 2).to(k_cache.dtype)
+            v_cache[step.row_idx, :, step.pos] = v.transpose(1, 2).to(v_cache.dtype)
+            keys = k_cache[step.rows, :, : step.kv_len]  # (B, nh, kv_len, hs)
+            values = v_cache[step.rows, :, : step.kv_len]
             y = F.scaled_dot_product_attention(
-                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, dropout_p=dropout_p
+                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=step.mask, dropout_p=dropout_p
             )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
@@ -129,15 +127,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        pos: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        rows: torch.Tensor | slice,
-        kv_len: int,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), pos, kv_cache, rows, kv_len)
+    def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), step)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -203,12 +194,21 @@ class GPT(nn.Module):
             pos = torch.arange(T, device=idx.device).expand(B, T)
         elif pos.shape != idx.shape:
             raise ValueError(f"pos shape {tuple(pos.shape)} must equal idx shape {tuple(idx.shape)}")
-        cache_rows: torch.Tensor | slice = slice(0, B) if rows is None else rows
-        if kv_cache is not None and kv_len is None:
-            kv_len = int(pos.max()) + 1
+        step = None
+        if kv_cache is not None:
+            kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
+            row_idx = torch.arange(B, device=idx.device) if rows is None else rows
+            step = CacheStep(
+                cache=kv_cache,
+                rows=slice(0, B) if rows is None else rows,
+                row_idx=row_idx[:, None],
+                pos=pos,
+                kv_len=kv_len,
+                mask=torch.arange(kv_len, device=idx.device) <= pos[:, None, :, None],
+            )
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, pos, kv_cache, cache_rows, kv_len or 0)
+            x = block(x, step)
         if last_only:
             x = x[:, -1:, :]
         x = self.transformer.ln_f(x)
