@@ -282,24 +282,38 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            # bound the total, not just the waiting queue: requests wait in `_waiting` until the engine thread
-            # admits them, so a burst (or an engine not yet started) must not grow the backlog past capacity
-            in_flight = len(self._running) + len(self._prefilling) + len(self._waiting)
-            if in_flight >= self.max_batch_size + self.max_waiting:
-                self.stats.rejected_total += 1
-                raise Overloaded(
-                    f"the server is at capacity ({self.max_batch_size} running, {self.max_waiting} waiting)"
-                )
+            self._refuse_if_full()
             self._waiting.append(req)
             self.stats.waiting = len(self._waiting)
             self._lock.notify_all()
         return req
 
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` (counted as a rejection) if a request submitted now would be refused, so that a
+        caller can refuse before doing any work for it; `submit` checks again, and that check is the one that
+        holds."""
+        with self._lock:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:
+        # bound the total, not just the waiting queue: requests wait in `_waiting` until the engine thread
+        # admits them, so a burst (or an engine not yet started) must not grow the backlog past capacity
+        in_flight = len(self._running) + len(self._prefilling) + len(self._waiting)
+        if in_flight >= self.max_batch_size + self.max_waiting:
+            self.stats.rejected_total += 1
+            raise Overloaded(f"the server is at capacity ({self.max_batch_size} running, {self.max_waiting} waiting)")
+
     def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None) -> GenerationStream:
         """From the event loop: enqueue and return the request's async stream (raises Overloaded at once)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        req = self._enqueue(prompt, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), truncate)
+        def sink(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+                req.cancelled = True
+
+        req = self._enqueue(prompt, params, sink, truncate)
         return GenerationStream(self, req, events)
 
     def generate(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
@@ -342,6 +356,7 @@ class Engine:
                 while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
                     self._prefilling.append(self._waiting.popleft())
                 self.stats.waiting = len(self._waiting)
+                self._count_running()
             try:
                 with torch.inference_mode():
                     if self._prefilling:
@@ -353,7 +368,6 @@ class Engine:
                 with self._lock:
                     for req in list(self._running) + list(self._prefilling):
                         self._fail(req, GenerationError(f"generation failed: {e}"))
-            self.stats.running = len(self._running)
 
     def _reap_cancelled(self) -> None:
         for req in [r for r in self._waiting if r.cancelled]:
@@ -367,11 +381,14 @@ class Engine:
             self.stats.cancelled_total += 1
 
     def _fail_all(self, err: EngineError) -> None:
-        for req in list(self._waiting) + list(self._prefilling) + list(self._running):
-            req.sink(err)
+        failed = list(self._waiting) + list(self._prefilling) + list(self._running)
         self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
+        self.stats.waiting = 0
+        self._count_running()
+        for req in failed:
+            req.sink(err)
 
     def _fail(self, req: _Request, err: EngineError) -> None:
         self.stats.failed_total += 1
@@ -379,7 +396,14 @@ class Engine:
             self._remove_running(req)
         elif req in self._prefilling:
             self._prefilling.remove(req)
+            self._count_running()
         req.sink(err)
+
+    def _count_running(self) -> None:
+        """The running-batch gauge: the slots taken, by requests being prefilled or decoded. Updated wherever a
+        request takes or leaves a slot, before its last event is sent, so that a client told its request ended
+        never finds it still counted in /metrics."""
+        self.stats.running = len(self._running) + len(self._prefilling)
 
     def _remove_running(self, req: _Request) -> None:
         """Free `req`'s row, moving the last running row into it so rows stay contiguous."""
@@ -390,6 +414,7 @@ class Engine:
             self.cache.v[:, i, :, : last.pos] = self.cache.v[:, last.row, :, : last.pos]
             last.row = i
             self._running[i] = last
+        self._count_running()
 
     def _begin(self, req: _Request) -> None:
         req.context = list(req.prompt)
@@ -423,7 +448,11 @@ class Engine:
             self.cache.v[:, row, :, : req.pos] = self.cache.v[:, req.row, :, : req.pos]
             req.row = row
         self._running.append(req)
-        self._emit_next(req, logits)
+        try:
+            self._emit_next(req, logits)
+        except Exception as e:  # this request's own failure (its first token): it alone fails
+            log.warning("request %d failed choosing its first token: %s", req.id, e)
+            self._fail(req, GenerationError(f"generation failed: {e}"))
 
     def _forward_row(self, req: _Request, tokens: list[int], start: int) -> torch.Tensor:
         """Forward `tokens` at positions start.. for one request's row; the last position's logits."""

@@ -103,6 +103,14 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     return field, f"{field}: {msg}{where}, got {shown}"
 
 
+def _unparseable(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "it nests arrays or objects too deeply"
+    return str(cause).split(";")[0]  # e.g. "Exceeds the limit (4300 digits) for integer string conversion: ..."
+
+
 def install_error_handlers(app: FastAPI) -> None:
     retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
 
@@ -122,6 +130,13 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
+            # FastAPI answers 400 "There was an error parsing the body" when json.loads fails other than with a
+            # JSONDecodeError: bytes that are not UTF-8, an integer over Python's 4300-digit limit, nesting
+            # deeper than the recursion limit. That is malformed JSON like any other: 422, saying why.
+            message = f"body is not valid JSON: {_unparseable(exc.__cause__)}"
+            return JSONResponse(error_body(request.url.path, 422, "validation", "invalid_request_error", message,
+                                           "body"), status_code=422)
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http")
         body = error_body(request.url.path, exc.status_code, kind, "invalid_request_error", str(exc.detail), None)
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))

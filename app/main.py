@@ -13,8 +13,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 
 from app import openai_api, system, tgi
+from app.admission import AdmissionMiddleware
 from app.engine import Engine
 from app.errors import install_error_handlers
+from app.faults import FAULT_DECODE, FAULT_PREFILL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
 from app.service import GenerationService
 from app.settings import Settings
@@ -35,7 +37,7 @@ def resolve_device(name: str) -> torch.device:
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
     device = resolve_device(settings.device)
-    return Engine(
+    engine = Engine(
         checkpoint,
         device=device,
         dtype=DTYPES.get(settings.dtype),
@@ -45,6 +47,11 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
         window_shift=settings.window_shift or None,
         threads=settings.threads or None,
     )
+    if settings.fault_injection:
+        log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose",
+                    FAULT_PREFILL, FAULT_DECODE)
+        engine.on_step = fault_hook(checkpoint.tokenizer)
+    return engine
 
 
 def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None,
@@ -85,6 +92,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
+    app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost of the four: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])

@@ -38,7 +38,8 @@ class EngineCollector(Collector):
     def collect(self):  # noqa: ANN201 (prometheus_client's protocol)
         s = self.engine.stats
         yield GaugeMetricFamily("folio_queue_depth", "requests waiting for a batch slot", value=s.waiting)
-        yield GaugeMetricFamily("folio_running_batch_size", "requests in the running batch", value=s.running)
+        yield GaugeMetricFamily("folio_running_batch_size", "requests in the running batch (prefilling or decoding)",
+                                value=s.running)
         yield CounterMetricFamily("folio_generated_tokens", "tokens generated", value=s.generated_tokens_total)
         yield CounterMetricFamily("folio_cancelled_requests", "requests cancelled (client gone)",
                                   value=s.cancelled_total)

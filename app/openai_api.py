@@ -15,7 +15,7 @@ from app.engine import EngineError, Finished, GenerationStream, TokenEvent
 from app.errors import ERROR_TABLE, error_body
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import ClientGone, GenerationService
-from app.sse import SSE_HEADERS, sse
+from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.sampling import ValidationError
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -48,7 +48,7 @@ async def models(service: ServiceDep) -> dict[str, Any]:
             "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
 
 
-@router.post("/completions", responses=ERRORS)
+@router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
 async def completions(body: CompletionRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
     """OpenAI's legacy completions: one prompt, one choice."""
     service.check_ready()

@@ -14,7 +14,10 @@ MAX_SEED = 2**63 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Request models: unknown fields, NaN and infinities are refused, and so are values of another JSON type
+    ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class GenerateParameters(_Strict):

@@ -34,3 +34,5 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get after SIGTERM")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: str = "info"
+    fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
+                                  "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")

@@ -12,3 +12,5 @@ def sse(data: Any) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
 SSE_DOC = {"description": "server-sent events, `data: <json>` per token", "content": {"text/event-stream": {}}}
+SSE_OR_JSON_DOC = {"description": "the result as JSON; with `\"stream\": true`, server-sent events instead",
+                   "content": {"text/event-stream": {}}}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.deps import ServiceDep
@@ -16,7 +16,7 @@ PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 VERSION = "0.1.0"
 
 
-@router.get("/health")
+@router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
 async def health(request: Request) -> JSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
     service = getattr(request.app.state, "service", None)
@@ -56,8 +56,10 @@ async def info(service: ServiceDep) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"description": "Prometheus text exposition", "content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics: requests by route and status, queue depth, running batch, tokens, latencies."""
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -23,7 +23,7 @@ from app.schemas import (
     TokenizeRequest,
 )
 from app.service import ClientGone, GenerationService, Prepared
-from app.sse import SSE_DOC, SSE_HEADERS, sse
+from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
@@ -110,7 +110,7 @@ async def generate_stream(body: GenerateRequest, service: ServiceDep, _: AuthDep
     return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-@router.post("/", responses=ERRORS, summary="TGI compatibility route")
+@router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
 async def compat(body: GenerateRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""

@@ -122,13 +122,15 @@ def mask_unusable(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Step 2, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output)."""
+    """Step 2, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output). The result stays
+    finite: a tiny penalty (which favours repetition) divides a positive logit towards the largest float."""
     if penalty == 1.0 or context.numel() == 0:
         return logits
     logits = logits.clone()
     ids = context.unique()
     picked = logits[ids]
-    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    biggest = torch.finfo(logits.dtype).max
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-biggest, biggest)
     return logits
 
 
@@ -146,8 +148,10 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
-    # a token is dropped when the mass strictly before it already reaches p
+    # a token is dropped when the mass strictly before it already reaches p; the most likely one never is (a p
+    # below float32's smallest positive number compares as 0, and the mass before the first token is 0)
     drop_sorted = (probs.cumsum(-1) - probs) >= p
+    drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -155,7 +159,11 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Steps 4-7 up to the softmax: the exact distribution a sampled token is drawn from."""
     temperature = params.temperature if params.temperature is not None else 1.0
-    logits = logits / temperature
+    # shifted by the maximum first (softmax does that anyway), so that dividing by a tiny temperature takes
+    # logits towards -inf, never to +inf (inf - inf would make the softmax NaN); a temperature below the dtype's
+    # smallest normal number would round to 0 in the division and is taken as that number
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     logits = top_k_filter(logits, params.top_k or 0)
     logits = top_p_filter(logits, params.top_p if params.top_p is not None else 1.0)
     return torch.softmax(logits, dim=-1)

@@ -436,6 +436,48 @@ def test_tgi_bad_body_is_422(client: TestClient, raw: str, field: str, needles: 
         assert_tgi_error(r, 422, "validation", f"{field}:" if field != "body" else "body is", *needles)
 
 
+UNPARSEABLE = [
+    (b'{"inputs": "Hel\xfflo"}', "not UTF-8 (byte 0xff at offset 15)"),
+    (b"[" * 5000 + b"]" * 5000, "nests arrays or objects too deeply"),
+    (b'{"inputs": "ab", "parameters": {"seed": ' + b"9" * 5000 + b"}}", "Exceeds the limit (4300 digits)"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize(("raw", "needle"), UNPARSEABLE, ids=["invalid UTF-8", "deep nesting", "5000 digits"])
+def test_body_json_cannot_decode_is_422_not_400(client: TestClient, route: str, raw: bytes, needle: str) -> None:
+    """Where json.loads fails other than with a JSONDecodeError, FastAPI says 400 'There was an error parsing the
+    body'; it is malformed JSON like any other."""
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", "body", "body is not valid JSON", needle)
+    else:
+        assert_tgi_error(r, 422, "validation", "body is not valid JSON", needle)
+
+
+WRONG_TYPES = [
+    ("/generate", {"parameters": {"max_new_tokens": "4"}}, "parameters.max_new_tokens", "valid integer", "'4'"),
+    ("/generate", {"parameters": {"max_new_tokens": 4.0}}, "parameters.max_new_tokens", "valid integer", "4.0"),
+    ("/generate", {"parameters": {"seed": True}}, "parameters.seed", "valid integer", "True"),
+    ("/generate", {"stream": "yes"}, "stream", "valid boolean", "'yes'"),
+    ("/v1/completions", {"echo": 1}, "echo", "valid boolean", "got 1"),
+    ("/v1/completions", {"max_tokens": "4"}, "max_tokens", "valid integer", "'4'"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "field", "needles"), [(r, f, p, n) for r, f, p, *n in WRONG_TYPES],
+                         ids=[f"{p}={json.dumps(f)[-12:]}" for _, f, p, *_ in WRONG_TYPES])
+def test_values_of_another_json_type_are_422(client: TestClient, route: str, fields: dict, field: str,
+                                             needles: list[str]) -> None:
+    """No coercion: "4" or 4.0 is not an integer, 1 or "yes" not a boolean (as TGI and OpenAI answer)."""
+    key = "prompt" if route.startswith("/v1") else "inputs"
+    r = client.post(route, json={key: PROMPT, **fields})
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", field, f"{field}:", *needles)
+    else:
+        assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
+
+
 def test_tokenize_rejects_unknown_characters(client: TestClient) -> None:
     r = client.post("/tokenize", json={"inputs": "naïve"})
     assert_tgi_error(r, 422, "validation", "inputs:", "'ï'")
@@ -532,6 +574,37 @@ def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., Tes
     finally:
         engine.on_step = None
         gate.set()
+
+
+def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callable[..., TestClient]) -> None:
+    """The admission fast path (app/admission.py): while the engine is full even a malformed request gets its 429,
+    counted under its route; once there is room the same request is a 422 again."""
+    client = make_client(max_batch_size=1, max_waiting=0)
+    engine = engine_of(client)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(_: list) -> None:
+        entered.set()
+        gate.wait(10)
+
+    engine.on_step = hold
+    malformed = {"inputs": PROMPT, "parameters": {"max_new_tokens": -1}}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+            assert entered.wait(10)
+            assert_tgi_error(client.post("/generate", json=malformed), 429, "overloaded", "at capacity")
+            r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+            text = client.get("/metrics").text
+            assert metric(text, "folio_requests_total", route="/generate", status="429") == 1
+            assert metric(text, "folio_requests_total", route="/v1/completions", status="429") == 1
+            gate.set()
+            assert first.result(timeout=10).status_code == 200
+    finally:
+        engine.on_step = None
+        gate.set()
+    assert client.post("/generate", json=malformed).status_code == 422
 
 
 def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:

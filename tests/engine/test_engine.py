@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from app import engine as engine_module
 from app.engine import (
     Engine,
     EngineStopped,
@@ -490,6 +491,34 @@ def test_a_failing_request_does_not_take_the_others_down(make_checkpoint, make_e
     assert engine.stats.failed_total == 1
     engine.on_step = None
     assert engine.generate(list(victim), params).token_ids == naive(ck, list(victim), params)[0]
+
+
+def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_engine, monkeypatch) -> None:
+    """The first token is chosen at the end of the prefill step; an error there once escaped to the engine loop,
+    which failed every request in flight."""
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, max_batch_size=4, start=False)
+    params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
+    real_choose = engine_module.choose_token
+
+    def choose(logits, p, **kwargs):
+        if p is victim:
+            raise RuntimeError("injected fault")
+        return real_choose(logits, p, **kwargs)
+
+    monkeypatch.setattr(engine_module, "choose_token", choose)
+    prompts = [[1, 2, 3], [4, 5], [10]]
+
+    async def main():
+        streams = [engine.submit(p, victim if i == 1 else params) for i, p in enumerate(prompts)]
+        engine.start()
+        return await asyncio.gather(*(s.collect() for s in streams), return_exceptions=True)
+
+    results = run(main())
+    assert isinstance(results[1], GenerationError) and "injected fault" in str(results[1])
+    for i in (0, 2):
+        assert isinstance(results[i], Result) and results[i].token_ids == naive(ck, prompts[i], params)[0]
+    assert engine.stats.failed_total == 1
 
 
 def test_stop_fails_running_and_waiting_requests(make_engine) -> None:

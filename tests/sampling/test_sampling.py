@@ -259,6 +259,26 @@ def test_top_p_always_keeps_at_least_one_token() -> None:
         }
 
 
+EXTREME = [
+    # valid but extreme values that once made the softmax NaN (multinomial then raised): the limit is taken
+    ({"temperature": 5e-324}, {1}),  # rounds to 0 in float32
+    ({"temperature": 1e-40}, {1}),  # (l - max) / T overflowed to inf before the shift by the maximum
+    ({"top_p": 5e-324}, {1}),  # compared as 0 in float32, which dropped every token
+    ({"repetition_penalty": 5e-324}, {0, 1}),  # positive logits of the context divided into inf: clamped, a tie
+    ({"repetition_penalty": 1e-40, "temperature": 1e-40, "top_k": 2}, {0, 1}),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "tokens"), EXTREME, ids=[str(k) for k, _ in EXTREME])
+def test_extreme_valid_parameters_sample_their_limit(kwargs: dict, tokens: set[int]) -> None:
+    logits = torch.tensor([2.0, 3.0, -1.0, 0.5])
+    context = torch.tensor([0, 1, 2])
+    gen = new_generator(0)
+    params = SamplingParams(do_sample=True, **kwargs)
+    drawn = {choose_token(logits, params, n_vocab=4, context=context, generator=gen) for _ in range(100)}
+    assert drawn == tokens
+
+
 def test_repetition_penalty_exact_values() -> None:
     logits = torch.tensor([2.0, -1.0, 0.5, -0.5, 3.0, 0.0])
     before = logits.clone()

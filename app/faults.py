@@ -1,0 +1,53 @@
+"""Fault injection, a testing aid: off by default, never reachable unless the server was started with
+`--fault-injection` (env `FOLIO_FAULT_INJECTION=1`).
+
+When enabled, the engine's `on_step` hook raises inside the model step of any request whose prompt contains
+one of the markers below, so that a test against a real `python -m app` process can check that such a
+request fails alone (HTTP 424, or a final error event on a stream) while the others complete:
+
+- `FAULT_PREFILL` ("<fault:prefill>"): raises while the prompt is prefilled, before any token;
+- `FAULT_DECODE` ("<fault:decode>"): raises in the decode step after `DECODE_AFTER` tokens were generated
+  (a request asking for fewer tokens finishes first and never fails).
+
+A marker counts when its token ids appear contiguously in the prompt the model sees (after truncation). With a
+character tokenizer that is exactly "the prompt contains the marker text"; a BPE tokenizer may split the marker
+differently inside other text, so surround it with newlines there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from model.tokenizer import TokenizerError
+
+FAULT_PREFILL = "<fault:prefill>"
+FAULT_DECODE = "<fault:decode>"
+DECODE_AFTER = 2
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by the fault-injection hook."""
+
+
+def _contains(seq: Sequence[int], sub: Sequence[int]) -> bool:
+    n = len(sub)
+    return n > 0 and any(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
+
+
+def fault_hook(tokenizer: Any) -> Callable[[list[Any]], None]:
+    """The engine's `on_step` hook for the markers above, encoded with `tokenizer`."""
+    try:
+        prefill_ids, decode_ids = list(tokenizer.encode(FAULT_PREFILL)), list(tokenizer.encode(FAULT_DECODE))
+    except TokenizerError:  # the markers are not spellable in this vocabulary: nothing can trigger them
+        prefill_ids, decode_ids = [], []
+
+    def on_step(requests: list[Any]) -> None:
+        for req in requests:
+            prefilling = req.prefilled < len(req.prompt)
+            if prefilling and _contains(req.prompt, prefill_ids):
+                raise InjectedFault(f"injected fault in prefill ({FAULT_PREFILL} in the prompt)")
+            if not prefilling and len(req.output) >= DECODE_AFTER and _contains(req.prompt, decode_ids):
+                raise InjectedFault(f"injected fault in decode ({FAULT_DECODE} in the prompt)")
+
+    return on_step

@@ -1,0 +1,33 @@
+"""Fixtures for the reliability suite: bench/reliability.py on the import path, the tiny character checkpoint,
+and one `python -m app` on 127.0.0.1 shared by the checks that do not need a server of their own."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import reliability  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory for logs, damaged copies and training runs."""
+    return tmp_path_factory.mktemp("reliability")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workdir: Path) -> Path:
+    return reliability.make_char_checkpoint(workdir / "tiny-char")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, workdir: Path) -> Iterator[tuple[str, int]]:
+    """(base URL, pid) of the main server: capacity 48 (16 running, 32 waiting), max_new_tokens up to 512."""
+    with reliability.serve(checkpoint, workdir / "main.log", *reliability.MAIN_ARGS) as (base, proc):
+        yield base, proc.pid
