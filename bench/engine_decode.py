@@ -53,13 +53,15 @@ def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def to_hf(model: GPT):  # noqa: ANN201
-    """The same weights in `transformers`' GPT2LMHeadModel (Conv1D layouts, zero biases where Folio has none)."""
+    """The same weights in `transformers`' GPT2LMHeadModel (Conv1D layouts, zero biases where Folio has none).
+    No EOS token: like Folio's runs here, generation always makes exactly max_new_tokens tokens (an EOS id with
+    min_new_tokens would instead forbid that id, and change the greedy tokens)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     c = model.config
     hf_cfg = GPT2Config(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size,
                         vocab_size=c.vocab_size, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)
+                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None)
     hf = GPT2LMHeadModel(hf_cfg).eval()
     sd = {k: v for k, v in model.state_dict().items()}
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -119,7 +121,7 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str,
         hf_ids: list[int] = []
 
         def hf_run() -> None:
-            r = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            r = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
                             pad_token_id=0, use_cache=True)
             hf_ids[:] = r[0, len(prompt):].tolist()
 
@@ -160,7 +162,7 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, f
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
         t = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), min_new_tokens=max(lengths),
+        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths),
                     do_sample=False, pad_token_id=0)
         hf_s = time.perf_counter() - t
     return {"folio": wanted / folio_s, "transformers": wanted / hf_s, "tokens": wanted}

@@ -42,7 +42,7 @@ def build(checkpoint: str) -> FastAPI:
         ids = torch.tensor([tok.encode(body.inputs)])
         n = int(body.parameters.get("max_new_tokens", 20))
         with torch.inference_mode():
-            out = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = hf.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
         return {"generated_text": tok.decode(out[0, ids.shape[1]:].tolist())}
 
     @app.get("/health")
