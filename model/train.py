@@ -100,8 +100,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         min_lr=1e-4, max_iters=2000, lr_decay_iters=2000, warmup_iters=100, beta2=0.99, eval_interval=250,
         eval_iters=20, log_interval=10,
     ),
-    # Folio's bundled default (weights/shakespeare-char): val loss 1.508 in 3000 steps (12.3M tokens), about
-    # 40 minutes on two idle CPU cores; no dropout, since it sees each character only ~12 times
+    # Folio's bundled default (weights/shakespeare-char): val loss 1.508 in 3000 steps (12.3M tokens), 40-45
+    # minutes on two idle CPU cores; no dropout, since it sees each character only ~12 times
     "shakespeare-char-small": dict(
         n_layer=6, n_head=6, n_embd=192, block_size=128, batch_size=32, dropout=0.0, learning_rate=2e-3,
         min_lr=2e-4, max_iters=3000, lr_decay_iters=3000, warmup_iters=100, beta2=0.99, eval_interval=500,
