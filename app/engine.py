@@ -43,7 +43,7 @@ import torch
 
 from model.checkpoint import Checkpoint
 from model.gpt import KVCache
-from model.sampling import SamplingParams, ValidationError, choose_token, new_generator
+from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
 from model.stopping import LENGTH, STOP_SEQUENCE, TextStream, check_stop_token
 
 log = logging.getLogger("folio.engine")
@@ -410,8 +410,7 @@ class Engine:
         i = self._running.index(req)
         last = self._running.pop()
         if last is not req:
-            self.cache.k[:, i, :, : last.pos] = self.cache.k[:, last.row, :, : last.pos]
-            self.cache.v[:, i, :, : last.pos] = self.cache.v[:, last.row, :, : last.pos]
+            self.cache.move_row(last.row, i, last.pos)
             last.row = i
             self._running[i] = last
         self._count_running()
@@ -444,8 +443,7 @@ class Engine:
         self._prefilling.popleft()
         row = len(self._running)
         if req.row != row:  # rows finished while this one prefilled: move it down to stay contiguous
-            self.cache.k[:, row, :, : req.pos] = self.cache.k[:, req.row, :, : req.pos]
-            self.cache.v[:, row, :, : req.pos] = self.cache.v[:, req.row, :, : req.pos]
+            self.cache.move_row(req.row, row, req.pos)
             req.row = row
         self._running.append(req)
         try:
@@ -499,9 +497,7 @@ class Engine:
         logprobs = {}
         if rows:
             stacked = torch.stack([logits_by_req[r.id] for r in rows]).float()
-            if stacked.size(-1) > self.n_vocab:
-                stacked[:, self.n_vocab :] = float("-inf")
-            lp = torch.log_softmax(stacked, dim=-1)
+            lp = torch.log_softmax(mask_unusable(stacked, self.n_vocab), dim=-1)
             for i, req in enumerate(rows):
                 logprobs[req.id] = lp[i]
         for req in rows:
@@ -521,11 +517,7 @@ class Engine:
             context = torch.tensor(req.prompt + req.output, device=logits.device)
         token = choose_token(logits, params, n_vocab=self.n_vocab, context=context, generator=req.generator)
         if logprobs is None:
-            logits = logits.float()
-            if logits.size(-1) > self.n_vocab:
-                logits = logits.clone()
-                logits[self.n_vocab :] = float("-inf")
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(mask_unusable(logits.float(), self.n_vocab), dim=-1)
         top: tuple[TopToken, ...] = ()
         if params.top_n_tokens:
             values, ids = torch.topk(logprobs, params.top_n_tokens)

@@ -43,10 +43,11 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy row `src` into row `dst` (used to keep the running batch's rows contiguous)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
+        """Copy row `src`'s first `length` slots (all by default) into row `dst` (used to keep the running
+        batch's rows contiguous)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 @dataclass(frozen=True)

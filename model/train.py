@@ -470,8 +470,7 @@ class Trainer:
         tmp, last, old = self.out / "last.tmp", self.out / "last", self.out / "last.old"
         shutil.rmtree(tmp, ignore_errors=True)
         save_checkpoint(tmp, self.model, self.ds.tokenizer,
-                        training=self.provenance(*(losses or {}).get("train", None) and
-                                                 (losses["train"], losses["val"]) or (None, None)))
+                        training=self.provenance(*((losses["train"], losses["val"]) if losses else (None, None))))
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from conftest import tiny_checkpoint
 
 from app.engine import Engine
+from model.checkpoint import Checkpoint
 from model.generate import generate_naive
 from model.sampling import SamplingParams
 
@@ -16,26 +18,22 @@ pytestmark = [
 ]
 
 
-def test_fp32_greedy_on_cuda_equals_the_naive_loop_on_cuda() -> None:
-    ck = tiny_checkpoint()
+def test_fp32_greedy_on_cuda_equals_the_naive_loop_on_cuda(
+    make_checkpoint: Callable[..., Checkpoint], make_engine: Callable[..., Engine]
+) -> None:
+    ck = make_checkpoint()
     ck.model.to("cuda")
     params = SamplingParams(max_new_tokens=40)
     prompt = [1, 2, 3, 4, 5]
     naive = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
-    engine = Engine(ck, device="cuda", dtype=torch.float32, max_batch_size=4).start()
-    try:
-        assert engine.generate(prompt, params).token_ids == naive
-    finally:
-        engine.stop()
+    engine = make_engine(ck, device="cuda", dtype=torch.float32, max_batch_size=4)
+    assert engine.generate(prompt, params).token_ids == naive
 
 
-def test_bf16_engine_serves_and_reproduces_seeds() -> None:
-    engine = Engine(tiny_checkpoint(), device="cuda", max_batch_size=4).start()
-    try:
-        assert engine.dtype == torch.bfloat16
-        params = SamplingParams(max_new_tokens=30, do_sample=True, seed=7)
-        a = engine.generate([1, 2, 3], params).token_ids
-        b = engine.generate([1, 2, 3], params).token_ids
-        assert a == b and len(a) == 30
-    finally:
-        engine.stop()
+def test_bf16_engine_serves_and_reproduces_seeds(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(device="cuda", dtype=None, max_batch_size=4)
+    assert engine.dtype == torch.bfloat16
+    params = SamplingParams(max_new_tokens=30, do_sample=True, seed=7)
+    a = engine.generate([1, 2, 3], params).token_ids
+    b = engine.generate([1, 2, 3], params).token_ids
+    assert a == b and len(a) == 30
