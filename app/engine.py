@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model import kernels
 from model.checkpoint import Checkpoint
 from model.gpt import KVCache
 from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
@@ -203,6 +204,11 @@ class Engine:
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cpu":
             torch.set_num_threads(threads or os.cpu_count() or 1)
+        # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
+        self.cpu_kernels = "not used on this device"
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels.load()
+            self.cpu_kernels = kernels.status()
         self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer

@@ -44,6 +44,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "max_total_tokens": cfg.block_size + service.settings.max_new_tokens_limit,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "cpu_kernels": engine.cpu_kernels,
         "max_batch_size": engine.max_batch_size,
         "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,
         "max_waiting": engine.max_waiting,

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from model import kernels
 from model.config import GPTConfig
 
 
@@ -59,7 +60,8 @@ class CacheStep:
     row_idx: torch.Tensor  # (B, 1) the same rows as an index
     pos: torch.Tensor  # (B, T) positions of the new tokens
     kv_len: int  # cache slots read
-    mask: torch.Tensor  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
+    mask: torch.Tensor | None  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
+    fused: bool  # one token per row, through `kernels.decode_attention` (no mask needed)
 
 
 class LayerNorm(nn.Module):
@@ -74,6 +76,14 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters), computed by `kernels.linear`: at inference on CPU a few rows go through a
+    kernel that reads the weights at memory bandwidth; everything else is `F.linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -81,13 +91,19 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
         B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        qkv = self.c_attn(x)
+        if step is not None and step.fused:  # a decode step: the same maths in one kernel call
+            cache = step.cache
+            y = kernels.decode_attention(qkv.view(B, 3 * C), cache.k[self.layer], cache.v[self.layer],
+                                         step.row_idx[:, 0], step.pos[:, 0], self.n_head)
+            return self.resid_dropout(self.c_proj(y.view(B, T, C)))
+        q, k, v = qkv.split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -111,9 +127,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +162,7 @@ class GPT(nn.Module):
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         if self.transformer.wte.weight.device.type != "meta":
             self.apply(self._init_weights)
@@ -199,13 +215,15 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
             row_idx = torch.arange(B, device=idx.device) if rows is None else rows
+            fused = T == 1 and kernels.decode_attention_applies(self.lm_head.weight, kv_cache.k, self.config.head_size)
             step = CacheStep(
                 cache=kv_cache,
                 rows=slice(0, B) if rows is None else rows,
                 row_idx=row_idx[:, None],
                 pos=pos,
                 kv_len=kv_len,
-                mask=torch.arange(kv_len, device=idx.device) <= pos[:, None, :, None],
+                mask=None if fused else torch.arange(kv_len, device=idx.device) <= pos[:, None, :, None],
+                fused=fused,
             )
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:

@@ -27,6 +27,7 @@ from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
 from app.main import create_app
 from app.settings import Settings
 from app.system import VERSION
+from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
 from model.generate import generate_naive
 from model.sampling import SamplingParams
@@ -113,6 +114,7 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
                                     "dropout": 0.0, "bias": True}
     assert info["tokenizer"] == {"kind": "char", "n_vocab": 96, "eos_token_id": None}
     assert (info["block_size"], info["device"], info["dtype"]) == (64, "cpu", "float32")
+    assert info["cpu_kernels"] == kernels.status() != "not loaded"  # "loaded", or why not
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION

@@ -1,0 +1,121 @@
+"""The CPU decode kernels against torch: `linear` against F.linear, the one-token attention against the masked
+SDPA path, and the fallbacks that must hand work back to torch untouched."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from model import kernels
+from model.config import GPTConfig
+from model.gpt import GPT, KVCache
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() not in (
+            "AVX2", "AVX512"):
+        pytest.skip(f"the CPU kernels need x86-64 with AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})")
+    assert kernels.load(), f"the CPU kernels should build on this machine: {kernels.status()}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32, 64])
+@pytest.mark.parametrize("n_out, n_in", [(65, 192), (101, 64), (2304, 768), (8, 3072), (7, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + n_out)
+    x = torch.randn(rows, n_in, generator=g)
+    w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+    b = torch.randn(n_out, generator=g) if bias else None
+    with torch.inference_mode():
+        got = kernels.linear(x, w, b)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert got.shape == (rows, n_out)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_leading_dims(built: None) -> None:
+    x, w = torch.randn(2, 3, 64), torch.randn(16, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        assert kernels.linear(x, w).shape == (2, 3, 16)
+
+
+def test_linear_hands_other_cases_to_torch(built: None) -> None:
+    """More rows than MAX_ROWS, autograd, widths not a multiple of 8, other dtypes: exactly F.linear."""
+    w = torch.randn(24, 64)
+    many = torch.randn(kernels.MAX_ROWS + 1, 64)
+    with torch.inference_mode():
+        assert torch.equal(kernels.linear(many, w), F.linear(many, w))
+        odd_x, odd_w = torch.randn(1, 60), torch.randn(24, 60)
+        assert torch.equal(kernels.linear(odd_x, odd_w), F.linear(odd_x, odd_w))
+        x64, w64 = torch.randn(1, 64, dtype=torch.float64), w.double()
+        assert torch.equal(kernels.linear(x64, w64), F.linear(x64, w64))
+    x = torch.randn(1, 64, requires_grad=True)
+    y = kernels.linear(x, w)  # grad enabled: torch's op, so training still gets gradients
+    assert torch.equal(y, F.linear(x, w)) and y.requires_grad
+
+
+def test_disabled_restores(built: None) -> None:
+    with kernels.disabled():
+        assert kernels.status() != "loaded"
+    assert kernels.status() == "loaded"
+
+
+@pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16)])
+def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int) -> None:
+    """Rows at different positions in non-contiguous cache rows: the kernel's decode steps give the logits of
+    torch's masked-SDPA path and of the full forward."""
+    torch.manual_seed(n_embd)
+    cfg = GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
+    model = GPT(cfg).eval()
+    B, start, steps = 4, torch.tensor([3, 11, 1, 7]), 12
+    idx = torch.randint(0, cfg.vocab_size, (B, int(start.max()) + steps))
+    rows = torch.tensor([5, 0, 2, 1])
+    with torch.inference_mode():
+        full = model(idx)
+        results = {}
+        for name in ("kernel", "torch"):
+            cache = KVCache(cfg, 6)
+            logits = []
+            for b in range(B):  # prefill each row's own prompt
+                model(idx[b : b + 1, : start[b]], kv_cache=cache, rows=rows[b : b + 1])
+            for t in range(steps):
+                pos = (start + t)[:, None]
+                tok = idx.gather(1, pos)
+                if name == "kernel":
+                    out = model(tok, pos=pos, kv_cache=cache, rows=rows)
+                else:
+                    with kernels.disabled():
+                        out = model(tok, pos=pos, kv_cache=cache, rows=rows)
+                logits.append(out[:, 0])
+            results[name] = torch.stack(logits, 1)
+        expected = torch.stack([full[b, start[b] : start[b] + steps] for b in range(B)])
+    torch.testing.assert_close(results["kernel"], results["torch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results["kernel"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_refuses_bad_rows(built: None) -> None:
+    k = torch.zeros(2, 2, 8, 8)
+    qkv = torch.randn(1, 48)
+    with pytest.raises(RuntimeError, match="row or position"):
+        kernels.decode_attention(qkv, k, k.clone(), torch.tensor([2]), torch.tensor([0]), 2)
+    with pytest.raises(RuntimeError, match="row or position"):
+        kernels.decode_attention(qkv, k, k.clone(), torch.tensor([0]), torch.tensor([8]), 2)
+
+
+def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
+    """A second process finds the built library and imports it without compiling (no compiler needed)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO); from model import kernels; "
+            "import torch.utils.cpp_extension as c; c.load_inline = None; "  # compiling would now fail
+            "sys.exit(0 if kernels.load() else 1)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=repo)
+    assert r.returncode == 0, r.stderr
+    assert "building" not in r.stderr
