@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2
     app = create_app(settings, checkpoint=checkpoint, engine=engine)
+    # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
+    # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability.py)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout) + 2, access_log=False)
+                            timeout_graceful_shutdown=int(settings.drain_timeout) + 2, access_log=False,
+                            http="httptools", loop="uvloop" if sys.platform != "win32" else "asyncio")
     server = DrainingServer(config, app, settings.drain_timeout)
     # once shut down, uvicorn re-raises the signal it caught under the handlers it found: no-op ones make a
     # drained shutdown return 0 below instead of dying of that signal (exit status -15 for SIGTERM)

@@ -176,6 +176,21 @@ class GenerationStream:
 
 
 @dataclass
+class Reservation:
+    """A slot held for a request between its admission and its submission (`Engine.reserve`)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.held = True
+
+    def release(self) -> None:
+        """Give the slot back if the request was never submitted (idempotent)."""
+        with self._engine._lock:
+            if self.held:
+                self.held = False
+                self._engine._reserved -= 1
+
+
 class EngineStats:
     running: int = 0
     waiting: int = 0
@@ -231,6 +246,7 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._prefilling: deque[_Request] = deque()
         self._running: list[_Request] = []
+        self._reserved = 0  # slots held by `reserve` for requests not yet submitted
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.on_step: Callable[[list[_Request]], None] | None = None  # test hook: fault injection
@@ -281,36 +297,46 @@ class Engine:
         return prompt
 
     def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
-                 truncate: int | None) -> _Request:
+                 truncate: int | None, reservation: Reservation | None = None) -> _Request:
         seen = self.validate(prompt, params, truncate)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
         req = _Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            self._refuse_if_full()
+            if reservation is not None and reservation.held:  # the reserved slot becomes this request's
+                reservation.held = False
+                self._reserved -= 1
+            else:
+                self._refuse_if_full()
             self._waiting.append(req)
             self.stats.waiting = len(self._waiting)
             self._lock.notify_all()
         return req
 
-    def check_capacity(self) -> None:
-        """Raise `Overloaded` (counted as a rejection) if a request submitted now would be refused, so that a
-        caller can refuse before doing any work for it; `submit` checks again, and that check is the one that
-        holds."""
+    def reserve(self) -> Reservation:
+        """Hold a slot for a request that is about to be parsed, validated and submitted, or raise `Overloaded`
+        (counted as a rejection) at once. A burst is then refused as it arrives: without the hold, every request
+        of a burst would pass a capacity check made before any of them was submitted, and each would be parsed
+        and tokenised before being refused. Pass the reservation to `submit`, or `release()` it."""
         with self._lock:
             self._refuse_if_full()
+            self._reserved += 1
+            return Reservation(self)
 
     def _refuse_if_full(self) -> None:
         # bound the total, not just the waiting queue: requests wait in `_waiting` until the engine thread
-        # admits them, so a burst (or an engine not yet started) must not grow the backlog past capacity
-        in_flight = len(self._running) + len(self._prefilling) + len(self._waiting)
+        # admits them, so a burst (or an engine not yet started) must not grow the backlog past capacity;
+        # reserved slots count as taken
+        in_flight = len(self._running) + len(self._prefilling) + len(self._waiting) + self._reserved
         if in_flight >= self.max_batch_size + self.max_waiting:
             self.stats.rejected_total += 1
             raise Overloaded(f"the server is at capacity ({self.max_batch_size} running, {self.max_waiting} waiting)")
 
-    def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None) -> GenerationStream:
-        """From the event loop: enqueue and return the request's async stream (raises Overloaded at once)."""
+    def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
+               reservation: Reservation | None = None) -> GenerationStream:
+        """From the event loop: enqueue and return the request's async stream (raises Overloaded at once unless
+        `reservation` holds a slot for it)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         def sink(ev: Event) -> None:
@@ -319,7 +345,7 @@ class Engine:
             except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
                 req.cancelled = True
 
-        req = self._enqueue(prompt, params, sink, truncate)
+        req = self._enqueue(prompt, params, sink, truncate, reservation)
         return GenerationStream(self, req, events)
 
     def generate(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from app.admission import current_reservation
 from app.engine import Engine, Finished, GenerationStream, Result, TokenEvent
 from app.errors import Unavailable
 from app.metrics import Metrics
@@ -123,8 +124,10 @@ class GenerationService:
         return Prepared(prompt, params, truncate)
 
     def submit(self, prepared: Prepared) -> GenerationStream:
+        """Submit into the slot the admission middleware reserved for this request (if it did)."""
         self.check_ready()
-        return self.engine.submit(prepared.prompt, prepared.params, truncate=prepared.truncate)
+        return self.engine.submit(prepared.prompt, prepared.params, truncate=prepared.truncate,
+                                  reservation=current_reservation.get())
 
     # -- running --------------------------------------------------------------------------------------
     async def events(self, stream: GenerationStream) -> AsyncIterator[TokenEvent | Finished]:

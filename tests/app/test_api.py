@@ -609,6 +609,37 @@ def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callab
     assert client.post("/generate", json=malformed).status_code == 422
 
 
+def test_a_request_being_validated_holds_its_slot(make_client: Callable[..., TestClient]) -> None:
+    """A burst is refused as it arrives: a request admitted but still being tokenised holds its slot, so the next
+    one gets 429 before its body is read, though the engine has nothing queued yet; a request that fails
+    validation gives its slot back."""
+    client = make_client(max_batch_size=1, max_waiting=0)
+    service = client.app.state.service
+    tokenising, gate = threading.Event(), threading.Event()
+    encode = service.encode
+
+    async def slow_encode(text: str, field: str = "inputs") -> list[int]:
+        tokenising.set()
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait, 10)
+        return await encode(text, field)
+
+    service.encode = slow_encode
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
+            assert tokenising.wait(10)
+            assert engine_of(client).busy == 0  # nothing submitted yet
+            assert_tgi_error(client.post("/generate", json={"inputs": PROMPT}), 429, "overloaded", "at capacity")
+            gate.set()
+            assert first.result(timeout=10).status_code == 200
+    finally:
+        service.encode = encode
+        gate.set()
+    for _ in range(3):  # 422s release their slots: the server is not left full
+        assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"top_k": -1}}).status_code == 422
+    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
 def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:
     engine = engine_of(client)
     tok = client.app.state.service.tokenizer

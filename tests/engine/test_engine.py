@@ -365,6 +365,33 @@ def test_overloaded_when_batch_and_queue_are_full_engine_not_started(make_engine
     assert [r.finished.generated_tokens for r in results] == [3, 3]
 
 
+def test_reserved_slots_count_as_taken_until_submitted_or_released(make_engine) -> None:
+    """`reserve` holds a slot between admission and submission: reserved slots refuse others, submitting into a
+    reservation never refuses nor counts twice, and a released or consumed reservation gives the slot back."""
+    engine = make_engine(max_batch_size=1, max_waiting=1, start=False)
+    params = SamplingParams(max_new_tokens=2)
+
+    async def main():
+        a, b = engine.reserve(), engine.reserve()
+        with pytest.raises(Overloaded):
+            engine.reserve()
+        with pytest.raises(Overloaded):
+            engine.submit([1], params)  # no reservation: both slots are held
+        assert engine.stats.rejected_total == 2
+        first = engine.submit([1], params, reservation=a)  # into its own slot, though the engine looks full
+        b.release()
+        b.release()  # idempotent
+        second = engine.submit([2], params)  # the released slot
+        a.release()  # consumed by submit: nothing to give back
+        with pytest.raises(Overloaded):
+            engine.submit([3], params)
+        assert engine.busy == 2 and engine._reserved == 0
+        engine.start()
+        return await asyncio.gather(first.collect(), second.collect())
+
+    assert [r.finished.generated_tokens for r in run(main())] == [2, 2]
+
+
 def test_overloaded_while_the_engine_is_busy(make_engine) -> None:
     engine = make_engine(max_batch_size=1, max_waiting=1)
     entered, release = threading.Event(), threading.Event()
