@@ -96,6 +96,7 @@ class TokenEvent:
     index: int  # 1-based count of generated tokens
     top_tokens: tuple[TopToken, ...] = ()
     finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
+    created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
 
 
 @dataclass
@@ -155,13 +156,25 @@ class GenerationStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[TokenEvent | Finished]:
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent | Finished]]:
+        """The events in arrival order, each item every event that has arrived by then (at least one): a stream
+        the event loop is behind on is written in one piece, not one write per token. Ends after `Finished`;
+        an engine error is raised after the events before it."""
         try:
             while True:
-                ev = await self._events.get()
-                if isinstance(ev, EngineError):
-                    raise ev
-                yield ev
-                if isinstance(ev, Finished):
+                batch = [await self._events.get()]
+                while not self._events.empty() and not isinstance(batch[-1], (Finished, EngineError)):
+                    batch.append(self._events.get_nowait())
+                if isinstance(batch[-1], EngineError):
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise batch[-1]
+                yield batch
+                if isinstance(batch[-1], Finished):
                     return
         finally:
             self.cancel()  # no-op once finished; frees the slot if the consumer stopped early
@@ -175,7 +188,6 @@ class GenerationStream:
         raise GenerationError("stream ended without a result")
 
 
-@dataclass
 class Reservation:
     """A slot held for a request between its admission and its submission (`Engine.reserve`)."""
 
@@ -191,6 +203,7 @@ class Reservation:
                 self._engine._reserved -= 1
 
 
+@dataclass
 class EngineStats:
     running: int = 0
     waiting: int = 0

@@ -101,16 +101,21 @@ async def _stream(
     try:
         if echo:
             yield sse(chunk(echo, None))
-        async for ev in service.events(stream):
-            if isinstance(ev, Finished):
-                break
-            finish = FINISH[ev.finished.finish_reason] if ev.finished else None
-            if ev.text or finish or logprobs:
-                yield sse(chunk(ev.text, finish, _logprobs(service, [ev], offset) if logprobs else None))
-            offset += len(ev.text)
-            if ev.finished and include_usage:
-                yield sse({"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-                           "choices": [], "usage": _usage(ev.finished.prompt_tokens, ev.finished.generated_tokens)})
+        async for batch in service.event_batches(stream):  # every event that has arrived, in one write
+            out = []
+            for ev in batch:
+                if isinstance(ev, Finished):
+                    break
+                finish = FINISH[ev.finished.finish_reason] if ev.finished else None
+                if ev.text or finish or logprobs:
+                    out.append(sse(chunk(ev.text, finish, _logprobs(service, [ev], offset) if logprobs else None)))
+                offset += len(ev.text)
+                if ev.finished and include_usage:
+                    out.append(sse({"id": cid, "object": "text_completion", "created": created,
+                                    "model": service.model_id, "choices": [],
+                                    "usage": _usage(ev.finished.prompt_tokens, ev.finished.generated_tokens)}))
+            if out:
+                yield b"".join(out)
         yield sse("[DONE]")
     except EngineError as e:
         status, _, oa_type = next(v for cls, v in ERROR_TABLE.items() if isinstance(e, cls))

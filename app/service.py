@@ -131,16 +131,23 @@ class GenerationService:
 
     # -- running --------------------------------------------------------------------------------------
     async def events(self, stream: GenerationStream) -> AsyncIterator[TokenEvent | Finished]:
-        """The stream's events, with time-to-first-token and inter-token latency recorded."""
-        t_start = last = time.perf_counter()
+        """The stream's events one by one (see `event_batches`)."""
+        async for batch in self.event_batches(stream):
+            for ev in batch:
+                yield ev
+
+    async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:
+        """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
+        with time to first token and inter-token latency recorded from when the engine made each token."""
+        last = time.perf_counter()
         first = True
-        async for ev in stream:
-            now = time.perf_counter()
-            if isinstance(ev, TokenEvent):
-                (self.metrics.ttft if first else self.metrics.itl).observe(now - (t_start if first else last))
-                first = False
-                last = now
-            yield ev
+        async for batch in stream.batches():
+            for ev in batch:
+                if isinstance(ev, TokenEvent):
+                    (self.metrics.ttft if first else self.metrics.itl).observe(max(0.0, ev.created - last))
+                    first = False
+                    last = ev.created
+            yield batch
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile."""

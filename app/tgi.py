@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import AuthDep, ServiceDep
-from app.engine import EngineError, Finished, GenerationStream, Result, TokenEvent
+from app.engine import EngineError, GenerationStream, Result, TokenEvent
 from app.errors import ERROR_TABLE
 from app.schemas import (
     Details,
@@ -17,8 +18,6 @@ from app.schemas import (
     GenerateResponse,
     PrefillToken,
     SimpleToken,
-    StreamDetails,
-    StreamResponse,
     Token,
     TokenizeRequest,
 )
@@ -78,29 +77,30 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep,
 async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream) -> AsyncIterator[bytes]:
     prefix = body.inputs if body.parameters.return_full_text else ""
     try:
-        async for ev in service.events(stream):
-            if isinstance(ev, Finished):
-                return
-            out = StreamResponse(
-                index=ev.index,
-                token=_token(ev),
-                top_tokens=[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special)
-                            for a in ev.top_tokens],
-            )
-            if ev.finished is not None:
-                out.generated_text = prefix + ev.finished.generated_text
-                out.details = StreamDetails(
-                    finish_reason=ev.finished.finish_reason,
-                    generated_tokens=ev.finished.generated_tokens,
-                    seed=ev.finished.seed,
-                    input_length=ev.finished.prompt_tokens,
-                )
-            yield sse(out.model_dump())
+        async for batch in service.event_batches(stream):
+            # every event that has arrived, in one write; each is StreamResponse's JSON (built as a dict: the
+            # per-token path is the hot one)
+            yield b"".join(sse(_stream_event(ev, prefix)) for ev in batch if isinstance(ev, TokenEvent))
     except EngineError as e:
         kind = next(k for cls, (_, k, _) in ERROR_TABLE.items() if isinstance(e, cls))
         yield sse({"error": str(e), "error_type": kind})
     finally:
         stream.cancel()  # the client went away mid-stream (or we are done): free the slot
+
+
+def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
+    """`StreamResponse(...).model_dump()` for one token, without building the model."""
+    fin = ev.finished
+    return {
+        "index": ev.index,
+        "token": {"id": ev.id, "text": ev.text, "logprob": ev.logprob, "special": ev.special},
+        "top_tokens": [{"id": a.id, "text": a.text, "logprob": a.logprob, "special": a.special}
+                       for a in ev.top_tokens],
+        "generated_text": None if fin is None else prefix + fin.generated_text,
+        "details": None if fin is None else {"finish_reason": fin.finish_reason,
+                                             "generated_tokens": fin.generated_tokens, "seed": fin.seed,
+                                             "input_length": fin.prompt_tokens},
+    }
 
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})

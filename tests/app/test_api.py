@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
 
 from app.main import create_app
+from app.schemas import StreamResponse
 from app.settings import Settings
 from app.system import VERSION
 from model import kernels
@@ -249,6 +250,16 @@ def test_generate_stream_frames_one_event_per_token(client: TestClient) -> None:
     text = "".join(e["token"]["text"] for e in events)
     assert text == last["generated_text"] == generate(client, **params)["generated_text"]
     assert all(e["token"]["logprob"] <= 0 for e in events)
+
+
+def test_stream_events_are_exactly_the_documented_schema(client: TestClient) -> None:
+    """Events are built as dicts on the hot path; each is exactly what the StreamResponse model would dump."""
+    events = stream(client, max_new_tokens=5, top_n_tokens=3, return_full_text=True, seed=1, do_sample=True)
+    assert len(events) == 5 and all(len(e["top_tokens"]) == 3 for e in events)
+    for e in events:
+        assert StreamResponse.model_validate(e).model_dump() == e
+        assert list(e) == list(StreamResponse.model_fields)
+    assert events[-1]["generated_text"].startswith(PROMPT)
 
 
 def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) -> None:
