@@ -251,8 +251,9 @@ class Engine:
         self.window_shift = window_shift or max(1, self.block_size // 8)
         if not 1 <= self.window_shift < self.block_size:
             raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
-        # one extra row for the request being prefilled while max_batch_size rows run
-        self.cache = KVCache(self.config, max_batch_size + 1, device=self.device, dtype=self.dtype)
+        # a cache row per slot; a request holds its row from its first prefill step until it leaves
+        self.cache = KVCache(self.config, max_batch_size, device=self.device, dtype=self.dtype)
+        self._free_rows = list(range(max_batch_size - 1, -1, -1))
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
@@ -420,6 +421,7 @@ class Engine:
             self.stats.cancelled_total += 1
         for req in [r for r in self._prefilling if r.cancelled]:
             self._prefilling.remove(req)
+            self._release_row(req)
             self.stats.cancelled_total += 1
         for req in [r for r in self._running if r.cancelled]:
             self._remove_running(req)
@@ -430,6 +432,8 @@ class Engine:
         self._waiting.clear()
         self._prefilling.clear()
         self._running.clear()
+        for req in failed:
+            self._release_row(req)
         self.stats.waiting = 0
         self._count_running()
         for req in failed:
@@ -441,6 +445,7 @@ class Engine:
             self._remove_running(req)
         elif req in self._prefilling:
             self._prefilling.remove(req)
+            self._release_row(req)
             self._count_running()
         req.sink(err)
 
@@ -451,60 +456,97 @@ class Engine:
         self.stats.running = len(self._running) + len(self._prefilling)
 
     def _remove_running(self, req: _Request) -> None:
-        """Free `req`'s row, moving the last running row into it so rows stay contiguous."""
-        i = self._running.index(req)
-        last = self._running.pop()
-        if last is not req:
-            self.cache.move_row(last.row, i, last.pos)
-            last.row = i
-            self._running[i] = last
+        self._running.remove(req)
+        self._release_row(req)
         self._count_running()
 
+    def _release_row(self, req: _Request) -> None:
+        if req.row >= 0:
+            self._free_rows.append(req.row)
+            req.row = -1
+
     def _begin(self, req: _Request) -> None:
+        req.row = self._free_rows.pop()  # running + prefilling <= max_batch_size: there is always one
         req.context = list(req.prompt)
         req.generator = None if req.params.is_greedy else new_generator(req.seed, self.device)
         skip = [self.eos_id] if self.eos_id is not None else []
         req.stream = TextStream(self.tokenizer, req.params.stop, skip_ids=skip)
 
     def _prefill_step(self) -> None:
-        """Feed up to `prefill_chunk` prompt tokens of the oldest admitted request."""
-        req = self._prefilling[0]
-        if req.prefilled == 0:
-            self._begin(req)
-            req.row = len(self._running)
-        end = min(len(req.prompt), req.prefilled + self.prefill_chunk)
-        try:
-            if self.on_step is not None:
-                self.on_step([req])
-            logits = self._forward_row(req, req.prompt[req.prefilled : end], req.prefilled)
-        except Exception as e:
-            log.warning("request %d failed in prefill: %s", req.id, e)
-            self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
-            return
-        req.prefilled = end
-        req.pos = end
-        if end < len(req.prompt):
-            return
-        self._prefilling.popleft()
-        row = len(self._running)
-        if req.row != row:  # rows finished while this one prefilled: move it down to stay contiguous
-            self.cache.move_row(req.row, row, req.pos)
-            req.row = row
-        self._running.append(req)
-        try:
-            self._emit_next(req, logits)
-        except Exception as e:  # this request's own failure (its first token): it alone fails
-            log.warning("request %d failed choosing its first token: %s", req.id, e)
-            self._fail(req, GenerationError(f"generation failed: {e}"))
+        """Feed the next prompt chunk of every admitted request that fits, in one forward.
 
-    def _forward_row(self, req: _Request, tokens: list[int], start: int) -> torch.Tensor:
-        """Forward `tokens` at positions start.. for one request's row; the last position's logits."""
-        idx = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
-        rows = torch.tensor([req.row], device=self.device)
-        logits = self.model(idx, pos=pos, kv_cache=self.cache, rows=rows, kv_len=start + len(tokens),
-                            last_only=True)
-        return logits[0, -1]
+        The oldest admitted request always goes, then the others whose chunks are closest to its length (little
+        padding), as many as fit in `prefill_chunk` tokens counted with padding. A prompt longer than that is fed
+        `prefill_chunk` tokens per step, between decode steps, so a long prompt never stalls the running streams
+        for more than one chunk. Shorter chunks are right-padded; padding writes cache slots past its row's
+        position, which nothing reads before the row's own tokens overwrite them (a query at position p reads
+        slots 0..p)."""
+        def chunk(r: _Request) -> int:
+            return min(len(r.prompt) - r.prefilled, self.prefill_chunk)
+
+        oldest = self._prefilling[0]
+        others = sorted(list(self._prefilling)[1:], key=lambda r: abs(chunk(r) - chunk(oldest)))
+        batch: list[_Request] = []
+        sizes: list[int] = []
+        for req in [oldest, *others]:
+            n = chunk(req)
+            width = max(sizes + [n])
+            if batch and width * (len(batch) + 1) > self.prefill_chunk:
+                continue
+            # padding needs slots past the chunk: a chunk ending at the context's last slot is never padded
+            if batch and any(r.prefilled + m == self.block_size and m < width
+                             for r, m in zip(batch + [req], sizes + [n])):
+                continue
+            batch.append(req)
+            sizes.append(n)
+        for req in batch:
+            if req.prefilled == 0:
+                self._begin(req)
+        if self.on_step is not None:
+            for req in list(batch):
+                try:
+                    self.on_step([req])
+                except Exception as e:
+                    log.warning("request %d failed in prefill: %s", req.id, e)
+                    self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
+                    sizes.pop(batch.index(req))
+                    batch.remove(req)
+        if not batch:
+            return
+        chunks = [req.prompt[req.prefilled : req.prefilled + n] for req, n in zip(batch, sizes)]
+        try:
+            logits = self._forward_rows(batch, chunks, [req.prefilled for req in batch])
+        except Exception as e:
+            for req in batch:
+                log.warning("request %d failed in prefill: %s", req.id, e)
+                self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
+            return
+        for req, chunk, row_logits in zip(batch, chunks, logits):
+            req.prefilled += len(chunk)
+            req.pos = req.prefilled
+            if req.prefilled < len(req.prompt):
+                continue
+            self._prefilling.remove(req)
+            self._running.append(req)
+            try:
+                self._emit_next(req, row_logits)
+            except Exception as e:  # this request's own failure (its first token): it alone fails
+                log.warning("request %d failed choosing its first token: %s", req.id, e)
+                self._fail(req, GenerationError(f"generation failed: {e}"))
+
+    def _forward_rows(self, reqs: list[_Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Forward each request's `chunk` at positions start.. in its own cache row, right-padded to the longest;
+        the logits of each chunk's last token, (len(reqs), vocab)."""
+        width = max(len(c) for c in chunks)
+        last = self.block_size - 1
+        idx = [c + [0] * (width - len(c)) for c in chunks]
+        pos = [[min(start + t, last) for t in range(width)] for start in starts]
+        take = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        rows = torch.tensor([r.row for r in reqs], device=self.device)
+        logits = self.model(torch.tensor(idx, device=self.device), pos=torch.tensor(pos, device=self.device),
+                            kv_cache=self.cache, rows=rows, kv_len=min(self.block_size, max(starts) + width),
+                            take=take)
+        return logits[:, 0]
 
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
@@ -524,13 +566,13 @@ class Engine:
                 keep = self.block_size - self.window_shift + 1
                 req.context = req.context[-keep:]
                 req.slides += 1
-                logits_by_req[req.id] = self._forward_row(req, req.context, 0)
+                logits_by_req[req.id] = self._forward_rows([req], [req.context], [0])[0]
                 req.pos = len(req.context)
             else:
                 normal.append(req)
         if normal:
             n = len(normal)
-            # normal rows are not always 0..n-1 (a sliding row may sit between them): pass rows then
+            # rows are wherever each request got one; 0..n-1 in order needs no index (cheaper without the kernels)
             contiguous = [r.row for r in normal] == list(range(n))
             idx = torch.tensor([[r.context[-1]] for r in normal], dtype=torch.long, device=self.device)
             pos = torch.tensor([[r.pos - 1] for r in normal], dtype=torch.long, device=self.device)

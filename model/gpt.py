@@ -44,12 +44,6 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def move_row(self, src: int, dst: int, length: int | None = None) -> None:
-        """Copy row `src`'s first `length` slots (all by default) into row `dst` (used to keep the running
-        batch's rows contiguous)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
 
 @dataclass(frozen=True)
 class CacheStep:
@@ -195,8 +189,10 @@ class GPT(nn.Module):
         rows: torch.Tensor | None = None,
         kv_len: int | None = None,
         last_only: bool = False,
+        take: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size), or (B, 1, vocab_size) with `last_only`.
+        """Token ids (B, T) -> logits (B, T, vocab_size), or (B, 1, vocab_size) with `last_only` (the last position)
+        or `take` ((B,): for each row, the index in T of the one position whose logits are wanted).
 
         Without `kv_cache` this is the plain causal forward over positions 0..T-1 (training, the naive
         reference). With it, `pos` (B, T) gives each token's position (defaults to 0..T-1), the new keys and
@@ -230,5 +226,7 @@ class GPT(nn.Module):
             x = block(x, step)
         if last_only:
             x = x[:, -1:, :]
+        elif take is not None:
+            x = x[torch.arange(B, device=x.device), take][:, None, :]
         x = self.transformer.ln_f(x)
         return self.lm_head(x)

@@ -171,6 +171,66 @@ def test_sliding_rows_batched_with_decoding_rows(make_checkpoint, make_engine) -
 # --- prompt length and truncation ------------------------------------------------------------------------------
 
 
+def count_prefill_forwards(engine) -> list[int]:
+    """Record the batch size of every multi-token forward (a prefill step) the engine's model runs."""
+    sizes: list[int] = []
+    forward = engine.model.forward
+
+    def counting(idx, **kw):
+        if idx.shape[1] > 1:
+            sizes.append(idx.shape[0])
+        return forward(idx, **kw)
+
+    engine.model.forward = counting
+    return sizes
+
+
+def test_prompts_arriving_together_are_prefilled_in_one_forward(make_checkpoint, make_engine) -> None:
+    """Different lengths, right-padded into one forward, at rows freed and reused in any order: each request's
+    greedy tokens are still the naive loop's."""
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, max_batch_size=6, start=False, prefill_chunk=256, window_shift=1)  # nanoGPT's crop
+    sizes = count_prefill_forwards(engine)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(ck.tokenizer.n_vocab) for _ in range(n)] for n in (3, 17, 1, 9, 30, 12)]
+    params = [SamplingParams(max_new_tokens=m) for m in (12, 6, 20, 2, 2, 9)]
+
+    async def main():
+        streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
+        engine.start()
+        first = await asyncio.gather(*(s.collect() for s in streams))
+        # a second wave into the rows the first left, in a different order
+        streams = [engine.submit(p, q) for p, q in zip(prompts[::-1], params)]
+        return first, await asyncio.gather(*(s.collect() for s in streams))
+
+    first, second = run(main())
+    assert sizes[0] == 6  # all six prompts in the first prefill step
+    for results, ps in ((first, prompts), (second, prompts[::-1])):
+        for r, p, q in zip(results, ps, params):
+            assert r.token_ids == naive(ck, p, q)[0]
+
+
+def test_a_chunk_ending_at_the_last_slot_is_never_padded(make_checkpoint, make_engine) -> None:
+    """Padding writes slots past a row's chunk, clamped to the last one: a chunk that ends at the context's last
+    slot would have it overwritten. Such a chunk is prefilled without a wider companion."""
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, max_batch_size=2, start=False, prefill_chunk=24)
+    sizes = count_prefill_forwards(engine)
+    rng = random.Random(4)
+    full, short = [rng.randrange(ck.tokenizer.n_vocab) for _ in range(32)], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    params = SamplingParams(max_new_tokens=6)
+
+    async def main():
+        streams = [engine.submit(full, params), engine.submit(short, params)]  # chunks: 24, then 8 (ends at 32)
+        engine.start()
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    long_result, short_result = run(main())
+    assert max(sizes) == 1  # [full 0:24], then [full 24:32] alone (short's 10 tokens would pad it), ...
+    assert long_result.token_ids == windowed_reference(ck, full, params, engine.window_shift)[0]
+    assert short_result.token_ids == naive(ck, short, params)[0]
+
+
 def test_prompt_longer_than_the_window_is_refused(make_checkpoint, make_engine) -> None:
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck)

@@ -121,10 +121,16 @@ def test_rows_select_a_subset_of_cache_rows(tiny_model: GPT, seqs: torch.Tensor)
             assert _max_diff(step[0, 0], full[2, t]) <= 1e-5
             assert _max_diff(step[1, 0], full[0, t]) <= 1e-5
         assert cache.k[:, 1].abs().sum().item() == 0.0
-        # move_row keeps a sequence decodable from its new row
-        cache.move_row(3, 1)
-        step = tiny_model(seqs[0:1, 20:21], pos=torch.full((1, 1), 20), kv_cache=cache, rows=torch.tensor([1]))
-        assert _max_diff(step[0, 0], full[0, 20]) <= 1e-5
+
+
+def test_take_returns_each_rows_chosen_position(tiny_model: GPT, seqs: torch.Tensor) -> None:
+    full = _full_logits(tiny_model, seqs)
+    take = torch.tensor([5, 0, 11, 3])[: seqs.shape[0]]
+    with torch.no_grad():
+        out = tiny_model(seqs[:, :12], take=take)
+    assert out.shape == (seqs.shape[0], 1, full.shape[-1])
+    for r, t in enumerate(take.tolist()):
+        assert _max_diff(out[r, 0], full[r, t]) <= 1e-5
 
 
 def test_cache_longer_than_block_size_is_refused(tiny_config: GPTConfig) -> None:
