@@ -502,15 +502,9 @@ class Engine:
         for req in batch:
             if req.prefilled == 0:
                 self._begin(req)
-        if self.on_step is not None:
-            for req in list(batch):
-                try:
-                    self.on_step([req])
-                except Exception as e:
-                    log.warning("request %d failed in prefill: %s", req.id, e)
-                    self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
-                    sizes.pop(batch.index(req))
-                    batch.remove(req)
+        kept = self._on_step(batch, " during prefill")
+        sizes = [n for req, n in zip(batch, sizes) if req in kept]
+        batch = kept
         if not batch:
             return
         chunks = [req.prompt[req.prefilled : req.prefilled + n] for req, n in zip(batch, sizes)]
@@ -534,6 +528,20 @@ class Engine:
                 log.warning("request %d failed choosing its first token: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed: {e}"))
 
+    def _on_step(self, reqs: list[_Request], phase: str) -> list[_Request]:
+        """Run the `on_step` hook (fault injection) per request; a request it raises for fails alone. The rest."""
+        if self.on_step is None:
+            return reqs
+        kept = []
+        for req in reqs:
+            try:
+                self.on_step([req])
+                kept.append(req)
+            except Exception as e:
+                log.warning("request %d failed%s: %s", req.id, phase, e)
+                self._fail(req, GenerationError(f"generation failed{phase}: {e}"))
+        return kept
+
     def _forward_rows(self, reqs: list[_Request], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Forward each request's `chunk` at positions start.. in its own cache row, right-padded to the longest;
         the logits of each chunk's last token, (len(reqs), vocab)."""
@@ -550,15 +558,7 @@ class Engine:
 
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
-        rows = list(self._running)
-        if self.on_step is not None:
-            for req in list(rows):
-                try:
-                    self.on_step([req])
-                except Exception as e:
-                    log.warning("request %d failed in decode: %s", req.id, e)
-                    self._fail(req, GenerationError(f"generation failed: {e}"))
-            rows = list(self._running)
+        rows = self._on_step(list(self._running), "")
         logits_by_req: dict[int, torch.Tensor] = {}
         normal = []
         for req in rows:
