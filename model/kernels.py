@@ -5,8 +5,8 @@ by memory bandwidth. PyTorch's fp32 `linear` for one row (MKL's GEMV) reads the 
 bandwidth this machine measures (13-16 of ~30 GB/s on the 2-core AVX2 VM), and for 2-64 rows MKL's GEMM is
 slower still. The kernel here streams each weight row once for all (up to `MAX_ROWS`) input rows: tiles of 4
 weight rows x 3 input rows in AVX2 registers (12 accumulators, fused multiply-add; 8 weight rows when there is
-one input row), spread over ATen's intra-op threads (the pool `torch.set_num_threads` sizes: no second OpenMP
-runtime). One row reads at 23-30 GB/s; 32 rows reach 90-120 GFLOP/s where MKL gives 55-95.
+one input row), spread over the kernels' own spinning thread pool (sized by `torch.set_num_threads`; see `Pool`
+in the source for why not OpenMP's). One row reads at 23-30 GB/s; 32 rows reach 90-120 GFLOP/s where MKL gives 55-95.
 `decode_attention` does a decode step's attention (cache write, scores, softmax, weighted sum) for every row
 and head in one call, where torch needs a dozen small ops per layer.
 
@@ -46,9 +46,82 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <vector>
+
+// The kernels' own thread pool. OpenMP's would do, but when two threads of a process each own an OpenMP team
+// (the server's event loop loaded the model, the engine thread decodes) libgomp counts more threads than CPUs
+// and stops spinning between parallel regions: every kernel call then waits tens of microseconds for its
+// workers to wake, and a decode step makes ~60 calls. These workers spin for up to 200 us after a job (the
+// Python between two kernels of a step), then sleep until the next one.
+class Pool {
+ public:
+  explicit Pool(int threads) : threads_(std::max(1, threads)) {
+    for (int w = 1; w < threads_; w++) std::thread([this, w] { work(w); }).detach();
+  }
+  int threads() const { return threads_; }
+
+  // fn(begin, end) over [0, n) in `threads` contiguous pieces; inline when n <= grain
+  void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+    if (threads_ == 1 || n <= grain) { fn(0, n); return; }
+    std::lock_guard<std::mutex> one_job(run_mutex_);
+    const int64_t pieces = std::min<int64_t>(threads_, (n + grain - 1) / grain);
+    job_ = &fn; n_ = n; pieces_ = pieces;
+    // every worker acknowledges every job, with a piece or without: none can lag into the next job's fields
+    pending_.store(threads_ - 1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      epoch_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    piece(0);
+    while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();
+  }
+
+ private:
+  void piece(int64_t i) {
+    const int64_t chunk = (n_ + pieces_ - 1) / pieces_, begin = i * chunk, end = std::min(n_, begin + chunk);
+    if (begin < end) (*job_)(begin, end);
+  }
+  void work(int w) {
+    uint64_t seen = 0;  // the epoch at construction (not a load: the first job may be published before this runs)
+    while (true) {
+      auto start = std::chrono::steady_clock::now();
+      int spins = 0;
+      while (epoch_.load(std::memory_order_acquire) == seen) {
+        _mm_pause();
+        if (++spins % 256 == 0 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(200)) {
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
+          wake_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+        }
+      }
+      seen = epoch_.load(std::memory_order_acquire);
+      if (w < pieces_) piece(w);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  const int threads_;
+  std::mutex run_mutex_, sleep_mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int64_t> pending_{0};
+  const std::function<void(int64_t, int64_t)>* job_ = nullptr;
+  int64_t n_ = 0, pieces_ = 1;
+};
+
+static Pool& pool() {
+  static Pool* p = new Pool(at::get_num_threads());  // sized by torch.set_num_threads at first use; never freed
+  return *p;
+}
+
+int64_t pool_threads() { return pool().threads(); }
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -104,9 +177,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == O && bias->scalar_type() == at::kFloat, "linear: bias");
     bp = bias->data_ptr<float>();
   }
+  // a task is worth a thread when it reads >= 512 KiB of weights or does >= 2 MFLOP: waking a sleeping thread
+  // costs tens of microseconds, more than the whole product for the small layers of a small model
+  auto grain = [&](int64_t rows_per_block) {
+    const int64_t bytes = rows_per_block * I * 4, flops = 2 * rows_per_block * I * M;
+    return std::max<int64_t>(1, std::min((int64_t(512) << 10) / bytes, int64_t(2000000) / flops));
+  };
   if (M == 1) {  // decoding one row: 8 weight rows per tile (more streams in flight reads closer to bandwidth)
     const int64_t blocks = (O + 7) / 8;
-    at::parallel_for(0, blocks, std::max<int64_t>(1, 4096 / I), [&](int64_t begin, int64_t end) {
+    pool().run(blocks, grain(8), [&](int64_t begin, int64_t end) {
       for (int64_t blk = begin; blk < end; blk++) {
         const int64_t o = blk * 8;
         const float* bo = bp ? bp + o : nullptr;
@@ -120,8 +199,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
     return y;
   }
   const int64_t blocks = (O + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, 8192 / I);  // >= 128 KiB of weights per task
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  pool().run(blocks, grain(4), [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; blk++) {
       const int64_t o = blk * 4;
       const float* bo = bp ? bp + o : nullptr;
@@ -165,7 +243,11 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
   float* vc = v_cache.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  at::parallel_for(0, B * n_head, 1, [&](int64_t begin, int64_t end) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; b++) longest = std::max(longest, pp[b] + 1);
+  // about 4 flops per cached value read; a thread for every >= 1 MFLOP (see linear's grain)
+  const int64_t grain = std::max<int64_t>(1, 250000 / (longest * hs));
+  pool().run(B * n_head, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s(L);
     for (int64_t bh = begin; bh < end; bh++) {
       const int64_t b = bh / n_head, h = bh % n_head, p = pp[b];
@@ -200,11 +282,11 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
+  m.def("pool_threads", &pool_threads);
 }
 """
 
-# -fopenmp makes ATen's parallel_for parallel; the library then uses libgomp.so.1, the one torch has loaded
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_CFLAGS = ["-O3", "-mavx2", "-mfma"]
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -257,7 +339,7 @@ def load() -> bool:
                     directory.mkdir(parents=True, exist_ok=True)
                     log.info("building the CPU decode kernel once into %s (about a minute)", directory)
                     _ext = load_inline(name, cpp_sources=_SOURCE, build_directory=str(directory),
-                                       extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                                       extra_cflags=_CFLAGS, verbose=False)
             except Exception as e:  # no compiler, no ninja, a read-only cache: serve with F.linear
                 _why_not = f"could not be built: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
         if _why_not is not None:

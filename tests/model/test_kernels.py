@@ -119,3 +119,23 @@ def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
                        cwd=repo)
     assert r.returncode == 0, r.stderr
     assert "building" not in r.stderr
+
+
+def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None:  # noqa: ANN001
+    """A fresh process whose first kernel call comes from a thread other than the main one (the engine's): the
+    pool's worker starts while the first job is published, and must not miss it (that hung once)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
+        "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
+        "def run():\n"
+        "    torch.set_grad_enabled(False)\n"
+        "    for _ in range(200):\n"
+        "        torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)\n"
+        "t = threading.Thread(target=run); t.start(); t.join()\n"
+        "print('pool threads', kernels._ext.pool_threads())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert r.returncode == 0 and "pool threads 2" in r.stdout, r.stderr
