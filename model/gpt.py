@@ -55,7 +55,7 @@ class CacheStep:
     pos: torch.Tensor  # (B, T) positions of the new tokens
     kv_len: int  # cache slots read
     mask: torch.Tensor | None  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
-    fused: bool  # one token per row, through `kernels.decode_attention` (no mask needed)
+    fused: bool  # one token per row, each block through `kernels.decode_block` (no mask needed)
 
 
 class LayerNorm(nn.Module):
@@ -91,13 +91,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
         B, T, C = x.size()
-        qkv = self.c_attn(x)
-        if step is not None and step.fused:  # a decode step: the same maths in one kernel call
-            cache = step.cache
-            y = kernels.decode_attention(qkv.view(B, 3 * C), cache.k[self.layer], cache.v[self.layer],
-                                         step.row_idx[:, 0], step.pos[:, 0], self.n_head)
-            return self.resid_dropout(self.c_proj(y.view(B, T, C)))
-        q, k, v = qkv.split(self.n_embd, dim=2)
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -139,6 +133,12 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
+        if step is not None and step.fused:  # a decode step: the same maths in one kernel call (model/kernels.py)
+            B, T, C = x.size()
+            cache, layer = step.cache, self.attn.layer
+            y = kernels.decode_block(x.view(B, C), self, cache.k[layer], cache.v[layer], step.row_idx[:, 0],
+                                     step.pos[:, 0], self.attn.n_head)
+            return y.view(B, T, C)
         x = x + self.attn(self.ln_1(x), step)
         return x + self.mlp(self.ln_2(x))
 
@@ -211,7 +211,8 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
             row_idx = torch.arange(B, device=idx.device) if rows is None else rows
-            fused = T == 1 and kernels.decode_attention_applies(self.lm_head.weight, kv_cache.k, self.config.head_size)
+            fused = T == 1 and not self.training and kernels.decode_attention_applies(
+                self.lm_head.weight, kv_cache.k, self.config.head_size)
             step = CacheStep(
                 cache=kv_cache,
                 rows=slice(0, B) if rows is None else rows,

@@ -67,8 +67,8 @@ def test_disabled_restores(built: None) -> None:
 
 @pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16)])
 def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int) -> None:
-    """Rows at different positions in non-contiguous cache rows: the kernel's decode steps give the logits of
-    torch's masked-SDPA path and of the full forward."""
+    """Rows at different positions in non-contiguous cache rows: decode steps through the kernels (each block in
+    one `decode_block` call) give the logits of torch's masked-SDPA path and of the full forward."""
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
