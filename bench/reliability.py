@@ -1333,9 +1333,9 @@ def _await_weights_swap(out: Path, proc: subprocess.Popen, timeout: float = 300)
 def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: bool = True) -> dict[str, Any]:
     """An uninterrupted run, then the same run SIGKILLed and `--resume`d again and again: first (if `targeted`)
     the moment the best checkpoint's new weights are renamed into place, the one moment where weights and config
-    on disk disagree, then `kills` times at moments drawn uniformly over the first 80% of the training left
-    (start-up excluded: nothing is written then). After every kill the checkpoints on disk must load; at the end,
-    weights and losses must equal the uninterrupted run's."""
+    on disk disagree, then `kills` times, each at a moment drawn uniformly over the first 80% of the training
+    left divided by the kills still to come (start-up excluded: nothing is written then). After every kill the
+    checkpoints on disk must load; at the end, weights and losses must equal the uninterrupted run's."""
     import torch
     from safetensors.torch import load_file
 
@@ -1380,9 +1380,12 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
         event: dict[str, Any] = {"kind": kind, "resumed_from_step": step}
         if kind == "random":
             if not _await_training(run, step, proc):
-                problems.add(f"the trainer exited before training (kill {len(events) + 1})")
+                problems.add(f"the trainer exited ({proc.poll()}) before it logged a step (kill {len(events) + 1})")
                 break
-            delay = rng.uniform(0, 0.8 * train_s * (max_iters - step) / max_iters)
+            # uniformly over the first 80% of the training left, shared among the kills still to come (a kill
+            # drawn near the end would leave the next ones no training to interrupt)
+            kills_left = plan[len(events):].count("random")
+            delay = rng.uniform(0, 0.8 * train_s * (max_iters - step) / max_iters / kills_left)
             try:
                 proc.wait(delay)
                 problems.add(f"the run finished before kill {len(events) + 1} ({delay:.2f} s into training)")
