@@ -55,6 +55,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -120,8 +121,16 @@ class Pool {
 
 static constexpr int64_t MAX_ROWS = @MAX_ROWS@;  // kernels.MAX_ROWS
 
+// A forked child has none of its parent's worker threads: it makes a pool of its own at its first call.
+static std::atomic<bool> forked{false};
+static void after_fork_in_child() { forked.store(true); }
+
 static Pool& pool() {
-  static Pool* p = new Pool(at::get_num_threads());  // sized by torch.set_num_threads at first use; never freed
+  static Pool* p = [] {
+    pthread_atfork(nullptr, nullptr, after_fork_in_child);
+    return new Pool(at::get_num_threads());  // sized by torch.set_num_threads at first use; never freed
+  }();
+  if (forked.exchange(false)) p = new Pool(at::get_num_threads());  // the parent's pool is left as it was
   return *p;
 }
 

@@ -139,3 +139,24 @@ def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None: 
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
     assert r.returncode == 0 and "pool threads 2" in r.stdout, r.stderr
+
+
+def test_pool_works_in_a_forked_child(built: None, repo) -> None:  # noqa: ANN001
+    """A child forked after the pool started has none of its worker threads; its first call makes its own pool
+    instead of waiting forever for workers that are not there."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
+        "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
+        "kernels.linear(x, w)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)\n"
+        "    os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child exit', os.waitstatus_to_exitcode(status))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    assert r.returncode == 0 and "child exit 0" in r.stdout, r.stderr
