@@ -4,6 +4,8 @@ SDPA path, and the fallbacks that must hand work back to torch untouched."""
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,11 @@ from torch.nn import functional as F
 from model import kernels
 from model.config import GPTConfig
 from model.gpt import GPT, KVCache
+
+
+def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
+    """`code` in a fresh interpreter (a fresh kernel pool), from the repository root."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +116,10 @@ def test_decode_attention_refuses_bad_rows(built: None) -> None:
 
 def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
     """A second process finds the built library and imports it without compiling (no compiler needed)."""
-    import subprocess
-    import sys
-
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO); from model import kernels; "
             "import torch.utils.cpp_extension as c; c.load_inline = None; "  # compiling would now fail
             "sys.exit(0 if kernels.load() else 1)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=repo)
+    r = run_python(code, repo)
     assert r.returncode == 0, r.stderr
     assert "building" not in r.stderr
 
@@ -124,9 +127,6 @@ def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
 def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None:  # noqa: ANN001
     """A fresh process whose first kernel call comes from a thread other than the main one (the engine's): the
     pool's worker starts while the first job is published, and must not miss it (that hung once)."""
-    import subprocess
-    import sys
-
     code = (
         "import threading, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
         "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
@@ -137,16 +137,13 @@ def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None: 
         "t = threading.Thread(target=run); t.start(); t.join()\n"
         "print('pool threads', kernels._ext.pool_threads())\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    r = run_python(code, repo)
     assert r.returncode == 0 and "pool threads 2" in r.stdout, r.stderr
 
 
 def test_pool_works_in_a_forked_child(built: None, repo) -> None:  # noqa: ANN001
     """A child forked after the pool started has none of its worker threads; its first call makes its own pool
     instead of waiting forever for workers that are not there."""
-    import subprocess
-    import sys
-
     code = (
         "import os, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
         "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
@@ -158,5 +155,5 @@ def test_pool_works_in_a_forked_child(built: None, repo) -> None:  # noqa: ANN00
         "_, status = os.waitpid(pid, 0)\n"
         "print('child exit', os.waitstatus_to_exitcode(status))\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=repo)
+    r = run_python(code, repo)
     assert r.returncode == 0 and "child exit 0" in r.stdout, r.stderr
