@@ -318,9 +318,8 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise EngineStopped("the engine is shutting down")
-            if reservation is not None and reservation.held:  # the reserved slot becomes this request's
-                reservation.held = False
-                self._reserved -= 1
+            if reservation is not None and reservation.held:
+                reservation.release()  # its slot becomes this request's (the lock is reentrant)
             else:
                 self._refuse_if_full()
             self._waiting.append(req)

@@ -211,7 +211,7 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
             row_idx = torch.arange(B, device=idx.device) if rows is None else rows
-            fused = T == 1 and not self.training and kernels.decode_attention_applies(
+            fused = T == 1 and not self.training and kernels.decode_block_applies(
                 self.lm_head.weight, kv_cache.k, self.config.head_size)
             step = CacheStep(
                 cache=kv_cache,

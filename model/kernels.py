@@ -291,6 +291,8 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor k_cache, torch::
   return y;
 }
 
+// x (M, I) @ w.T + b: the kernel for up to MAX_ROWS rows and I % 8 == 0, torch's linear otherwise (the one
+// place that rule lives: `kernels.linear` calls this too)
 static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   if (x.size(0) <= MAX_ROWS && w.size(1) % 8 == 0) return small_linear(x, w, b);
   return at::linear(x, w, b);
@@ -315,7 +317,7 @@ torch::Tensor decode_block(torch::Tensor x, torch::Tensor ln1_w, c10::optional<t
 // the GIL is released while a kernel runs, so other Python threads (the server's event loop) run meanwhile
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_block", &decode_block, py::call_guard<py::gil_scoped_release>());
-  m.def("linear", &small_linear, py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &lin, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("pool_threads", &pool_threads);
 }
@@ -400,8 +402,8 @@ def status() -> str:
     return "loaded" if _ext is not None else (_why_not or "not loaded")
 
 
-def decode_attention_applies(activations: torch.Tensor, cache: torch.Tensor, head_size: int) -> bool:
-    """Whether `decode_attention` can serve this one-token step (fp32 on CPU, head size a multiple of 8)."""
+def decode_block_applies(activations: torch.Tensor, cache: torch.Tensor, head_size: int) -> bool:
+    """Whether `decode_block` can serve this one-token step (fp32 on CPU, head size a multiple of 8)."""
     return (
         _ext is not None
         and activations.device.type == "cpu"
@@ -436,13 +438,12 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the kernel when it applies (see the module docstring)."""
     ext = _ext
-    if ext is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32:
+    if (ext is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32):
         return F.linear(x, weight, bias)
     *lead, n_in = x.shape
-    rows = x.numel() // n_in
-    if rows > MAX_ROWS or n_in % 8 or weight.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    y = ext.linear(x.reshape(rows, n_in).contiguous(), weight.contiguous(), bias)
+    # the extension picks: its kernel for <= MAX_ROWS rows and widths that are multiples of 8, else torch's linear
+    y = ext.linear(x.reshape(-1, n_in).contiguous(), weight.contiguous(), bias)
     return y.view(*lead, weight.shape[0])
 
 
