@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -559,8 +559,10 @@ def test_body_over_the_limit_is_413_by_length_and_when_chunked(client: TestClien
             assert_tgi_error(r, 413, "payload_too_large", *needles)
 
 
-def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., TestClient]) -> None:
-    client = make_client(max_batch_size=1, max_waiting=0, retry_after=3)
+@contextmanager
+def engine_held_full(client: TestClient) -> Iterator[None]:
+    """Within the block, one request holds the engine's only slot (max_batch_size=1, max_waiting=0), stopped in
+    its model step; on leaving, it is let go and must complete with 200."""
     engine = engine_of(client)
     entered, gate = threading.Event(), threading.Event()
 
@@ -573,50 +575,40 @@ def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., Tes
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
             assert entered.wait(10)
-            for route, body in [("/generate", {"inputs": PROMPT}), ("/generate_stream", {"inputs": PROMPT}),
-                                ("/v1/completions", {"prompt": PROMPT})]:
-                r = client.post(route, json=body)
-                assert r.headers["retry-after"] == "3"
-                if route.startswith("/v1"):
-                    assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
-                else:
-                    assert_tgi_error(r, 429, "overloaded", "at capacity (1 running, 0 waiting)")
-            assert metric(client.get("/metrics").text, "folio_rejected_requests_total") == 3
+            yield
             gate.set()
             assert first.result(timeout=10).status_code == 200
     finally:
         engine.on_step = None
         gate.set()
+
+
+def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_batch_size=1, max_waiting=0, retry_after=3)
+    with engine_held_full(client):
+        for route, body in [("/generate", {"inputs": PROMPT}), ("/generate_stream", {"inputs": PROMPT}),
+                            ("/v1/completions", {"prompt": PROMPT})]:
+            r = client.post(route, json=body)
+            assert r.headers["retry-after"] == "3"
+            if route.startswith("/v1"):
+                assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+            else:
+                assert_tgi_error(r, 429, "overloaded", "at capacity (1 running, 0 waiting)")
+        assert metric(client.get("/metrics").text, "folio_rejected_requests_total") == 3
 
 
 def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callable[..., TestClient]) -> None:
     """The admission fast path (app/admission.py): while the engine is full even a malformed request gets its 429,
     counted under its route; once there is room the same request is a 422 again."""
     client = make_client(max_batch_size=1, max_waiting=0)
-    engine = engine_of(client)
-    entered, gate = threading.Event(), threading.Event()
-
-    def hold(_: list) -> None:
-        entered.set()
-        gate.wait(10)
-
-    engine.on_step = hold
     malformed = {"inputs": PROMPT, "parameters": {"max_new_tokens": -1}}
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
-            assert entered.wait(10)
-            assert_tgi_error(client.post("/generate", json=malformed), 429, "overloaded", "at capacity")
-            r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-            assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
-            text = client.get("/metrics").text
-            assert metric(text, "folio_requests_total", route="/generate", status="429") == 1
-            assert metric(text, "folio_requests_total", route="/v1/completions", status="429") == 1
-            gate.set()
-            assert first.result(timeout=10).status_code == 200
-    finally:
-        engine.on_step = None
-        gate.set()
+    with engine_held_full(client):
+        assert_tgi_error(client.post("/generate", json=malformed), 429, "overloaded", "at capacity")
+        r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+        text = client.get("/metrics").text
+        assert metric(text, "folio_requests_total", route="/generate", status="429") == 1
+        assert metric(text, "folio_requests_total", route="/v1/completions", status="429") == 1
     assert client.post("/generate", json=malformed).status_code == 422
 
 

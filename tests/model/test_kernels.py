@@ -124,16 +124,26 @@ def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
     assert "building" not in r.stderr
 
 
+# a fresh interpreter with the kernels loaded and a product big enough to use the pool (two threads): `check()`.
+# The reference is computed up front: torch's matmul uses OpenMP, which a forked child cannot use after its parent
+# did (GNU OpenMP is not fork-safe), and the fork test is about the kernels' pool only.
+POOL_SETUP = (
+    "import torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
+    "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192); ref = x @ w.t()\n"
+    "def check():\n"
+    "    torch.testing.assert_close(kernels.linear(x, w), ref, rtol=1e-5, atol=1e-4)\n"
+)
+
+
 def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None:  # noqa: ANN001
     """A fresh process whose first kernel call comes from a thread other than the main one (the engine's): the
     pool's worker starts while the first job is published, and must not miss it (that hung once)."""
-    code = (
-        "import threading, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
-        "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
+    code = POOL_SETUP + (
+        "import threading\n"
         "def run():\n"
         "    torch.set_grad_enabled(False)\n"
         "    for _ in range(200):\n"
-        "        torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)\n"
+        "        check()\n"
         "t = threading.Thread(target=run); t.start(); t.join()\n"
         "print('pool threads', kernels._ext.pool_threads())\n"
     )
@@ -144,13 +154,12 @@ def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None: 
 def test_pool_works_in_a_forked_child(built: None, repo) -> None:  # noqa: ANN001
     """A child forked after the pool started has none of its worker threads; its first call makes its own pool
     instead of waiting forever for workers that are not there."""
-    code = (
-        "import os, torch; from model import kernels; assert kernels.load(); torch.set_num_threads(2)\n"
-        "torch.set_grad_enabled(False); w, x = torch.randn(576, 192), torch.randn(20, 192)\n"
-        "kernels.linear(x, w)\n"
+    code = POOL_SETUP + (
+        "import os\n"
+        "check()\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-4)\n"
+        "    check()\n"
         "    os._exit(0)\n"
         "_, status = os.waitpid(pid, 0)\n"
         "print('child exit', os.waitstatus_to_exitcode(status))\n"
