@@ -6,6 +6,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,52 @@ def test_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bia
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [kernels.PACKED_MIN_ROWS, 6, 7, 13, 32, kernels.MAX_ROWS])
+@pytest.mark.parametrize("n_out, n_in", [(65, 192), (101, 60), (2304, 768), (16, 3072), (7, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bias: bool) -> None:
+    """Weights packed in panels of 16 outputs (a partial last panel; any input width) give F.linear's result."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_out)
+    layer = torch.nn.Linear(n_in, n_out, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in**0.5)
+    assert kernels.pack_weights(layer) == -(-n_out // 16) * 16 * n_in * 4
+    assert kernels._packed(layer.weight) is not None
+    x = torch.randn(rows, n_in, generator=g)
+    with torch.inference_mode():
+        got = kernels.linear(x, layer.weight, layer.bias)
+        ref = F.linear(x.double(), layer.weight.double(), None if not bias else layer.bias.double()).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_copy_is_not_used_once_the_weight_changes(built: None) -> None:
+    layer = torch.nn.Linear(64, 40)
+    kernels.pack_weights(layer)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # in place: the packed copy is now stale
+    assert kernels._packed(layer.weight) is None
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, layer.weight, layer.bias),
+                                   F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_serial_torch_ops_is_per_thread_and_restores(built: None) -> None:
+    threads = torch.get_num_threads()
+    seen = []
+    with kernels.serial_torch_ops():
+        seen.append(torch.get_num_threads())
+        other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        other.start()
+        other.join()
+        x, w = torch.randn(32, 64), torch.randn(16, 64)
+        with torch.inference_mode():
+            torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert seen[0] == 1
+    assert seen[1] == threads or threads == 1  # another thread keeps torch's count
+    assert torch.get_num_threads() == threads
+
+
 def test_linear_keeps_leading_dims(built: None) -> None:
     x, w = torch.randn(2, 3, 64), torch.randn(16, 64)
     with torch.inference_mode():
@@ -72,16 +119,20 @@ def test_disabled_restores(built: None) -> None:
     assert kernels.status() == "loaded"
 
 
-@pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16)])
-def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int) -> None:
+@pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16), (2, 256), (1, 72)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int, packed: bool) -> None:
     """Rows at different positions in non-contiguous cache rows: decode steps through the kernels (each block in
-    one `decode_block` call) give the logits of torch's masked-SDPA path and of the full forward."""
+    one `decode_block` call; the products from packed weights or not) give the logits of torch's masked-SDPA
+    path and of the full forward. Head sizes 8-128, so every width of the attention's register blocks."""
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
-    B, start, steps = 4, torch.tensor([3, 11, 1, 7]), 12
+    if packed:
+        assert kernels.pack_weights(model) > 0
+    B, start, steps = 5, torch.tensor([3, 11, 1, 7, 30]), 12
     idx = torch.randint(0, cfg.vocab_size, (B, int(start.max()) + steps))
-    rows = torch.tensor([5, 0, 2, 1])
+    rows = torch.tensor([5, 0, 2, 1, 4])
     with torch.inference_mode():
         full = model(idx)
         results = {}
@@ -103,6 +154,32 @@ def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: in
         expected = torch.stack([full[b, start[b] : start[b] + steps] for b in range(B)])
     torch.testing.assert_close(results["kernel"], results["torch"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results["kernel"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_block_with_many_rows(built: None) -> None:
+    """40 rows of a 512-wide block: GELU is split over the kernel pool's threads, the products use packed
+    weights; the step's output equals torch's path."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=8, n_embd=512, bias=True)
+    model = GPT(cfg).eval()
+    kernels.pack_weights(model)
+    B = 40
+    idx = torch.randint(0, cfg.vocab_size, (B, 6))
+    with torch.inference_mode():
+        out = {}
+        for name in ("kernel", "torch"):
+            cache = KVCache(cfg, B)
+            model(idx[:, :5], kv_cache=cache)
+            step = idx[:, 5:]
+            pos = torch.full((B, 1), 5)
+            if name == "kernel":
+                out[name] = model(step, pos=pos, kv_cache=cache)
+            else:
+                with kernels.disabled():
+                    out[name] = model(step, pos=pos, kv_cache=cache)
+        full = model(idx)[:, 5:]
+    torch.testing.assert_close(out["kernel"], out["torch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["kernel"], full, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_refuses_bad_rows(built: None) -> None:
