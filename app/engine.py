@@ -3,19 +3,19 @@
 The engine owns the model, the tokenizer and the KV cache. Callers hand it token ids and validated
 `SamplingParams`; it hands back a stream of `TokenEvent`s ending in a `Finished` (or an error). Model work
 runs on the engine thread only, never on the asyncio event loop; results cross over with
-`loop.call_soon_threadsafe`.
+`loop.call_soon_threadsafe`, once per step for all of a loop's streams (`_Mailbox`).
 
 Scheduling, one iteration of the engine loop:
 1. admit waiting requests into free batch slots (FIFO), up to `max_batch_size`;
 2. drop cancelled requests (their slot is free before the next model step);
-3. prefill: up to `prefill_chunk` prompt tokens of the oldest admitted request, in one forward; a long
-   prompt therefore takes several iterations, and running streams get a decode step between its chunks;
+3. prefill: the next chunk of the oldest admitted request, with the admitted requests whose chunks are
+   closest to its length, up to `prefill_chunk` tokens in one forward (see `_prefill_step`); a long prompt
+   therefore takes several iterations, and running streams get a decode step between its chunks;
 4. one decode step for every running row together: each row at its own position, with its own sampling
-   parameters, generator and stop rules.
+   parameters, generator and stop rules; greedy rows choose their tokens together.
 
-Rows: the running requests occupy cache rows 0..R-1 (a contiguous slice, so a decode step reads the cache
-without copying). A request being prefilled sits in row R. When a row finishes, the last running row is
-moved into its place.
+Rows: a request takes a free cache row when its prefill starts and gives it back when it leaves; a decode step
+reads the running rows wherever they are (a slice when they happen to be 0..R-1).
 
 Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
 position `block_size`, the window slides: the row keeps its last `block_size - window_shift + 1` tokens,
@@ -35,6 +35,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -139,6 +140,47 @@ class _Request:
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
+class _Mailbox:
+    """Events bound for the streams of one event loop, handed over in one callback per engine step instead of one
+    `call_soon_threadsafe` per token (each of those takes the loop's lock and writes its wake-up pipe while the
+    engine thread holds the GIL, and wakes the loop once per token). The engine thread posts during a step and
+    flushes at its end; a post from any other thread flushes at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.closed = False  # the loop is closed: nobody is listening any more
+        self._pending: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, events: asyncio.Queue[Event], ev: Event) -> bool:
+        """Queue `ev` for `events`; False when the loop is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._pending.append((events, ev))
+        return True
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._scheduled or not self._pending or self.closed:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self.closed = True
+                self._pending.clear()
+
+    def _deliver(self) -> None:  # on the loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for events, ev in pending:
+            events.put_nowait(ev)
+
+
 class GenerationStream:
     """What `Engine.submit` returns: an async iterator of events; `cancel()` when the client is gone."""
 
@@ -238,6 +280,8 @@ class Engine:
             kernels.load()
             self.cpu_kernels = kernels.status()
         self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
+        # the kernels' packed weight layout for batched decode steps (as much memory again as the weights)
+        self.packed_bytes = kernels.pack_weights(self.model) if self.cpu_kernels == "loaded" else 0
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.n_vocab = self.tokenizer.n_vocab
@@ -263,6 +307,8 @@ class Engine:
         self._reserved = 0  # slots held by `reserve` for requests not yet submitted
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # per event loop that submitted: its events of the current step (a loop that is gone drops its mailbox)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
         self.on_step: Callable[[list[_Request]], None] | None = None  # test hook: fault injection
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -350,16 +396,31 @@ class Engine:
                reservation: Reservation | None = None) -> GenerationStream:
         """From the event loop: enqueue and return the request's async stream (raises Overloaded at once unless
         `reservation` holds a slot for it)."""
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         events: asyncio.Queue[Event] = asyncio.Queue()
+
         def sink(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            if not mailbox.post(events, ev):  # the caller's event loop is closed: nobody is listening any more
                 req.cancelled = True
+            elif threading.current_thread() is not self._thread:
+                mailbox.flush()  # not from a step, which flushes at its end (see `_flush`)
 
         req = self._enqueue(prompt, params, sink, truncate, reservation)
         return GenerationStream(self, req, events)
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        with self._lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+            return mailbox
+
+    def _flush(self) -> None:
+        """Hand every event loop the events of the step just done."""
+        with self._lock:
+            mailboxes = list(self._mailboxes.values())
+        for mailbox in mailboxes:
+            mailbox.flush()
 
     def generate(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
                  timeout: float | None = None) -> Result:
@@ -396,6 +457,7 @@ class Engine:
                     self._lock.wait()
                 if self._stopping:
                     self._fail_all(EngineStopped("the engine stopped before this request finished"))
+                    self._flush()
                     return
                 self._reap_cancelled()
                 while self._waiting and len(self._running) + len(self._prefilling) < self.max_batch_size:
@@ -406,13 +468,17 @@ class Engine:
                 with torch.inference_mode():
                     if self._prefilling:
                         self._prefill_step()
+                        self._flush()  # first tokens go out now, not after the decode step
                     if self._running:
-                        self._decode_step()
+                        # torch's small ops of a decode step on this thread alone; the kernels use their own pool
+                        with kernels.serial_torch_ops():
+                            self._decode_step()
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 with self._lock:
                     for req in list(self._running) + list(self._prefilling):
                         self._fail(req, GenerationError(f"generation failed: {e}"))
+            self._flush()
 
     def _reap_cancelled(self) -> None:
         for req in [r for r in self._waiting if r.cancelled]:
@@ -580,30 +646,50 @@ class Engine:
             out = self.model(idx, pos=pos, kv_cache=self.cache, rows=row_idx, kv_len=kv_len, last_only=True)
             for i, req in enumerate(normal):
                 logits_by_req[req.id] = out[i, -1]
-        logprobs = {}
-        if rows:
-            stacked = torch.stack([logits_by_req[r.id] for r in rows]).float()
-            lp = torch.log_softmax(mask_unusable(stacked, self.n_vocab), dim=-1)
-            for i, req in enumerate(rows):
-                logprobs[req.id] = lp[i]
-        for req in rows:
+        if not rows:
+            return
+        masked = mask_unusable(torch.stack([logits_by_req[r.id] for r in rows]).float(), self.n_vocab)
+        logprobs = torch.log_softmax(masked, dim=-1)
+        # greedy rows without a repetition penalty choose together: one argmax and one gather for all of them,
+        # not a few tensor ops each (the same argmax of the same masked logits as `choose_token`)
+        chosen: dict[int, tuple[int, float]] = {}
+        plain = [i for i, r in enumerate(rows) if r.params.is_greedy and r.params.repetition_penalty in (None, 1.0)]
+        if plain:
+            sel = torch.tensor(plain, device=masked.device)
+            tokens = masked[sel].argmax(dim=-1)
+            lps = logprobs[sel].gather(1, tokens[:, None])[:, 0]
+            chosen = {i: (t, lp) for i, t, lp in zip(plain, tokens.tolist(), lps.tolist())}
+        for i, req in enumerate(rows):
             try:
-                self._emit_next(req, logits_by_req[req.id], logprobs[req.id])
+                if i in chosen:
+                    token, logprob = chosen[i]
+                else:
+                    token = self._choose(req, logits_by_req[req.id])
+                    logprob = float(logprobs[i, token])
+                self._emit(req, token, logprob, logprobs[i])
             except Exception as e:
                 log.warning("request %d failed choosing a token: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed: {e}"))
 
-    def _emit_next(self, req: _Request, logits: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
-        """Choose the next token from `logits`, stream it, and finish the request if it should stop."""
-        params = req.params
+    def _choose(self, req: _Request, logits: torch.Tensor) -> int:
+        """The request's next token from its logits (steps 1-7 of model/sampling.py)."""
         context = None
-        if params.repetition_penalty not in (None, 1.0):
+        if req.params.repetition_penalty not in (None, 1.0):
             # every id seen so far (prompt and output), as the naive loop does; `req.context` is only the
             # window once it has slid
             context = torch.tensor(req.prompt + req.output, device=logits.device)
-        token = choose_token(logits, params, n_vocab=self.n_vocab, context=context, generator=req.generator)
-        if logprobs is None:
-            logprobs = torch.log_softmax(mask_unusable(logits.float(), self.n_vocab), dim=-1)
+        return choose_token(logits, req.params, n_vocab=self.n_vocab, context=context, generator=req.generator)
+
+    def _emit_next(self, req: _Request, logits: torch.Tensor) -> None:
+        """Choose the next token from `logits`, stream it, and finish the request if it should stop."""
+        token = self._choose(req, logits)
+        logprobs = torch.log_softmax(mask_unusable(logits.float(), self.n_vocab), dim=-1)
+        self._emit(req, token, float(logprobs[token]), logprobs)
+
+    def _emit(self, req: _Request, token: int, logprob: float, logprobs: torch.Tensor) -> None:
+        """Stream the chosen `token` (its log-probability `logprob`; `logprobs` the row's, for the top-n
+        alternatives) and finish the request if it should stop."""
+        params = req.params
         top: tuple[TopToken, ...] = ()
         if params.top_n_tokens:
             values, ids = torch.topk(logprobs, params.top_n_tokens)
@@ -637,8 +723,7 @@ class Engine:
                 window_slides=req.slides,
                 truncated_prompt_tokens=req.truncated,
             )
-        req.sink(TokenEvent(token, text, float(logprobs[token]), self._special(token), len(req.output), top,
-                            finished))
+        req.sink(TokenEvent(token, text, logprob, self._special(token), len(req.output), top, finished))
         if finished is not None:
             self._remove_running(req)
             req.sink(finished)
