@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_number(x: float) -> bytes:
+    """`json.dumps(x)` for a float, encoded: its repr when finite (what json.dumps writes), else json's
+    Infinity/NaN spelling."""
+    return (repr(x) if math.isfinite(x) else json.dumps(x)).encode()
 
 
 def sse(data: Any) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from app.schemas import (
     TokenizeRequest,
 )
 from app.service import ClientGone, GenerationService, Prepared
-from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
+from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, json_number, sse
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
@@ -80,12 +81,24 @@ async def _events(service: GenerationService, body: GenerateRequest, stream: Gen
         async for batch in service.event_batches(stream):
             # every event that has arrived, in one write; each is StreamResponse's JSON (built as a dict: the
             # per-token path is the hot one)
-            yield b"".join(sse(_stream_event(ev, prefix)) for ev in batch if isinstance(ev, TokenEvent))
+            yield b"".join(_token_sse(ev, prefix) for ev in batch if isinstance(ev, TokenEvent))
     except EngineError as e:
         kind = next(k for cls, (_, k, _) in ERROR_TABLE.items() if isinstance(e, cls))
         yield sse({"error": str(e), "error_type": kind})
     finally:
         stream.cancel()  # the client went away mid-stream (or we are done): free the slot
+
+
+def _token_sse(ev: TokenEvent, prefix: str) -> bytes:
+    """One token's server-sent event: `sse(_stream_event(ev, prefix))`. A token that neither ends the stream nor
+    carries alternatives (all but the last, without top_n_tokens) is formatted straight into the same bytes,
+    without building and encoding the dict: the per-token path is the server's hot one."""
+    if ev.finished is not None or ev.top_tokens:
+        return sse(_stream_event(ev, prefix))
+    return (b'data: {"index":%d,"token":{"id":%d,"text":%b,"logprob":%b,"special":%b},"top_tokens":[],'
+            b'"generated_text":null,"details":null}\n\n'
+            % (ev.index, ev.id, json.dumps(ev.text, ensure_ascii=False).encode(), json_number(ev.logprob),
+               b"true" if ev.special else b"false"))
 
 
 def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:

@@ -262,6 +262,27 @@ def test_stream_events_are_exactly_the_documented_schema(client: TestClient) -> 
     assert events[-1]["generated_text"].startswith(PROMPT)
 
 
+def test_plain_token_events_are_exactly_the_documented_schema(client: TestClient) -> None:
+    """Without alternatives every token but the last is formatted straight to bytes (app.tgi._token_sse)."""
+    events = stream(client, max_new_tokens=6, seed=3, do_sample=True)
+    assert len(events) == 6 and all(e["top_tokens"] == [] for e in events)
+    for e in events:
+        assert StreamResponse.model_validate(e).model_dump() == e
+        assert list(e) == list(StreamResponse.model_fields)
+
+
+@pytest.mark.parametrize("text", ["a", "", '"', "\\", "\n\t", "é€😀", "\u2028</script>", "\x00\x1f"])
+@pytest.mark.parametrize("logprob", [-0.0, -1.5e-08, -12.345678901234567, float("-inf")])
+def test_fast_token_event_bytes_equal_the_dict_path(text: str, logprob: float) -> None:
+    from app.engine import TokenEvent
+    from app.sse import sse
+    from app.tgi import _stream_event, _token_sse
+
+    for special in (False, True):
+        ev = TokenEvent(id=7, text=text, logprob=logprob, special=special, index=3)
+        assert _token_sse(ev, "prefix") == sse(_stream_event(ev, "prefix"))
+
+
 def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) -> None:
     payload = {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "seed": 4, "do_sample": True, "details": True}}
     whole = client.post("/generate", json=payload).json()
