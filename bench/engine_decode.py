@@ -8,7 +8,7 @@ For each model (the bundled default and a random-init GPT-2 124M shape):
   decoder reaches if every step only reads the weights once at this machine's measured read bandwidth;
 - N concurrent requests of different lengths: aggregate tokens/s of the engine (continuous batching) vs
   `transformers`' static batched `generate` (left-padded prompts, run to the longest request; only the
-  tokens each request asked for count).
+  tokens each request asked for count), in `--repeats` alternating rounds, the best of each side.
 
 Prints a table, writes bench/results/engine_decode.json and engine_decode.png. Ratios are what matter:
 absolute figures depend on the machine.
@@ -135,7 +135,9 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str,
     return out
 
 
-def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, float]:  # noqa: ANN001
+def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+    """Aggregate tokens/s of n concurrent requests: the engine vs `transformers`' static batch, in alternating
+    rounds (this VM's speed drifts by 10-20% over minutes), the best round of each."""
     ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
     g = torch.Generator().manual_seed(100 + n)
     lengths = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g).tolist()
@@ -143,7 +145,7 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, f
     engine = Engine(ck, max_batch_size=n, max_waiting=n).start()
     engine.generate(ps[0], SamplingParams(max_new_tokens=8))
 
-    async def run() -> float:
+    async def folio() -> float:
         t = time.perf_counter()
         streams = [engine.submit(p, SamplingParams(max_new_tokens=L, stop_at_eos=False))
                    for p, L in zip(ps, lengths)]
@@ -151,8 +153,6 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, f
         assert sum(r.finished.generated_tokens for r in results) == wanted
         return time.perf_counter() - t
 
-    folio_s = asyncio.run(run())
-    engine.stop()
     # transformers: static batch, left padding, runs until the longest request is done
     width = max(len(p) for p in ps)
     ids = torch.zeros((n, width), dtype=torch.long)
@@ -160,12 +160,23 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int) -> dict[str, f
     for i, p in enumerate(ps):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    with torch.inference_mode():
-        t = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths),
-                    do_sample=False, pad_token_id=0)
-        hf_s = time.perf_counter() - t
-    return {"folio": wanted / folio_s, "transformers": wanted / hf_s, "tokens": wanted}
+
+    def transformers() -> float:
+        with torch.inference_mode():
+            t = time.perf_counter()
+            hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False, pad_token_id=0)
+            return time.perf_counter() - t
+
+    folio_s, hf_s = [], []
+    try:
+        for _ in range(max(1, repeats)):
+            folio_s.append(asyncio.run(folio()))
+            hf_s.append(transformers())
+    finally:
+        engine.stop()
+    return {"folio": wanted / min(folio_s), "transformers": wanted / min(hf_s), "tokens": wanted,
+            "rounds": len(folio_s), "folio_all": [wanted / s for s in folio_s],
+            "transformers_all": [wanted / s for s in hf_s]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                  "batch1": b1, "concurrent": {}}
         rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
         for n in [int(x) for x in args.concurrency.split(",") if x]:
-            c = bench_concurrent(ck, hf, n, new_tokens)
+            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats)
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry

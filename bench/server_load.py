@@ -80,7 +80,14 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool) -> dict:
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool,
+               server_pid: int | None = None) -> dict:
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
@@ -118,17 +125,21 @@ async def load(port: int, clients: int, per_client: int, new_tokens: int, stream
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
+        cpu0, server0 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
         t = time.perf_counter()
         await asyncio.gather(*(client(i, http) for i in range(clients)))
         wall = time.perf_counter() - t
+        cpu1, server1 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
     n = clients * per_client
+    # where the two cores went: the load generator shares them with the server
+    cpu = {"client_cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0} if server_pid else {}
     return {"clients": clients, "requests": n, "failures": failures, "wall_s": wall, "requests_per_s": n / wall,
             "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99)}
+            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99), "tokens": tokens, **cpu}
 
 
-def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int) -> float:
-    """Output tokens/s of the same workload through an in-process engine (no HTTP)."""
+def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int) -> dict:
+    """Output tokens/s of the same workload through an in-process engine (no HTTP), and the CPU it used."""
     ck = load_checkpoint(checkpoint)
     engine = Engine(ck, max_batch_size=max_batch, max_waiting=4 * max_batch).start()
     engine.warmup()
@@ -142,9 +153,9 @@ def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int,
                 n += res.finished.generated_tokens
             return n
 
-        t = time.perf_counter()
+        cpu, t = time.process_time(), time.perf_counter()
         total = sum(await asyncio.gather(*(client(i) for i in range(clients))))
-        return total / (time.perf_counter() - t)
+        return {"tok_s": total / (time.perf_counter() - t), "cpu_s": time.process_time() - cpu, "tokens": total}
 
     try:
         return asyncio.run(run())
@@ -166,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bpe-dir", default=str(REPO.parent / "shared" / "data" / "gpt2-bpe"))
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--baseline-concurrency", default="32")
-    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--requests-per-client", type=int, default=6)
+    p.add_argument("--baseline-requests-per-client", type=int, default=2)  # transformers' server is slow
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
@@ -186,12 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
                 for c in levels:
-                    entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True))
+                    entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
+                                                              server.pid))
             finally:
                 stop(server)
             for c in levels:
-                entry["engine_tok_s"][str(c)] = engine_only(ck, c, args.requests_per_client, args.new_tokens,
-                                                            args.max_batch_size)
+                e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size)
+                entry["engine_tok_s"][str(c)] = e["tok_s"]
+                entry.setdefault("engine_cpu_ms_per_token", {})[str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
             if base_levels:
                 port = free_port()
                 base = start([sys.executable, str(REPO / "bench" / "hf_server.py"), "--checkpoint", ck,
@@ -200,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
                     asyncio.run(load(port, 1, 1, 8, False))
                     for c in base_levels:
                         entry["transformers_server"][str(c)] = asyncio.run(
-                            load(port, c, args.requests_per_client, args.new_tokens, False))
+                            load(port, c, args.baseline_requests_per_client, args.new_tokens, False))
                 finally:
                     stop(base)
             report["models"][name] = entry
     print(f"{'model':<10} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'HTTP/engine':>11} {'x HF server':>11} {'fail':>4}")
+          f"{'ITL p99':>8} {'HTTP/engine':>11} {'x HF server':>11} {'fail':>4}   CPU ms/token: server engine client")
     for name, e in report["models"].items():
         for c, r in e["folio"].items():
             ratio = r["output_tokens_per_s"] / e["engine_tok_s"][c]
@@ -216,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                 r["over_transformers_server"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
             print(f"{name:<10} {c:>7} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:8.1f} "
                   f"{r['ttft_p50_s'] * 1e3:7.0f}ms {r['ttft_p99_s'] * 1e3:7.0f}ms {r['itl_p50_s'] * 1e3:6.0f}ms "
-                  f"{r['itl_p99_s'] * 1e3:6.0f}ms {ratio:11.2f} {vs} {r['failures']:4d}")
+                  f"{r['itl_p99_s'] * 1e3:6.0f}ms {ratio:11.2f} {vs} {r['failures']:4d}   "
+                  f"{1e3 * r['server_cpu_s'] / r['tokens']:6.3f} {e['engine_cpu_ms_per_token'][c]:6.3f} "
+                  f"{1e3 * r['client_cpu_s'] / r['tokens']:6.3f}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "server_load.json").write_text(json.dumps(report, indent=2))
