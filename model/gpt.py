@@ -39,6 +39,8 @@ class KVCache:
         shape = (config.n_layer, batch_size, config.n_head, self.max_len, config.head_size)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # each layer's view, made once (indexing per layer per step is a tensor op each time)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
     def batch_size(self) -> int:
@@ -55,7 +57,9 @@ class CacheStep:
     pos: torch.Tensor  # (B, T) positions of the new tokens
     kv_len: int  # cache slots read
     mask: torch.Tensor | None  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
-    fused: bool  # one token per row, each block through `kernels.decode_block` (no mask needed)
+    fused: bool  # each block through `kernels.decode_block`, the B * T tokens as rows (no mask needed)
+    token_rows: torch.Tensor | None = None  # fused: (B * T,) each token's cache row
+    token_pos: torch.Tensor | None = None  # fused: (B * T,) each token's position
 
 
 class LayerNorm(nn.Module):
@@ -133,11 +137,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
-        if step is not None and step.fused:  # a decode step: the same maths in one kernel call (model/kernels.py)
+        if step is not None and step.fused:  # the same maths in one kernel call (model/kernels.py)
             B, T, C = x.size()
             cache, layer = step.cache, self.attn.layer
-            y = kernels.decode_block(x.view(B, C), self, cache.k[layer], cache.v[layer], step.row_idx[:, 0],
-                                     step.pos[:, 0], self.attn.n_head)
+            y = kernels.decode_block(x.reshape(B * T, C), self, cache.k_layers[layer], cache.v_layers[layer],
+                                     step.token_rows, step.token_pos, self.attn.n_head)
             return y.view(B, T, C)
         x = x + self.attn(self.ln_1(x), step)
         return x + self.mlp(self.ln_2(x))
@@ -211,7 +215,9 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
             row_idx = torch.arange(B, device=idx.device) if rows is None else rows
-            fused = T == 1 and not self.training and kernels.decode_block_applies(
+            # decode steps and short prompt chunks go through the fused blocks, every token a row of the kernels;
+            # longer chunks through torch's SDPA (its attention is faster for many queries at once)
+            fused = B * T <= kernels.FUSED_MAX_TOKENS and not self.training and kernels.decode_block_applies(
                 self.lm_head.weight, kv_cache.k, self.config.head_size)
             step = CacheStep(
                 cache=kv_cache,
@@ -221,6 +227,8 @@ class GPT(nn.Module):
                 kv_len=kv_len,
                 mask=None if fused else torch.arange(kv_len, device=idx.device) <= pos[:, None, :, None],
                 fused=fused,
+                token_rows=row_idx.repeat_interleave(T) if fused else None,
+                token_pos=pos.reshape(-1) if fused else None,
             )
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:

@@ -3,6 +3,7 @@ SDPA path, and the fallbacks that must hand work back to torch untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import subprocess
 import sys
@@ -154,6 +155,34 @@ def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: in
         expected = torch.stack([full[b, start[b] : start[b] + steps] for b in range(B)])
     torch.testing.assert_close(results["kernel"], results["torch"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results["kernel"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool) -> None:
+    """A chunked prefill of three rows (several tokens per row, so tokens of one row read keys written in the same
+    call, and a second chunk after the first) through `decode_block` gives the logits of torch's masked-SDPA
+    path and of the full forward."""
+    torch.manual_seed(1)
+    cfg = GPTConfig(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, bias=True)
+    model = GPT(cfg).eval()
+    if packed:
+        kernels.pack_weights(model)
+    B, first, second = 3, 7, 9
+    assert B * (first + second) > B * second and B * max(first, second) <= kernels.FUSED_MAX_TOKENS
+    idx = torch.randint(0, cfg.vocab_size, (B, first + second))
+    rows = torch.tensor([2, 0, 3])
+    with torch.inference_mode():
+        out = {}
+        for name in ("kernel", "torch"):
+            cache = KVCache(cfg, 4)
+            with contextlib.nullcontext() if name == "kernel" else kernels.disabled():
+                a = model(idx[:, :first], kv_cache=cache, rows=rows)
+                b = model(idx[:, first:], pos=torch.arange(first, first + second).expand(B, -1), kv_cache=cache,
+                          rows=rows)
+            out[name] = torch.cat([a, b], dim=1)
+        full = model(idx)
+    torch.testing.assert_close(out["kernel"], out["torch"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["kernel"], full, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_block_with_many_rows(built: None) -> None:
