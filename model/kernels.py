@@ -67,6 +67,7 @@ _SOURCE = r"""
 #include <functional>
 #include <mutex>
 #include <pthread.h>
+#include <sched.h>
 #include <thread>
 #include <vector>
 
@@ -113,7 +114,11 @@ class Pool {
     }
     wake_.notify_all();
     take();
-    while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();
+    // waiting on a worker: after a short spin, yield this core, which the worker may be waiting for (in a server
+    // the event loop's thread and the client share the cores; with nothing else runnable, yield returns at once)
+    for (int spins = 0; pending_.load(std::memory_order_acquire) > 0; spins++) {
+      if (spins < 1024) _mm_pause(); else sched_yield();
+    }
   }
 
  private:
