@@ -145,16 +145,17 @@ def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int,
     engine.warmup()
 
     async def run() -> float:
-        async def client(i: int) -> int:
+        async def client(i: int, requests: int) -> int:
             n = 0
-            for r in range(per_client):
+            for r in range(requests):
                 prompt = ck.tokenizer.encode(PROMPTS[(i + r) % len(PROMPTS)])
                 res = await engine.submit(prompt, SamplingParams(max_new_tokens=new_tokens)).collect()
                 n += res.finished.generated_tokens
             return n
 
+        await asyncio.gather(*(client(i, 1) for i in range(clients)))  # the same warm-up round as the server's
         cpu, t = time.process_time(), time.perf_counter()
-        total = sum(await asyncio.gather(*(client(i) for i in range(clients))))
+        total = sum(await asyncio.gather(*(client(i, per_client) for i in range(clients))))
         return {"tok_s": total / (time.perf_counter() - t), "cpu_s": time.process_time() - cpu, "tokens": total}
 
     try:
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
                 for c in levels:
+                    asyncio.run(load(port, c, 1, args.new_tokens, True))  # a round at this level first, not counted
                     entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
                                                               server.pid))
             finally:
