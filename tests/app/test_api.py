@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from checkpoints import CHARS, EMOJI_CJK, TRAINING
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,6 +117,9 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert info["tokenizer"] == {"kind": "char", "n_vocab": 96, "eos_token_id": None}
     assert (info["block_size"], info["device"], info["dtype"]) == (64, "cpu", "float32")
     assert info["cpu_kernels"] == kernels.status() != "not loaded"  # "loaded", or why not
+    linears = [m.weight.shape for m in ck.model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = sum(-(-out // 16) * 16 * n_in * 4 for out, n_in in linears)
+    assert info["packed_weight_bytes"] == (packed if kernels.status() == "loaded" else 0)
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION
