@@ -71,18 +71,8 @@ _SOURCE = r"""
 #include <thread>
 #include <vector>
 
-// OpenMP's thread count is per thread (an ICV): this sets the calling thread's to one for a scope, so torch's
-// ops called meanwhile run on it alone. libgomp is loaded with torch.
+// OpenMP's thread count is per thread (an ICV); libgomp is loaded with torch (see set_torch_threads)
 extern "C" void omp_set_num_threads(int);
-struct OneOpenMPThread {
-  // at::get_num_threads first: torch sets a thread's count at its first parallel op, which would undo ours
-  explicit OneOpenMPThread(bool on) : saved_(on ? at::get_num_threads() : 0) { if (on) omp_set_num_threads(1); }
-  ~OneOpenMPThread() { if (saved_) omp_set_num_threads(saved_); }
-  OneOpenMPThread(const OneOpenMPThread&) = delete;
-  OneOpenMPThread& operator=(const OneOpenMPThread&) = delete;
- private:
-  const int saved_;
-};
 
 // The kernels' own thread pool. OpenMP's would do, but when two threads of a process each own an OpenMP team
 // (the server's event loop loaded the model, the engine thread decodes) libgomp counts more threads than CPUs
@@ -172,13 +162,25 @@ static Pool& pool() {
 
 int64_t pool_threads() { return pool().threads(); }
 
-// The calling thread's OpenMP thread count for torch's ops (see OneOpenMPThread); returns the previous one
+// The calling thread's OpenMP thread count for torch's ops (OpenMP's count is per thread); returns the previous
+// one. The pool is made first if it was not yet: it takes its size from torch's count as it was. at::get_num_threads
+// before setting: torch sets a thread's count at its first parallel op, which would otherwise undo this one.
 int64_t set_torch_threads(int64_t n) {
-  pool();  // sized by torch's count as it was
+  pool();
   const int64_t previous = at::get_num_threads();
   omp_set_num_threads(static_cast<int>(n));
   return previous;
 }
+
+// torch's ops called from this thread within a scope run on it alone (set_torch_threads(1), then back)
+struct OneOpenMPThread {
+  explicit OneOpenMPThread(bool on) : saved_(on ? set_torch_threads(1) : 0) {}
+  ~OneOpenMPThread() { if (saved_) set_torch_threads(saved_); }
+  OneOpenMPThread(const OneOpenMPThread&) = delete;
+  OneOpenMPThread& operator=(const OneOpenMPThread&) = delete;
+ private:
+  const int64_t saved_;
+};
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -508,8 +510,8 @@ static torch::Tensor lin(const torch::Tensor& x, const torch::Tensor& w, const c
   return at::linear(x, w, b);
 }
 
-// One transformer block of a decode step (one token per row), in one call: what Block.forward computes on the
-// cached path, without a Python round trip per op. x (B, C) -> (B, C).
+// One transformer block for B new tokens (a decode step's one per row, or prompt chunks), in one call: what
+// Block.forward computes on the cached path, without a Python round trip per op. x (B, C) -> (B, C).
 torch::Tensor decode_block(torch::Tensor x, torch::Tensor ln1_w, c10::optional<torch::Tensor> ln1_b,
                            torch::Tensor attn_w, c10::optional<torch::Tensor> attn_b, torch::Tensor proj_w,
                            c10::optional<torch::Tensor> proj_b, torch::Tensor ln2_w,
@@ -522,7 +524,6 @@ torch::Tensor decode_block(torch::Tensor x, torch::Tensor ln1_w, c10::optional<t
   // torch's element-wise ops here (layer norms, GELU, residual adds) run on this thread alone: an OpenMP team
   // of their own would compete for the cores with this pool's workers, which spin between the products (on two
   // cores that doubled a 32-row GPT-2 step). With more rows than the kernels take, torch's GEMM needs the team.
-  pool();  // made now if not yet: it takes its size from torch's thread count, which the next line hides
   OneOpenMPThread serial(B <= MAX_ROWS);
   auto h = at::layer_norm(x, {C}, ln1_w, ln1_b, 1e-5);
   auto y = decode_attention(lin(h, attn_w, attn_b, packed[0]), k_cache, v_cache, rows, pos, n_head);
