@@ -281,7 +281,7 @@ class Engine:
             self.cpu_kernels = kernels.status()
         self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
         # the kernels' packed weight layout for batched decode steps (as much memory again as the weights)
-        self.packed_bytes = kernels.pack_weights(self.model) if self.cpu_kernels == "loaded" else 0
+        self.packed_bytes = kernels.pack_weights(self.model)  # 0 where the kernels are not used
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.n_vocab = self.tokenizer.n_vocab
@@ -624,17 +624,20 @@ class Engine:
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
         rows = self._on_step(list(self._running), "")
-        logits_by_req: dict[int, torch.Tensor] = {}
+        slid: dict[int, torch.Tensor] = {}  # the logits of rows whose window slid, by request id
         normal = []
         for req in rows:
             if req.pos > self.block_size:  # the unfed token would sit at position block_size
                 keep = self.block_size - self.window_shift + 1
                 req.context = req.context[-keep:]
                 req.slides += 1
-                logits_by_req[req.id] = self._forward_rows([req], [req.context], [0])[0]
+                slid[req.id] = self._forward_rows([req], [req.context], [0])[0]
                 req.pos = len(req.context)
             else:
                 normal.append(req)
+        if not rows:
+            return
+        stacked = None  # the rows' logits, in their order
         if normal:
             n = len(normal)
             # rows are wherever each request got one; 0..n-1 in order needs no index (cheaper without the kernels)
@@ -643,12 +646,12 @@ class Engine:
             pos = torch.tensor([[r.pos - 1] for r in normal], dtype=torch.long, device=self.device)
             kv_len = max(r.pos for r in normal)
             row_idx = None if contiguous else torch.tensor([r.row for r in normal], device=self.device)
-            out = self.model(idx, pos=pos, kv_cache=self.cache, rows=row_idx, kv_len=kv_len, last_only=True)
-            for i, req in enumerate(normal):
-                logits_by_req[req.id] = out[i, -1]
-        if not rows:
-            return
-        masked = mask_unusable(torch.stack([logits_by_req[r.id] for r in rows]).float(), self.n_vocab)
+            stacked = self.model(idx, pos=pos, kv_cache=self.cache, rows=row_idx, kv_len=kv_len, last_only=True)[:, -1]
+        if slid:  # rare: the slid rows' logits between the others' (`normal` keeps the rows' order)
+            others = iter(() if stacked is None else stacked)
+            stacked = torch.stack([slid[r.id] if r.id in slid else next(others) for r in rows])
+        assert stacked is not None
+        masked = mask_unusable(stacked.float(), self.n_vocab)
         logprobs = torch.log_softmax(masked, dim=-1)
         # greedy rows without a repetition penalty choose together: one argmax and one gather for all of them,
         # not a few tensor ops each (the same argmax of the same masked logits as `choose_token`)
@@ -664,7 +667,7 @@ class Engine:
                 if i in chosen:
                     token, logprob = chosen[i]
                 else:
-                    token = self._choose(req, logits_by_req[req.id])
+                    token = self._choose(req, stacked[i])
                     logprob = float(logprobs[i, token])
                 self._emit(req, token, logprob, logprobs[i])
             except Exception as e:
