@@ -359,7 +359,9 @@ class Engine:
     def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
                  truncate: int | None, reservation: Reservation | None = None) -> _Request:
         seen = self.validate(prompt, params, truncate)
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+        # a drawn seed stays below 2^53, so it survives clients that read JSON numbers as doubles (JavaScript):
+        # pasted back, it gives the same text. A request may still name any seed up to 2^63 - 1
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**53)
         req = _Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
         with self._lock:
             if self._stopping:

@@ -332,6 +332,17 @@ def test_no_seed_draws_one_and_reports_it(make_checkpoint, make_engine) -> None:
     assert engine.generate([1, 2, 3], params.with_seed(seed)).token_ids == result.token_ids
 
 
+
+def test_drawn_seeds_survive_json_doubles(make_engine) -> None:
+    """A drawn seed is below 2^53, so a client that reads JSON numbers as doubles (JavaScript) gets it exactly;
+    a request may still name any seed up to 2^63 - 1."""
+    engine = make_engine()
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    seeds = [engine.generate([1], params).finished.seed for _ in range(64)]
+    assert all(0 <= seed < 2**53 for seed in seeds), [seed for seed in seeds if seed >= 2**53]
+    assert len(set(seeds)) == len(seeds)  # still drawn, not fixed
+    assert engine.generate([1], params.with_seed(2**63 - 1)).finished.seed == 2**63 - 1
+
 # --- stopping ----------------------------------------------------------------------------------------------------
 
 
