@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,3 +58,15 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+
+@contextlib.contextmanager
+def serving(checkpoint: Path, log: Path, *args: str) -> Iterator[str]:
+    """A healthy server on a free port for the block (`spawn`'s arguments); its base URL. Stopped afterwards."""
+    port = free_port()
+    proc = spawn(checkpoint, log, *args, port=port)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
