@@ -15,7 +15,8 @@ import pytest
 from server_process import serving
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(CHROMIUM is None,
+                                reason="no chromium binary (Debian: apt-get install chromium; .ci/run installs it)")
 # what the project's probe found necessary on a closed-network machine, as root, headless
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
                  "--disable-background-networking", "--disable-component-update"]
