@@ -120,6 +120,30 @@ def test_dockerfile_layers_and_runtime_contract() -> None:
     assert json.loads(next(a for k, a in runtime if k == "CMD")) == []
 
 
+@pytest.mark.parametrize("variant", ["cpu", "cu128"])
+def test_dockerfile_installs_the_pinned_torch_build_of_its_variant(variant: str, tmp_path: Path) -> None:
+    """constraints.txt pins torch's CPU build (torch==X+cpu); the dependency stage swaps the label for the
+    variant's, installs exactly that build, and installs the rest under the rewritten pins (not the CPU one)."""
+    install = next(a for k, a in stages()["deps"] if k == "RUN" and "pip install" in a)
+    steps = [step.strip() for step in install.split(" && ")]
+    rewrite = next(i for i, step in enumerate(steps) if step.startswith("sed -i") and "constraints.txt" in step)
+    torch_install = next(i for i, step in enumerate(steps) if "--index-url" in step)
+    rest = next(i for i, step in enumerate(steps) if "-c constraints.txt" in step)
+    assert rewrite < torch_install < rest
+    pinned = re.findall(r"^torch==([0-9.]+)\+cpu;", (REPO / "constraints.txt").read_text(), flags=re.M)
+    assert len(pinned) == 1, pinned
+    shutil.copy(REPO / "constraints.txt", tmp_path)
+    # the two steps as the build runs them (sh -c, the ARG in the environment), pip replaced by a function
+    # that prints its last argument: the requirement it would install
+    fake_pip = 'pip() { for a; do last="$a"; done; printf "%s\\n" "$last"; }; '
+    script = fake_pip + " && ".join(steps[rewrite:torch_install + 1])
+    result = subprocess.run(["sh", "-c", script], cwd=tmp_path, env={**os.environ, "TORCH_VARIANT": variant},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"torch=={pinned[0]}+{variant}"]
+    rewritten = [ln for ln in (tmp_path / "constraints.txt").read_text().splitlines() if ln.startswith("torch==")]
+    assert f"torch=={pinned[0]}+{variant}" in rewritten and not [ln for ln in rewritten if "+cpu;" in ln]
+
 def ignore_regex(pattern: str) -> re.Pattern[str]:
     """A .dockerignore pattern as a regex: `**` any number of directories, `*` and `?` within one name."""
     out, i = "", 0
