@@ -15,28 +15,31 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[1]
 
 
+def commands(script: str) -> list[str]:
+    """Shell commands, continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", "", script)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 def quickstart_commands() -> list[str]:
     """The shell commands in README's Quickstart code blocks."""
     readme = (REPO / "README.md").read_text()
     section = readme.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    return [line for block in blocks for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return [c for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S) for c in commands(block)]
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    commands = quickstart_commands()
-    test_command = next(c for c in commands if "pytest" in c)
-    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci[-1] == test_command
+    test_command = next(c for c in quickstart_commands() if "pytest" in c)
+    assert commands((REPO / ".ci" / "run").read_text())[-1] == test_command
 
 
 def test_quickstart_installs_torch_from_pytorchs_cpu_index() -> None:
     """On an ordinary Linux machine PyPI's torch pulls ~20 CUDA packages: the pin names the CPU build (a local
-    version PyPI does not have) and every install command names the index that has it."""
+    version PyPI does not have) and both install commands first take torch alone from the index that has it."""
     installs = [c for c in quickstart_commands() if c.startswith("pip install")]
     assert len(installs) == 2, installs
-    assert all("--extra-index-url https://download.pytorch.org/whl/cpu" in c and "-c constraints.txt" in c
-               for c in installs), installs
+    torch_step = "pip install -c constraints.txt --no-deps --index-url https://download.pytorch.org/whl/cpu torch && "
+    assert all(c.startswith(torch_step) and " && pip install -c constraints.txt -e " in c for c in installs), installs
     pins = [Requirement(line) for line in (REPO / "constraints.txt").read_text().splitlines()
             if line.startswith("torch==")]
     linux = [str(p.specifier) for p in pins if p.marker is None or p.marker.evaluate({"sys_platform": "linux"})]
