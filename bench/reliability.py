@@ -1385,7 +1385,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
         step = read_config(resume_from)["training"]["steps"] if resume_from else 0
         if resume_from is None:
             fresh_starts += 1
-            argv = [*base_argv, "--out", str(run)]
+            argv = [*base_argv, "--out", str(run), "--overwrite"]  # what an attempt killed early left goes
         else:
             argv = ["--resume", "--out", str(run)]
         launched = time.perf_counter()
@@ -1459,7 +1459,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
                          f"val loss {run_t['val_loss']} vs {ref_t['val_loss']})")
         if not best_same:
             problems.add("the best-validation checkpoint differs from the reference's")
-        if not rows_same and fresh_starts == 1:  # a fresh start appends to the killed attempt's metrics.jsonl
+        if not rows_same:
             problems.add("metrics.jsonl differs from the reference's")
     else:
         problems.add("the killed run has no checkpoint at the end")
