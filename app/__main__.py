@@ -2,8 +2,9 @@
 
     python -m app [--checkpoint DIR] [--host H] [--port P] [--device D] ...
 
-Every option is also read from a `FOLIO_*` environment variable (flags win). A checkpoint or device that
-cannot be used ends the process with one clear line and exit code 2, before anything is served.
+Every option is also read from a `FOLIO_*` environment variable (flags win). A start-up mistake (a bad flag or
+value, an unknown `FOLIO_*` variable, a device this machine lacks, an address that cannot be bound, a checkpoint
+that cannot be used) ends the process with one `error:` line and exit code 2, before anything is served.
 SIGTERM (or Ctrl-C): stop admitting (503), let in-flight requests finish for up to `--drain-timeout`
 seconds, end the rest with a final error event, exit 0.
 """
@@ -12,24 +13,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 
 import uvicorn
-from pydantic import ValidationError as SettingsError
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from app.main import build_engine, create_app
-from app.settings import Settings
+from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.cli import ArgumentParser, resolve_device
 
 
 def parse_args(argv: list[str] | None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m app", description="Serve a Folio checkpoint over HTTP.",
-                                argument_default=argparse.SUPPRESS)
+    p = ArgumentParser(prog="python -m app", description="Serve a Folio checkpoint over HTTP.",
+                       argument_default=argparse.SUPPRESS)
     for name, f in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_ = f"{f.description or ''} (env FOLIO_{name.upper()})"
+        help_ = f"{f.description or ''} (env {env_name(name)})"
         if f.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "cors_origins":
@@ -59,18 +64,57 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def settings_error(e: ValidationError) -> str:
+    """The first problem as one line naming the flag and its variable, and the value unless it is the key."""
+    first = e.errors()[0]
+    if not first["loc"]:  # a check across fields: its message names them
+        return first["msg"].removeprefix("Value error, ")
+    field = str(first["loc"][0])
+    shown = field != "api_key" and first["type"] != "value_error"  # Folio's own checks quote what they need
+    got = f", got {str(first['input'])[:80]!r}" if shown else ""
+    return f"--{field.replace('_', '-')} ({env_name(field)}): {first['msg'].removeprefix('Value error, ')}{got}"
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind the address once and let it go, before the model loads: a port in use or a host that does not resolve
+    is then one line at once, not a uvicorn log after the load (uvicorn binds it again to serve)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is free
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+
+
+def startup_settings(argv: list[str] | None) -> Settings:
+    """Flags and FOLIO_* variables checked against each other, this machine's devices and the address to listen
+    on; a ValueError whose message is the one line to print otherwise."""
+    args = parse_args(argv)  # first: --help works whatever the environment holds
+    check_environment(os.environ)
+    try:
+        settings = Settings(**args)
+    except ValidationError as e:
+        raise ValueError(settings_error(e)) from None
+    except SettingsError as e:  # a variable the settings could not even parse
+        raise ValueError(str(e)) from None
+    resolve_device(settings.device)
+    check_listen(settings.host, settings.port)
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = Settings(**parse_args(argv))
-    except SettingsError as e:
-        first = e.errors()[0]
-        print(f"error: --{'-'.join(str(x) for x in first['loc'])}: {first['msg']}", file=sys.stderr)
+        settings = startup_settings(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         checkpoint = load_checkpoint(settings.checkpoint)
         engine = build_engine(settings, checkpoint)
-    except (CheckpointError, RuntimeError, ValueError) as e:
+    except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2
     app = create_app(settings, checkpoint=checkpoint, engine=engine)

@@ -21,18 +21,10 @@ from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
+from model.cli import resolve_device
 
 log = logging.getLogger("folio")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} was asked for, but CUDA is not available on this machine")
-    return device
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:

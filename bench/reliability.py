@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -1178,6 +1179,7 @@ def damaged_checkpoints(checkpoint: Path, workdir: Path) -> list[tuple[str, Path
     """Copies of `checkpoint`, each damaged one way: (name, directory, what the error line must say)."""
     import torch
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     out = []
 
@@ -1225,9 +1227,25 @@ def damaged_checkpoints(checkpoint: Path, workdir: Path) -> list[tuple[str, Path
     (d / "config.json").write_text(json.dumps(meta))
     out.append(("missing tensors (config has one more layer)", d, "does not match the model config"))
 
-    d = copy("pickle renamed")
+    for field, value in (("n_layer", 100_000), ("n_embd", 10**9)):  # refused before anything is built
+        d = copy(f"config {field} {value}")
+        meta = json.loads((d / "config.json").read_text())
+        meta["model"].update({field: value, "n_head": 1})
+        (d / "config.json").write_text(json.dumps(meta))
+        out.append((f"config.json with {field} {value}", d, "parameters"))
+
+    d = copy("non-finite weights")
     with safe_open(weights, framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
+    diverged = state["transformer.h.0.mlp.c_fc.weight"].clone()
+    diverged[3, 5] = float("nan")
+    save_file({**state, "transformer.h.0.mlp.c_fc.weight": diverged}, d / "model.safetensors")
+    meta = json.loads((d / "config.json").read_text())
+    meta["weights_sha256"] = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()  # as a diverged run
+    (d / "config.json").write_text(json.dumps(meta))
+    out.append(("a NaN among the weights", d, "NaN or infinite"))
+
+    d = copy("pickle renamed")
     torch.save(state, d / "model.safetensors")
     out.append(("pickle renamed to .safetensors", d, "pickle renamed to .safetensors"))
     return out
@@ -1367,7 +1385,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
         step = read_config(resume_from)["training"]["steps"] if resume_from else 0
         if resume_from is None:
             fresh_starts += 1
-            argv = [*base_argv, "--out", str(run)]
+            argv = [*base_argv, "--out", str(run), "--overwrite"]  # what an attempt killed early left goes
         else:
             argv = ["--resume", "--out", str(run)]
         launched = time.perf_counter()
@@ -1441,7 +1459,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
                          f"val loss {run_t['val_loss']} vs {ref_t['val_loss']})")
         if not best_same:
             problems.add("the best-validation checkpoint differs from the reference's")
-        if not rows_same and fresh_starts == 1:  # a fresh start appends to the killed attempt's metrics.jsonl
+        if not rows_same:
             problems.add("metrics.jsonl differs from the reference's")
     else:
         problems.add("the killed run has no checkpoint at the end")

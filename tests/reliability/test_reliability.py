@@ -89,7 +89,7 @@ def test_sigterm_drains_active_streams_and_exits_0(checkpoint: Path, workdir: Pa
 def test_damaged_checkpoints_are_refused_at_startup(checkpoint: Path, workdir: Path) -> None:
     result = reliability.checkpoints(checkpoint, workdir)
     no_problems(result)
-    assert result["refused"] == len(result["cases"]) == 7
+    assert result["refused"] == len(result["cases"]) == 10
 
 
 def test_trainer_killed_at_random_resumes_to_the_same_weights(workdir: Path) -> None:
