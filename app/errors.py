@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.engine import EngineError, EngineStopped, GenerationError, Overloaded
-from model.sampling import ValidationError
+from model.sampling import ValidationError, preview
 from model.tokenizer import TokenizerError
 
 
@@ -84,8 +84,20 @@ def _ranges() -> dict[str, str]:
 _RANGES: dict[str, str] | None = None
 
 
+MAX_ERRORS_SHOWN = 3  # of a request's validation errors (a list of a million wrong items has a million)
+MAX_NAME_CHARS = 40  # of a field name echoed back (an unknown key can be any string)
+
+
+def _name(part: object) -> str:
+    """One part of a field's location, as echoed back: short, and valid Unicode (a lone surrogate escaped)."""
+    name = str(part)
+    if len(name) > MAX_NAME_CHARS:
+        name = name[: MAX_NAME_CHARS - 3] + "..."
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [_name(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     msg = err.get("msg", "invalid value")
     ctx = err.get("ctx") or {}
@@ -93,8 +105,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return "body", f"body is not valid JSON: {ctx.get('error', msg)}"
     if err.get("type") == "extra_forbidden":
         return field, f"{field}: unknown field"
-    value = err.get("input")
-    shown = repr(value) if not isinstance(value, str) or len(value) < 80 else repr(value[:77] + "...")
+    shown = preview(err.get("input"))
     global _RANGES
     if _RANGES is None:
         _RANGES = _ranges()
@@ -121,8 +132,11 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(cls, domain)
 
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        described = [_describe(e) for e in exc.errors()]
+        errors = exc.errors()
+        described = [_describe(e) for e in errors[:MAX_ERRORS_SHOWN]]
         message = "; ".join(m for _, m in described)
+        if len(errors) > MAX_ERRORS_SHOWN:
+            message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"
         param = described[0][0] if described else None
         body = error_body(request.url.path, 422, "validation", "invalid_request_error", message, param)
         return JSONResponse(body, status_code=422)

@@ -14,9 +14,9 @@ from app.deps import AuthDep, ServiceDep
 from app.engine import EngineError, Finished, GenerationStream, TokenEvent
 from app.errors import ERROR_TABLE, error_body
 from app.schemas import CompletionRequest, OpenAIError
-from app.service import ClientGone, GenerationService
+from app.service import OPENAI, ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.sampling import ValidationError
+from model.sampling import ValidationError, preview
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
@@ -53,7 +53,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     """OpenAI's legacy completions: one prompt, one choice."""
     service.check_ready()
     if body.model is not None and body.model != service.model_id:
-        msg = f"model: the model {body.model!r} does not exist; this server serves {service.model_id!r}"
+        msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return JSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
     prompt = body.prompt
     if isinstance(prompt, list):
@@ -61,7 +61,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
             raise ValidationError("prompt", f"must be a string or a list of exactly one string, got {len(prompt)}")
         prompt = prompt[0]
     params = service.params_from_openai(body)
-    prepared = await service.prepare(prompt, params, None, "prompt")
+    prepared = await service.prepare(prompt, params, None, OPENAI)
     stream = service.submit(prepared)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = prompt if body.echo else ""

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import CHARS, EMOJI_CJK, TRAINING
+from checkpoints import CHARS, EMOJI_CJK, TRAINING, make_char_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
@@ -437,6 +437,7 @@ TGI_INVALID = [
     ({"frequency_penalty": 0.5}, "parameters.frequency_penalty", "not supported", "0.5"),
     ({"stop": [""]}, "parameters.stop", "non-empty", "''"),
     ({"stop": ["x"] * 17}, "parameters.stop", "at most 16"),
+    ({"stop": ["ok", "x" * 129]}, "parameters.stop", "at most 128 characters", "one of 129", "'xxxx"),
     ({"no_such_knob": 1}, "parameters.no_such_knob", "unknown field"),
 ]
 
@@ -536,6 +537,8 @@ OPENAI_INVALID = [
     ({"max_tokens": "many"}, "max_tokens", "valid integer", "'many'"),
     ({"stop": ""}, "stop", "non-empty", "''"),
     ({"stop": ["a"] * 17}, "stop", "at most 16", "got 17"),
+    ({"stop": "x" * 129}, "stop", "at most 128 characters", "one of 129", "'xxxx"),
+    ({"stop": ["ok", "y" * 129]}, "stop", "at most 128 characters", "one of 129", "'yyyy"),
     ({"prompt": ["a", "b"]}, "prompt", "exactly one string", "got 2"),
     ({"prompt": ""}, "prompt", "at least one token", "got 0"),
     ({"prompt": "a" * 65}, "prompt", "65 tokens", "context of 64"),
@@ -561,6 +564,96 @@ def test_openai_raw_nan_missing_prompt_and_malformed_json_are_422(client: TestCl
                                ('{"prompt": "ab",', "body", "not valid JSON")]:
         r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert_openai_error(r, 422, "invalid_request_error", param, needle)
+
+
+def post_raw(client: TestClient, route: str, body: Any) -> Any:
+    """POST `body` as JSON written with ASCII escapes: a lone surrogate goes out as the 6 characters \\ud800, as a
+    client in another language would send it (httpx's own encoder cannot write it at all)."""
+    return client.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+LONE_SURROGATES = [
+    ("/generate", {"inputs": "hi \ud800", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["ok", "\udfff"]}}, "parameters.stop"),
+    ("/generate_stream", {"inputs": "\ud800 hi", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/", {"inputs": "x\ud83d", "stream": True}, "inputs"),
+    ("/tokenize", {"inputs": "\udc00"}, "inputs"),
+    ("/v1/completions", {"prompt": "hi \ud800", "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi \ud800"], "echo": True, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "user": "\ud800"}, "user"),
+    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), LONE_SURROGATES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f) in enumerate(LONE_SURROGATES)])
+def test_a_lone_surrogate_in_any_string_is_422_naming_the_field(bpe_client: TestClient, route: str, body: dict,
+                                                                field: str) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8 text can hold: on a BPE model it used to
+    give a plain-text 500 (echoing the prompt), a stream cut off mid-way, or tokens of U+FFFD."""
+    r = post_raw(bpe_client, route, body)
+    needles = (f"{field}:", "lone surrogate", "valid Unicode")
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", field, *needles)
+    else:
+        assert_tgi_error(r, 422, "validation", *needles)
+
+
+def test_a_surrogate_pair_is_one_character(bpe_client: TestClient) -> None:
+    parameters = {"max_new_tokens": 7, "return_full_text": True}
+    r = post_raw(bpe_client, "/generate", {"inputs": "emoji \ud83d\ude00", "parameters": parameters})
+    assert r.status_code == 200
+    assert r.json() == generate(bpe_client, "emoji 😀", **parameters)
+    assert r.json()["generated_text"].startswith("emoji 😀")
+
+
+def test_top_n_tokens_beyond_the_vocabulary_is_422_naming_its_size(make_client: Callable[..., TestClient],
+                                                                  tmp_path: Path) -> None:
+    """A model of 4 characters has 4 alternatives to report, not 5 (torch's top-k failed: a 424)."""
+    client = make_client(make_char_checkpoint(tmp_path / "four-chars", chars=["\n", " ", "a", "b"]))
+    details = generate(client, "ab", max_new_tokens=3, details=True, top_n_tokens=4)["details"]
+    assert [len(top) for top in details["top_tokens"]] == [4, 4, 4]
+    for route in ("/generate", "/generate_stream", "/"):
+        r = client.post(route, json={"inputs": "ab", "parameters": {"top_n_tokens": 5}})
+        assert_tgi_error(r, 422, "validation", "parameters.top_n_tokens:", "vocabulary size, 4", "got 5")
+    for streaming in (False, True):
+        r = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 5, "stream": streaming})
+        assert_openai_error(r, 422, "invalid_request_error", "logprobs", "logprobs:", "vocabulary size, 4", "got 5")
+    logprobs = completion(client, prompt="ab", max_tokens=2, logprobs=4)["choices"][0]["logprobs"]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [4, 4]
+
+
+LARGE_VALUES = [
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["x"] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/generate", {"inputs": ["a"] * 3000}, "inputs", "(3000 items)"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 10**4000}}, "parameters.max_new_tokens",
+     "(4001 digits)"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": [1] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/v1/completions", {"prompt": [1] * 3000}, "prompt", "more error(s)"),
+    ("/generate", {"inputs": "hi", "parameters": {"z" * 12000: 1}}, "parameters.zzzz", "unknown field"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["y" * 12000]}}, "parameters.stop", "(12000 characters)"),
+    ("/generate", {"inputs": "hi", "parameters": {"truncate": 10**4000}}, "parameters.truncate", "(4001 digits)"),
+    ("/tokenize", {"inputs": "".join(map(chr, range(256, 2256)))}, "inputs", "2000 character(s) outside"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1000)}}, "logit_bias",
+     "(1000 items)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**4000}, "max_tokens", "(4001 digits)"),
+    ("/v1/completions", {"prompt": "hi", "stop": "s" * 12000}, "stop", "(12000 characters)"),
+    ("/v1/completions", {"prompt": "hi", "model": "m" * 12000}, "model", "(12000 characters)"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field", "needle"), LARGE_VALUES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f, _) in enumerate(LARGE_VALUES)])
+def test_errors_echo_a_short_preview_of_a_large_value(client: TestClient, route: str, body: dict, field: str,
+                                                      needle: str) -> None:
+    """An error names the field and shows a preview of the value (about 80 characters, saying how long it was),
+    never the value: a 5 MB list used to come back whole."""
+    r = post_raw(client, route, body)
+    assert r.status_code in (404, 422), r.text[:200]
+    assert len(r.content) < 700, r.text[:200]
+    message = r.json()["error"]["message"] if route.startswith("/v1") else r.json()["error"]
+    assert message.startswith(field) and needle in message, message
 
 
 # -- 413, 429, 424, 503, 401, CORS ----------------------------------------------------------------------------------
