@@ -18,6 +18,7 @@ from app.engine import Engine
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
+from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         version=system.VERSION,
         summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
         lifespan=lifespan,
+        default_response_class=StrictJSONResponse,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.deps import ServiceDep
+from app.responses import StrictJSONResponse
 
 router = APIRouter(tags=["system"])
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
@@ -17,14 +18,14 @@ VERSION = "0.1.0"
 
 
 @router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
-async def health(request: Request) -> JSONResponse:
+async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
     service = getattr(request.app.state, "service", None)
     if service is None or not service.ready:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return StrictJSONResponse({"status": "loading"}, status_code=503)
     if service.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return StrictJSONResponse({"status": "draining"}, status_code=503)
+    return StrictJSONResponse({"status": "ok"})
 
 
 @router.get("/info")

@@ -23,7 +23,7 @@ import torch
 from checkpoints import CHARS, EMOJI_CJK, TRAINING, make_char_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
+from wire import assert_openai_error, assert_tgi_error, metric, parse_sse, strict_json
 
 from app.main import create_app
 from app.schemas import StreamResponse
@@ -296,6 +296,68 @@ def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) ->
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = parse_sse(r.text)
     assert len(events) == 6 and events[-1]["generated_text"] == whole["generated_text"]
+
+
+# -- strict JSON: a model that computes NaN -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_client(char_checkpoint: Path) -> Iterator[TestClient]:
+    """The app serving the char checkpoint with every weight of its (tied) embedding and LM head set to NaN after
+    loading: every logit and log-probability is NaN (a checkpoint whose weights hold NaN, or a model that
+    overflows)."""
+    ck = load_checkpoint(char_checkpoint)
+    with torch.no_grad():
+        ck.model.lm_head.weight.fill_(float("nan"))
+    with TestClient(create_app(Settings(checkpoint=char_checkpoint, **BASE), checkpoint=ck)) as client:
+        yield client
+
+
+def test_non_finite_numbers_are_written_as_null(nan_client: TestClient) -> None:
+    """Every body and every event is strict JSON: a NaN log-probability is null (the hot byte-formatted path and
+    the dict path alike), /v1/completions with logprobs is no 500, and the server keeps serving."""
+    def post(route: str, body: dict) -> Any:
+        r = nan_client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        if r.headers["content-type"].startswith("text/event-stream"):
+            return parse_sse(r.text)  # strict
+        return strict_json(r.text)
+
+    greedy = {"max_new_tokens": 4, "greedy": True}
+    d = post("/generate", {"inputs": PROMPT, "parameters": {**greedy, "details": True, "top_n_tokens": 2}})["details"]
+    assert [t["logprob"] for t in d["tokens"]] == [None] * 4
+    assert [a["logprob"] for top in d["top_tokens"] for a in top] == [None] * 8
+    for top_n in (0, 2):  # without alternatives the events are formatted straight to bytes (app.tgi._token_sse)
+        events = post("/generate_stream", {"inputs": PROMPT, "parameters": {**greedy, "top_n_tokens": top_n}})
+        assert [e["token"]["logprob"] for e in events] == [None] * 4
+        assert [a["logprob"] for e in events for a in e["top_tokens"]] == [None] * 4 * top_n
+    assert post("/", {"inputs": PROMPT, "parameters": {**greedy, "details": True}})[0]["details"]["tokens"][0][
+        "logprob"] is None
+    assert len(post("/", {"inputs": PROMPT, "parameters": greedy, "stream": True})) == 4
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    lp = post("/v1/completions", body)["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None] * 4 and all(set(t.values()) == {None} for t in lp["top_logprobs"])
+    chunks = post("/v1/completions", {**body, "stream": True})
+    assert [c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks[1:-1]] == [[None]] * 4
+    # sampling from NaN probabilities fails that request alone, in a well-formed error
+    assert_tgi_error(nan_client.post("/generate", json={"inputs": PROMPT, "parameters": {"do_sample": True}}), 424,
+                     "generation")
+    events = parse_sse(nan_client.post("/generate_stream", json={"inputs": PROMPT,
+                                                                 "parameters": {"do_sample": True}}).text)
+    assert events[-1]["error_type"] == "generation"
+    for route in ("/health", "/info", "/v1/models"):
+        r = nan_client.get(route)
+        assert r.status_code == 200 and strict_json(r.text)
+
+
+def test_the_json_encoder_writes_null_for_every_non_finite_float() -> None:
+    from app.responses import StrictJSONResponse, dumps
+    from app.sse import sse
+
+    data = {"a": [1.5, float("nan"), {"b": (float("inf"), -float("inf"))}], "c": "NaN", "d": -0.0}
+    assert dumps(data) == '{"a":[1.5,null,{"b":[null,null]}],"c":"NaN","d":-0.0}'
+    assert strict_json(StrictJSONResponse(data).body) == strict_json(dumps(data))
+    assert sse(data) == f"data: {dumps(data)}\n\n".encode()
 
 
 # -- UTF-8 with byte-level BPE ----------------------------------------------------------------------------------
