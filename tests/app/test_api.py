@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -123,6 +124,35 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION
+
+
+def test_info_shows_no_absolute_path(client: TestClient) -> None:
+    """/info is open to anyone: the checkpoint is named by its directory, a path in the provenance by its last part,
+    a path inside a message (the kernels' build error) likewise."""
+    service = client.app.state.service
+    meta, status = service.checkpoint.meta, service.engine.cpu_kernels
+    training = {"dataset": "input.txt", "source": "/home/someone/models/gpt2", "train_config": {
+        "data": "/work/shared/data/tinyshakespeare/input.txt", "out": "/srv/folio/weights/run-7/", "bpe_dir": "",
+        "resume_from": "C:\\Users\\someone\\ckpt", "tokenizer": "char", "lr": 0.002}}
+    service.checkpoint.meta = {**meta, "training": training}
+    service.engine.cpu_kernels = "could not be built: /root/.cache/torch_extensions/folio/main.cpp:3: error"
+    try:
+        info = client.get("/info").json()
+    finally:
+        service.checkpoint.meta, service.engine.cpu_kernels = meta, status
+
+    def strings(v: Any) -> Iterator[str]:
+        if isinstance(v, dict | list):
+            for x in v.values() if isinstance(v, dict) else v:
+                yield from strings(x)
+        elif isinstance(v, str):
+            yield v
+
+    assert [v for v in strings(info) if re.search(r"(^|[\s(])(/|~/|[A-Za-z]:\\)\S", v)] == []
+    assert info["checkpoint"] == "tiny-char"
+    assert info["training"] == {"dataset": "input.txt", "source": "gpt2", "train_config": {
+        "data": "input.txt", "out": "run-7", "bpe_dir": "", "resume_from": "ckpt", "tokenizer": "char", "lr": 0.002}}
+    assert info["cpu_kernels"] == "could not be built: main.cpp:3: error"
 
 
 def test_v1_models_lists_the_served_model(client: TestClient) -> None:
