@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
 from app import openai_api, system, tgi
@@ -80,7 +81,9 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
             service.draining = True
             await run_in_threadpool(eng.stop)
 
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc load their scripts and styles from this server (fastapi-offline's copies under
+    # /static-offline-docs), not from a CDN: they work on a machine without internet access
+    app = FastAPIOffline(
         title="Folio",
         version=system.VERSION,
         summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",

@@ -199,6 +199,21 @@ def test_docs_openapi_and_playground_are_served(client: TestClient) -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
 
 
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_everything_from_this_server(client: TestClient, page: str) -> None:
+    """Swagger UI and ReDoc work offline: the page names only same-origin URLs (no CDN), and each answers."""
+    html = client.get(page)
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    urls = re.findall(r"""(?:src|href|url|spec-url)\s*[=:]\s*["']([^"']+)["']""", html.text)
+    assert urls and all(u.startswith("/") and not u.startswith("//") for u in urls), urls
+    assert "/openapi.json" in urls and any(u.endswith(".js") for u in urls)
+    types = {".js": "javascript", ".css": "text/css", ".png": "image/png", ".json": "application/json"}
+    for url in urls:
+        r = client.get(url)
+        assert r.status_code == 200 and len(r.content) > 1000, url
+        assert types[Path(url).suffix] in r.headers["content-type"], (url, r.headers["content-type"])
+
+
 # -- /generate ------------------------------------------------------------------------------------------------
 
 

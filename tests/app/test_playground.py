@@ -4,17 +4,12 @@ Skipped, with the reason, only where no chromium binary is installed (CI install
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
-import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
-# what the project's probe found necessary on a closed-network machine, as root, headless
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
+pytestmark = needs_chromium
 
 
 def test_playground_streams_tokens_coloured_by_probability(server: str, tmp_path: Path) -> None:
