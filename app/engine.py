@@ -45,7 +45,7 @@ import torch
 from model import kernels
 from model.checkpoint import Checkpoint
 from model.gpt import KVCache
-from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
+from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator, preview
 from model.stopping import LENGTH, STOP_SEQUENCE, TextStream, check_stop_token
 
 log = logging.getLogger("folio.engine")
@@ -341,10 +341,15 @@ class Engine:
 
     # -- submission -----------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams, truncate: int | None = None) -> list[int]:
-        """The prompt the model will see; raises `ValidationError` for an empty or too long prompt."""
+        """The prompt the model will see; raises `ValidationError` for an empty or too long prompt, and for
+        parameters beyond this model (more alternatives per token than its vocabulary holds)."""
+        if params.top_n_tokens > self.n_vocab:
+            raise ValidationError("top_n_tokens", f"must be at most the model's vocabulary size, {self.n_vocab}, "
+                                                  f"got {params.top_n_tokens}")
         if truncate is not None:
             if not 1 <= truncate <= self.block_size:
-                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], got {truncate}")
+                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], "
+                                                  f"got {preview(truncate)}")
             prompt = prompt[-truncate:]
         if not prompt:
             raise ValidationError("inputs", "the prompt must hold at least one token, got 0")

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
 from app import openai_api, system, tgi
@@ -18,6 +19,7 @@ from app.engine import Engine
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
+from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
@@ -71,11 +73,14 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
             service.draining = True
             await run_in_threadpool(eng.stop)
 
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc load their scripts and styles from this server (fastapi-offline's copies under
+    # /static-offline-docs), not from a CDN: they work on a machine without internet access
+    app = FastAPIOffline(
         title="Folio",
         version=system.VERSION,
         summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
         lifespan=lifespan,
+        default_response_class=StrictJSONResponse,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()

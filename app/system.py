@@ -2,39 +2,57 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.deps import ServiceDep
+from app.responses import StrictJSONResponse
 
 router = APIRouter(tags=["system"])
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 VERSION = "0.1.0"
+# an absolute path inside a string: POSIX (/a/b, ~/a) or Windows (C:\\a, \\\\host\\share), up to a space or quote
+_ABSOLUTE_PATH = re.compile(r"""(?<![\w.~/\\:-])(?:~?/|[A-Za-z]:[\\/]|\\\\)[^\s'"`<>|,;()]+""")
+
+
+def without_paths(value: Any) -> Any:
+    """`value` (JSON-like) with every absolute path in its strings cut to its last part, a file or directory name:
+    /info is open to anyone who can reach the server and must not map the machine's file system."""
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub(lambda m: PureWindowsPath(m.group().rstrip("/\\")).name, value)
+    if isinstance(value, dict):
+        return {k: without_paths(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_paths(v) for v in value]
+    return value
 
 
 @router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
-async def health(request: Request) -> JSONResponse:
+async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
     service = getattr(request.app.state, "service", None)
     if service is None or not service.ready:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return StrictJSONResponse({"status": "loading"}, status_code=503)
     if service.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return StrictJSONResponse({"status": "draining"}, status_code=503)
+    return StrictJSONResponse({"status": "ok"})
 
 
 @router.get("/info")
 async def info(service: ServiceDep) -> dict[str, Any]:
+    """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
+    its directory, and a path in the provenance (the training data, the output directory) by its last part."""
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     tok = ck.tokenizer
-    return {
+    return without_paths({
         "model_id": service.model_id,
         "model_sha": ck.meta.get("weights_sha256"),
-        "checkpoint": str(ck.path) if ck.path else None,
+        "checkpoint": ck.path.name if ck.path else None,
         "checkpoint_sha256": ck.meta.get("weights_sha256"),
         "parameters": cfg.num_params(),
         "model_config": cfg.to_dict(),
@@ -55,7 +73,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "training": ck.training,
         "version": VERSION,
         "router": "folio",
-    }
+    })
 
 
 @router.get("/metrics", response_class=PlainTextResponse,

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from app.deps import AuthDep, ServiceDep
 from app.engine import EngineError, GenerationStream, Result, TokenEvent
 from app.errors import ERROR_TABLE
+from app.responses import json_number
 from app.schemas import (
     Details,
     ErrorBody,
@@ -22,8 +23,8 @@ from app.schemas import (
     Token,
     TokenizeRequest,
 )
-from app.service import ClientGone, GenerationService, Prepared
-from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, json_number, sse
+from app.service import TGI, ClientGone, GenerationService, Prepared
+from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
@@ -32,7 +33,7 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 async def _start(service: GenerationService, body: GenerateRequest) -> tuple[Prepared, GenerationStream]:
     service.check_ready()
     params, truncate = service.params_from_tgi(body.parameters)
-    prepared = await service.prepare(body.inputs, params, truncate, "inputs")
+    prepared = await service.prepare(body.inputs, params, truncate, TGI)
     return prepared, service.submit(prepared)
 
 

@@ -6,20 +6,15 @@ Skipped, with the reason, only where no chromium binary is installed (CI install
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 from server_process import serving
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None,
-                                reason="no chromium binary (Debian: apt-get install chromium; .ci/run installs it)")
-# what the project's probe found necessary on a closed-network machine, as root, headless
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
+pytestmark = needs_chromium
 API_KEY = "pl4yground-k3y"
 DONE = "document.getElementById('status').textContent.includes('tokens ·')"
 FAILED = "document.getElementById('status').className === 'error'"

@@ -328,7 +328,7 @@ def test_the_image_tree_serves_a_volume_and_drains_on_sigterm(tmp_path: Path) ->
     server, since it was exec'd) drains and exits 0, as `docker stop` would."""
     import torch
 
-    from model.checkpoint import save_checkpoint
+    from model.checkpoint import WEIGHTS_FILE, save_checkpoint, sha256_file
     from model.config import GPTConfig
     from model.gpt import GPT
     from model.tokenizer import CharTokenizer
@@ -359,7 +359,9 @@ def test_the_image_tree_serves_a_volume_and_drains_on_sigterm(tmp_path: Path) ->
             time.sleep(0.3)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=10) as r:
             info = json.load(r)
-        assert info["checkpoint"] == str(volume)
+        # /info names the checkpoint by its directory (no absolute paths), and its weights by their hash
+        assert info["checkpoint"] == volume.name
+        assert info["checkpoint_sha256"] == sha256_file(volume / WEIGHTS_FILE)
         assert Path(app_dir / "app" / "main.py").is_file() and not (app_dir / "tests").exists()
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, log.read_text()
