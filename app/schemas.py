@@ -6,9 +6,10 @@ become the OpenAPI docs at /docs.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2**63 - 1
 
@@ -139,6 +140,15 @@ class CompletionRequest(_Strict):
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported (empty only)")
     user: str | None = None
     suffix: None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str]:
+        # before the items are validated: a list of a million numbers is one error, not a million
+        if isinstance(value, list) and len(value) != 1:
+            raise PydanticCustomError("one_prompt", "must be a string or a list of exactly one string, not a list "
+                                      "of {n}", {"n": len(value)})
+        return handler(value)
 
 
 class OpenAIErrorDetail(BaseModel):
