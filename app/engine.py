@@ -335,6 +335,11 @@ class Engine:
         with self._lock:
             return len(self._running) + len(self._prefilling) + len(self._waiting)
 
+    @property
+    def reserved(self) -> int:
+        """Slots held by `reserve` for requests not yet submitted (or for work that never is: /tokenize)."""
+        return self._reserved
+
     def warmup(self) -> None:
         """One short generation so the first real request pays no first-call costs."""
         self.generate([0] * min(8, self.block_size - 1), SamplingParams(max_new_tokens=4, seed=0))
@@ -389,6 +394,12 @@ class Engine:
             self._refuse_if_full()
             self._reserved += 1
             return Reservation(self)
+
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` (counted as a rejection) where `reserve` would, holding nothing: the admission check
+        made before a request's body is read, so that a full server reads no body."""
+        with self._lock:
+            self._refuse_if_full()
 
     def _refuse_if_full(self) -> None:
         # bound the total, not just the waiting queue: requests wait in `_waiting` until the engine thread

@@ -48,7 +48,7 @@ def error_response(request: Request, exc: Exception, retry_after: int = 1) -> St
     for cls, (status, kind, oa_type) in ERROR_TABLE.items():
         if isinstance(exc, cls):
             param = getattr(exc, "field", None)
-            headers = {"Retry-After": str(retry_after)} if status == 429 else None
+            headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
             if status == 401:
                 headers = {"WWW-Authenticate": "Bearer"}
             body = error_body(request.url.path, status, kind, oa_type, str(exc), param)

@@ -17,7 +17,7 @@ from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import OPENAI, ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.sampling import ValidationError, preview
+from model.sampling import preview
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
@@ -56,11 +56,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     if body.model is not None and body.model != service.model_id:
         msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ValidationError("prompt", f"must be a string or a list of exactly one string, got {len(prompt)}")
-        prompt = prompt[0]
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]  # a list holds one (schemas.py)
     params = service.params_from_openai(body)
     prepared = await service.prepare(prompt, params, None, OPENAI)
     stream = service.submit(prepared)

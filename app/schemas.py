@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
 from model.sampling import preview
@@ -178,6 +178,24 @@ class CompletionRequest(_Strict):
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported (empty only)")
     user: str | None = None
     suffix: None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str]:
+        # before the items are validated: a list of a million numbers is one error, not a million
+        if isinstance(value, list) and len(value) != 1:
+            raise PydanticCustomError("one_prompt", "must be a string or a list of exactly one string, not a list "
+                                      "of {n}", {"n": len(value)})
+        return handler(value)
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _few_stops(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
+        # the same for stop: its count is checked before its items
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("too_many_stops", "must hold at most {max} stop strings, got {n}",
+                                      {"max": MAX_STOP_STRINGS, "n": len(value)})
+        return handler(value)
 
 
 class OpenAIErrorDetail(BaseModel):

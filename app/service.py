@@ -60,6 +60,7 @@ class GenerationService:
         self.metrics = metrics
         self.ready = False
         self.draining = False
+        self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
         self.model_id = settings.model_id or checkpoint.path.name
 
     def check_ready(self) -> None:

@@ -52,11 +52,17 @@ class Settings(BaseSettings):
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    api_key: SecretStr | None = Field(None, description="if set, generation routes need 'Bearer <key>' "
+    api_key: SecretStr | None = Field(None, description="if set, generation routes and /tokenize need 'Bearer <key>' "
                                       "(surrounding whitespace is ignored; an empty key is refused)")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="allowed CORS origins: '*' for any, or origins such as "
         "https://example.com, comma-separated (or a JSON list)")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="a larger request line + headers gets 431")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a request's line and headers may take (408)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a request's body may take after its headers (408)")
+    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 (uvicorn's "
+                                 "limit_concurrency)")
+    max_tokenize_chars: int = Field(65536, ge=1, description="/tokenize inputs longer than this get 422")
     drain_timeout: float = Field(30.0, ge=0, le=86_400, description="seconds in-flight requests get after SIGTERM")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"

@@ -16,9 +16,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # window_shift 1: past the 64-token window every step re-prefills the whole window, so a 4096-token
-# generation takes many seconds even on a fast machine (the drain and disconnect tests need slow ones)
+# generation takes many seconds even on a fast machine (the drain and disconnect tests need slow ones);
+# short header and body deadlines, so that the slow-client test sees them expire
 SERVER_ARGS = ["--device", "cpu", "--threads", "1", "--log-level", "warning", "--max-new-tokens-limit", "4096",
-               "--window-shift", "1", "--max-body-bytes", "16384", "--drain-timeout", "2"]
+               "--window-shift", "1", "--max-body-bytes", "16384", "--drain-timeout", "2", "--header-timeout", "2",
+               "--body-timeout", "2"]
 
 
 def free_port() -> int:

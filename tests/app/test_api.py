@@ -629,6 +629,21 @@ def test_tokenize_rejects_unknown_characters(client: TestClient) -> None:
     assert_tgi_error(r, 422, "validation", "inputs:", "'ï'")
 
 
+def test_tokenize_over_its_limit_is_422_naming_it(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_tokenize_chars=16)
+    assert len(client.post("/tokenize", json={"inputs": "a" * 16}).json()) == 16
+    r = client.post("/tokenize", json={"inputs": "a" * 17})
+    assert_tgi_error(r, 422, "validation", "inputs: must be at most 16 characters", "--max-tokenize-chars", "got 17")
+
+
+def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
+    """The list's length is checked before its items: a body of thousands of numbers is one 422 (before, pydantic
+    reported every item, twice: seconds of work on the event loop and a 20x larger answer for a large body)."""
+    r = client.post("/v1/completions", json={"prompt": [1] * 5000})
+    message = assert_openai_error(r, 422, "invalid_request_error", "prompt", "exactly one string, not a list of 5000")
+    assert message.count("prompt") == 1
+
+
 OPENAI_INVALID = [
     ({"temperature": -1}, "temperature", "greater than or equal to 0", "got -1"),
     ({"temperature": 2.5}, "temperature", "less than or equal to 2", "got 2.5"),
@@ -646,7 +661,7 @@ OPENAI_INVALID = [
     ({"stop": ["a"] * 17}, "stop", "at most 16", "got 17"),
     ({"stop": "x" * 129}, "stop", "at most 128 characters", "one of 129", "'xxxx"),
     ({"stop": ["ok", "y" * 129]}, "stop", "at most 128 characters", "one of 129", "'yyyy"),
-    ({"prompt": ["a", "b"]}, "prompt", "exactly one string", "got 2"),
+    ({"prompt": ["a", "b"]}, "prompt", "exactly one string, not a list of 2", "got ['a', 'b']"),
     ({"prompt": ""}, "prompt", "at least one token", "got 0"),
     ({"prompt": "a" * 65}, "prompt", "65 tokens", "context of 64"),
     ({"prompt": "naïve"}, "prompt", "'ï'"),
@@ -868,6 +883,60 @@ def test_a_request_being_validated_holds_its_slot(make_client: Callable[..., Tes
     assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
+def test_tokenize_takes_a_slot_until_it_answers(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_batch_size=1, max_waiting=0)
+    with engine_held_full(client):
+        assert_tgi_error(client.post("/tokenize", json={"inputs": PROMPT}), 429, "overloaded", "at capacity")
+    assert len(client.post("/tokenize", json={"inputs": PROMPT}).json()) == len(PROMPT)
+    assert engine_of(client).reserved == 0
+    assert metric(client.get("/metrics").text, "folio_reserved_slots") == 0
+
+
+class GatedTokenizer:
+    """A tokenizer whose `encode` and `decode_bytes` each wait for their gate on their first call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = {name: threading.Event() for name in ("encode", "decode_bytes")}
+        self.gates = {name: threading.Event() for name in ("encode", "decode_bytes")}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _wait(self, name: str) -> None:
+        self.entered[name].set()
+        self.gates[name].wait(30)
+
+    def encode(self, text: str) -> list[int]:
+        self._wait("encode")
+        return self.inner.encode(text)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        self._wait("decode_bytes")
+        return self.inner.decode_bytes(ids)
+
+
+def test_tokenize_works_off_the_event_loop(client: TestClient) -> None:
+    """Tokenising and writing the answer both take time proportional to the input: while each is held up, the
+    event loop still answers /health (were either on the loop, /health would wait for it)."""
+    service = client.app.state.service
+    gated = service.tokenizer = GatedTokenizer(service.tokenizer)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answer = pool.submit(client.post, "/tokenize", json={"inputs": "Hi, you!"})
+            for phase in ("encode", "decode_bytes"):
+                assert gated.entered[phase].wait(30), phase
+                assert pool.submit(client.get, "/health").result(timeout=30).status_code == 200
+                assert not answer.done()
+                gated.gates[phase].set()
+            assert answer.result(timeout=30).json() == [{"id": CHARS.index(c), "text": c, "start": i, "stop": i + 1}
+                                                        for i, c in enumerate("Hi, you!")]
+    finally:
+        for gate in gated.gates.values():
+            gate.set()
+        service.tokenizer = gated.inner
+
+
 def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:
     engine = engine_of(client)
     tok = client.app.state.service.tokenizer
@@ -908,21 +977,24 @@ def test_draining_answers_503(client: TestClient) -> None:
     try:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "draining"})
-        for route in ("/generate", "/generate_stream", "/"):
-            assert_tgi_error(client.post(route, json={"inputs": PROMPT}), 503, "unavailable", "shutting down")
+        for route in ("/generate", "/generate_stream", "/", "/tokenize"):
+            r = client.post(route, json={"inputs": PROMPT})
+            assert_tgi_error(r, 503, "unavailable", "shutting down")
+            assert (r.headers["retry-after"], r.headers["connection"]) == ("1", "close")
         r = client.post("/v1/completions", json={"prompt": PROMPT})
         assert_openai_error(r, 503, "server_error", None, "shutting down")
+        assert r.headers["retry-after"] == "1"
         assert client.get("/metrics").status_code == 200
     finally:
         service.draining = False
     assert client.get("/health").status_code == 200
 
 
-def test_api_key_guards_generation_routes_only(make_client: Callable[..., TestClient]) -> None:
+def test_api_key_guards_generation_routes_and_tokenize(make_client: Callable[..., TestClient]) -> None:
     client = make_client(api_key="s3cret")
     tgi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        for route in ("/generate", "/generate_stream", "/"):
+        for route in ("/generate", "/generate_stream", "/", "/tokenize"):
             r = client.post(route, json=tgi, headers=headers)
             assert_tgi_error(r, 401, "authentication", "Bearer <key>")
             assert r.headers["www-authenticate"] == "Bearer"
@@ -932,6 +1004,7 @@ def test_api_key_guards_generation_routes_only(make_client: Callable[..., TestCl
     assert client.post("/generate", json=tgi, headers=ok).status_code == 200
     assert len(parse_sse(client.post("/generate_stream", json=tgi, headers=ok).text)) == 2
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=ok).status_code == 200
+    assert len(client.post("/tokenize", json={"inputs": PROMPT}, headers=ok).json()) == len(PROMPT)
     for route in ("/health", "/metrics"):
         assert client.get(route).status_code == 200
 
