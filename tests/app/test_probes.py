@@ -47,14 +47,12 @@ def probed(char_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     try:
         with httpx.Client(base_url=base) as client:
             deadline = time.monotonic() + 90
-            while not seen or seen[-1] == REFUSED or seen[-1][0] != 200:
+            while (answer := probe(client, "/health/startup")) == REFUSED or answer[0] != 200:
+                seen.append(answer)
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-                seen.append(probe(client, "/health/startup"))
-                # what the server had done by the time startup first said 200 (the warmup generates tokens)
-                if seen[-1] != REFUSED and seen[-1][0] == 200:
-                    seen.append(metric(client.get("/metrics").text, "folio_generated_tokens_total"))
-                    break
                 time.sleep(0.02)
+            # and what the server had done by then: the warmup generation's tokens
+            seen += [answer, metric(client.get("/metrics").text, "folio_generated_tokens_total")]
         yield base, seen
     finally:
         stop(proc)
@@ -66,8 +64,8 @@ def test_startup_fails_until_the_model_is_loaded_and_warmed_up(probed: tuple[str
     assert first_ok == (200, {"status": "ok"})
     assert all(s == REFUSED or (s[0], s[1]["status"]) == (503, "loading") for s in before), before
     assert warmup_tokens >= 1  # the warmup generation had run when startup first said 200
-    assert probe(httpx.Client(base_url=base), "/health/ready") == (200, {"status": "ok", "in_flight": 0,
-                                                                          "capacity": 1})
+    with httpx.Client(base_url=base) as client:
+        assert probe(client, "/health/ready") == (200, {"status": "ok", "in_flight": 0, "capacity": 1})
 
 
 def test_ready_fails_while_the_server_is_full(probed: tuple[str, list]) -> None:
