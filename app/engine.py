@@ -307,6 +307,7 @@ class Engine:
         self._reserved = 0  # slots held by `reserve` for requests not yet submitted
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._step_started: float | None = None  # monotonic time the current loop iteration began; None when idle
         # per event loop that submitted: its events of the current step (a loop that is gone drops its mailbox)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
         self.on_step: Callable[[list[_Request]], None] | None = None  # test hook: fault injection
@@ -329,6 +330,17 @@ class Engine:
         else:  # never started: no loop will fail what is queued, so fail it here
             with self._lock:
                 self._fail_all(EngineStopped("the engine stopped before this request started"))
+
+    def liveness(self, stall_after: float) -> tuple[bool, str]:
+        """Whether the engine thread is alive and stepping: started, not dead, and idle or within `stall_after`
+        seconds of its current step's start. With a reason."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return False, "the engine thread is not running"
+        started = self._step_started
+        if started is not None and (age := time.monotonic() - started) > stall_after:
+            return False, f"the engine's current step began {age:.1f} s ago (limit {stall_after:g} s)"
+        return True, "idle" if started is None else "stepping"
 
     @property
     def busy(self) -> int:
@@ -471,8 +483,10 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
+                self._step_started = None
                 while not (self._stopping or self._waiting or self._prefilling or self._running):
                     self._lock.wait()
+                self._step_started = time.monotonic()
                 if self._stopping:
                     self._fail_all(EngineStopped("the engine stopped before this request finished"))
                     self._flush()

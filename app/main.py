@@ -17,7 +17,7 @@ from app import openai_api, system, tgi
 from app.admission import AdmissionMiddleware
 from app.engine import Engine
 from app.errors import install_error_handlers
-from app.faults import FAULT_DECODE, FAULT_PREFILL, fault_hook
+from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
@@ -42,8 +42,8 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
         threads=settings.threads or None,
     )
     if settings.fault_injection:
-        log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose",
-                    FAULT_PREFILL, FAULT_DECODE)
+        log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "
+                    "the engine step", FAULT_PREFILL, FAULT_DECODE, FAULT_STALL)
         engine.on_step = fault_hook(checkpoint.tokenizer)
     return engine
 

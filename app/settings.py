@@ -64,6 +64,11 @@ class Settings(BaseSettings):
                                  "limit_concurrency)")
     max_tokenize_chars: int = Field(65536, ge=1, description="/tokenize inputs longer than this get 422")
     drain_timeout: float = Field(30.0, ge=0, le=86_400, description="seconds in-flight requests get after SIGTERM")
+    # one engine iteration is a prefill chunk plus a decode step, and a decode step re-prefills each row whose
+    # window slides: GPT-2 small on 2 CPU threads takes ~5 s for a 512-token chunk and ~7 s per slide, so 16 rows
+    # sliding together take ~2 minutes; the default leaves room for that, a stuck engine still fails in minutes
+    liveness_stall_seconds: float = Field(300.0, gt=0, description="GET /health/live fails once one engine step "
+                                          "has run this long")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "

@@ -1,4 +1,4 @@
-"""`python -m app` as a subprocess on 127.0.0.1: start it, wait for /health, stop it."""
+"""`python -m app` as a subprocess on 127.0.0.1: start it, wait for /health, probe it as the kubelet does, stop it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -50,6 +51,19 @@ def wait_healthy(proc: subprocess.Popen, base: str, log: Path, timeout: float = 
         time.sleep(0.1)
     proc.kill()
     pytest.fail(f"server not healthy after {timeout} s:\n{log.read_text()}")
+
+
+REFUSED = "refused"
+
+
+def probe(client: httpx.Client, route: str) -> tuple[int, dict[str, Any]] | str:
+    """GET `route`: (status, JSON body), or REFUSED when no HTTP answer came (connection refused, reset or closed),
+    which the kubelet counts as a failed probe too."""
+    try:
+        r = client.get(route, timeout=5)
+    except httpx.TransportError:
+        return REFUSED
+    return r.status_code, r.json()
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -105,6 +105,44 @@ def test_health_is_ok_after_startup(client: TestClient) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
 
 
+PROBES = ("/health/startup", "/health/ready", "/health/live")
+
+
+def test_probes_say_loading_before_the_lifespan_has_run(char_checkpoint: Path) -> None:
+    """The app before its lifespan (checkpoint load, engine start, warmup) has run: no service yet."""
+    loading = TestClient(create_app(Settings(checkpoint=char_checkpoint, **BASE)))  # no `with`: no lifespan
+    for route in PROBES:
+        r = loading.get(route)
+        assert r.status_code == 503 and r.json()["status"] == "loading", (route, r.text)
+    assert "still loading" in loading.get("/health/ready").json()["reason"]
+
+
+def test_probes_after_startup_and_during_warmup(client: TestClient) -> None:
+    r = client.get("/health/startup")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    r = client.get("/health/ready")
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "in_flight": 0, "capacity": 4 + 8})
+    r = client.get("/health/live")
+    assert r.status_code == 200 and r.json()["status"] in ("idle", "stepping"), r.text
+    service = client.app.state.service
+    service.ready = False  # the state between the engine's start and the end of its warmup
+    try:
+        for route in ("/health/startup", "/health/ready"):
+            r = client.get(route)
+            assert (r.status_code, r.json()["status"]) == (503, "loading"), (route, r.text)
+        assert client.get("/health/live").status_code == 200  # the engine thread runs the warmup
+    finally:
+        service.ready = True
+
+
+def test_live_fails_once_the_engine_thread_has_stopped(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    assert client.get("/health/live").status_code == 200
+    engine_of(client).stop()
+    r = client.get("/health/live")
+    assert (r.status_code, r.json()) == (503, {"status": "unhealthy", "reason": "the engine thread is not running"})
+
+
 def test_info_describes_model_engine_and_training(client: TestClient, char_checkpoint: Path) -> None:
     r = client.get("/info")
     assert r.status_code == 200
@@ -977,6 +1015,10 @@ def test_draining_answers_503(client: TestClient) -> None:
     try:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "draining"})
+        r = client.get("/health/ready")
+        assert (r.status_code, r.json()["status"]) == (503, "draining") and "shutting down" in r.json()["reason"]
+        assert client.get("/health/startup").status_code == 200  # a draining server is not restarted
+        assert client.get("/health/live").status_code == 200
         for route in ("/generate", "/generate_stream", "/", "/tokenize"):
             r = client.post(route, json={"inputs": PROMPT})
             assert_tgi_error(r, 503, "unavailable", "shutting down")
@@ -988,6 +1030,7 @@ def test_draining_answers_503(client: TestClient) -> None:
     finally:
         service.draining = False
     assert client.get("/health").status_code == 200
+    assert client.get("/health/ready").status_code == 200
 
 
 def test_api_key_guards_generation_routes_and_tokenize(make_client: Callable[..., TestClient]) -> None:

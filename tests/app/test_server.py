@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
-from server_process import free_port, spawn, stop, wait_healthy
+from server_process import REFUSED, free_port, probe, spawn, stop, wait_healthy
 from wire import metric, parse_sse
 
 from model.checkpoint import WEIGHTS_FILE
@@ -229,9 +229,23 @@ def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Pa
         for t in threads:
             t.start()
         assert all(e.wait(30) for e in streaming), "streams did not start"
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert_draining(base)  # the listener stays open during the drain
+        with httpx.Client(base_url=base) as client:  # its keep-alive connection is open before the signal
+            assert probe(client, "/health/ready")[0] == 200
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert_draining(base)  # the listener stays open during the drain
+            seen: list[tuple] = []  # (/health, /health/ready, /health/startup) until the port closes
+            while (not seen or REFUSED not in seen[-1]) and len(seen) < 1000:
+                seen.append(tuple(probe(client, route) for route in ("/health", "/health/ready", "/health/startup")))
+        # the signal is handled within moments: from then on /health and readiness fail (503 "draining" while the
+        # port is open, refused once uvicorn has closed it), while a started server stays started (and the
+        # kubelet stops the startup and liveness probes of a deleted pod anyway)
+        draining = {"status": "draining", "reason": "the server is shutting down and admits no new requests"}
+        first = next(i for i, s in enumerate(seen) if s[0] == REFUSED or s[0][0] != 200)
+        for health, ready, startup in seen[first:]:
+            assert health in (REFUSED, (503, {"status": "draining"})), seen
+            assert ready in (REFUSED, (503, draining)), seen
+            assert startup in (REFUSED, (200, {"status": "ok"})), seen
         assert proc.wait(30) == 0, log.read_text()
         assert time.monotonic() - signalled < drain + 5
         for t in threads:

@@ -28,39 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dockerfile import instructions, stages
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
-DOCKERFILE = DOCKER / "Dockerfile"
-
-
-def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, pending = [], ""
-    for line in path.read_text().splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        full = (pending + line).strip()
-        pending = ""
-        keyword, _, args = full.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
-
-
-def stages() -> dict[str, list[tuple[str, str]]]:
-    """Each build stage's instructions, by stage name, in order (dicts keep insertion order)."""
-    result: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for keyword, args in instructions():
-        if keyword == "FROM":
-            current = args.split(" AS ")[-1].strip() if " AS " in args else args
-            result[current] = []
-        elif current is not None:
-            result[current].append((keyword, args))
-    return result
 
 
 # -- hadolint -------------------------------------------------------------------------------------------

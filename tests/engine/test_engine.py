@@ -660,6 +660,37 @@ def test_stop_fails_requests_of_an_engine_never_started(make_engine) -> None:
     assert engine.busy == 0
 
 
+def test_liveness_says_when_the_thread_is_gone_or_a_step_hangs(make_engine) -> None:
+    engine = make_engine(start=False)
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
+    engine.start()
+    assert engine.generate([1], SamplingParams(max_new_tokens=2)).finished.generated_tokens == 2
+    entered, release = threading.Event(), threading.Event()
+
+    def hang(reqs):  # a step that hangs until released
+        entered.set()
+        release.wait(10)
+
+    async def main():
+        await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # waiting for work: no step to time
+        engine.on_step = hang
+        stream = engine.submit([1, 2], SamplingParams(max_new_tokens=5))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+        assert engine.liveness(30.0) == (True, "stepping")
+        await wait_until(lambda: not engine.liveness(0.1)[0])
+        alive, why = engine.liveness(0.1)
+        assert why.startswith("the engine's current step began") and why.endswith("s ago (limit 0.1 s)"), why
+        engine.on_step = None
+        release.set()
+        result = await stream.collect()
+        await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # the stall is over: alive again
+        return result
+
+    assert run(main()).finished.generated_tokens == 5
+    engine.stop()
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
+
+
 def test_generate_timeout_cancels_the_request(make_engine) -> None:
     engine = make_engine()
     release = threading.Event()
