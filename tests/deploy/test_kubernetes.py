@@ -16,6 +16,7 @@ import math
 import re
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import kubernetes_validate
 import pytest
@@ -181,12 +182,20 @@ def test_probes_are_the_servers_routes_on_its_port() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
 
 
+def pod_settings(resources: dict[str, dict[str, Any]]) -> Settings:
+    """The server's settings from the container's variables, as the pod's node checks them: --threads is bounded by
+    the cores of the machine it runs on, and that node has at least the container's CPU limit."""
+    cores = math.ceil(quantity(container(resources)["resources"]["limits"]["cpu"]))
+    with mock.patch("os.cpu_count", return_value=cores):
+        return Settings(**{k.removeprefix("FOLIO_").lower(): v for k, v in env(resources).items()})
+
+
 @pytest.mark.parametrize("resources", [BASE, WITH_PVC], ids=["base", "weights-pvc"])
 def test_every_variable_is_a_server_setting_with_a_valid_value(resources: dict[str, dict[str, Any]]) -> None:
     fields = {f"FOLIO_{name.upper()}": name for name in Settings.model_fields}
     variables = env(resources)
     assert set(variables) <= set(fields), sorted(set(variables) - set(fields))
-    Settings(**{fields[k]: v for k, v in variables.items()})  # raises on a value the server would refuse
+    pod_settings(resources)  # raises on a value the server would refuse
 
 
 def test_service_links_cannot_override_settings() -> None:
@@ -255,7 +264,7 @@ def memory_needed(config: GPTConfig, max_batch_size: int) -> int:
 def test_resources_fit_the_model(resources: dict[str, dict[str, Any]], config: GPTConfig) -> None:
     r = container(resources)["resources"]
     assert r["requests"] == r["limits"]  # the Guaranteed QoS class
-    settings = Settings(**{k.removeprefix("FOLIO_").lower(): v for k, v in env(resources).items()})
+    settings = pod_settings(resources)
     assert quantity(r["limits"]["memory"]) >= memory_needed(config, settings.max_batch_size)
     # the kernels' spinning pool (torch's thread count) fits under the CPU limit with a core to spare
     assert 1 <= settings.threads <= math.floor(quantity(r["limits"]["cpu"])) - 1
