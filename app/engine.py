@@ -280,8 +280,9 @@ class Engine:
             kernels.load()
             self.cpu_kernels = kernels.status()
         self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
-        # the kernels' packed weight layout for batched decode steps (as much memory again as the weights)
-        self.packed_bytes = kernels.pack_weights(self.model)  # 0 where the kernels are not used
+        # the kernels' modules in place of torch's, with packed weights for batched decode steps (as much memory
+        # again as the weights); nothing where the kernels are not used
+        self.packed_bytes = kernels.install(self.model).packed_bytes
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.n_vocab = self.tokenizer.n_vocab
