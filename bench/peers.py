@@ -354,7 +354,7 @@ def start(server: Server, log: Path, timeout: float) -> tuple[subprocess.Popen, 
             raise SetupError(f"{server.name} exited with status {proc.returncode} while starting; the end of "
                              f"{log}:\n{tail(log)}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:  # no proxy for 127.0.0.1
                 return proc, url
         except httpx.HTTPError:
             pass
@@ -416,7 +416,7 @@ async def complete(http: httpx.AsyncClient, prompt: str, max_tokens: int, extra:
 
 def client(url: str, connections: int) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=connections + 4, max_keepalive_connections=connections + 4)
-    return httpx.AsyncClient(base_url=url, timeout=900, limits=limits)
+    return httpx.AsyncClient(base_url=url, timeout=900, limits=limits, trust_env=False)
 
 
 async def ignore_eos_option(url: str) -> dict[str, Any]:
@@ -522,7 +522,8 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"{report['threads']} threads per server; x = ratio to the best peer (> 1: better than every peer)")
     titles = [t.format(c=report["workload"]["concurrency"], p=report["workload"]["prompt_tokens"])
               for _, t, _ in FIGURES]
-    print(f"{'server':<18}" + "".join(f"{t:>17} {'x':>5}" for t in titles) + f"  {'agrees (tokens)':>15}  EOS")
+    print(f"{'server':<18}" + "".join(f"{t:>17} {'x':>5}" for t in titles) + f"  {'agrees (tokens)':>15}  "
+          "requests short of their tokens")
     for name, e in report["servers"].items():
         if e["status"] != "ok":
             print(f"{name:<18} {e['status']}: {e['reason'].splitlines()[0][:150]}")
@@ -538,7 +539,7 @@ def print_table(report: dict[str, Any]) -> None:
             row += f"  {a['tokens']:>7} of {a['of_tokens']:<4}" if a else f"  {'-':>15}"
         early = (sum(t < e["batch1"]["wanted"] for t in e["batch1"]["tokens"])
                  + sum(r["short_requests"] for r in e["concurrent"]["rounds"]))
-        print(row + ("  ignored" if e["ignore_eos"] else f"  ended {early} requests early"))
+        print(row + f"  {'ignore_eos' if e['ignore_eos'] else 'EOS stops'}, {early} short")
 
 
 def plot(report: dict[str, Any], png: Path) -> None:
@@ -631,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # no server outlives this script: Ctrl-C and SIGTERM unwind through `stop`, atexit catches the rest
     atexit.register(stop_all)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started in the background
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     prompts = Prompts(Path(args.bpe_dir))
