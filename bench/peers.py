@@ -58,7 +58,7 @@ MODEL_ID = "gpt2-124m"  # the name every server answers to
 SEED = 0
 CONTEXT = 1024  # GPT-2's
 # Folio as served: (name, extra `python -m app` flags), one line per variant: ("folio-int8", ["--quantize", "int8"])
-FOLIO_VARIANTS: list[tuple[str, list[str]]] = [
+VARIANTS_OF_FOLIO: list[tuple[str, list[str]]] = [
     ("folio", []),
 ]
 LLAMA_OUTTYPES = ("f32", "q8_0")
@@ -283,7 +283,7 @@ def server_factories(setup: Setup, threads: int, slots: int) -> dict[str, Callab
     order they run in (Folio first: the others' greedy text is compared with its)."""
     host = ["--host", "127.0.0.1", "--port", "{port}"]
     out: dict[str, Callable[[], Server]] = {}
-    for name, extra in FOLIO_VARIANTS:
+    for name, extra in VARIANTS_OF_FOLIO:
         out[name] = lambda name=name, extra=extra: Server(name, [
             sys.executable, "-m", "app", "--checkpoint", str(setup.folio_checkpoint()), *host, "--model-id", MODEL_ID,
             "--threads", str(threads), "--max-batch-size", str(slots), "--max-waiting", str(4 * slots),
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.new_tokens, args.concurrency, args.concurrent_new_tokens = 1, 16, 4, 8
     for spec in args.folio_variant:
         name, _, flags = spec.partition("=")
-        FOLIO_VARIANTS.append((name, shlex.split(flags)))
+        VARIANTS_OF_FOLIO.append((name, shlex.split(flags)))
     cache = Path(args.cache_dir).expanduser()
     setup = Setup(cache, Path(args.bpe_dir))
     factories = server_factories(setup, args.threads, args.concurrency)
