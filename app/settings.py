@@ -32,7 +32,8 @@ OTHER_VARIABLES = {
     "FOLIO_PROXY_PORT": "nginx's host port in docker/compose.yaml",
     "FOLIO_HEALTH_TIMEOUT": "seconds docker/healthcheck.py waits for /health",
     "FOLIO_PEERS_CACHE": "where bench/peers.py keeps the peer servers it sets up",
-    "FOLIO_PEERS_CONVERT_VENV": "set: bench/peers.py converts models in a virtualenv of its own, even where the project's python could",
+    "FOLIO_PEERS_CONVERT_VENV": ("set: bench/peers.py converts models in a virtualenv of its own, even where the "
+                                 "project's python could"),
     "FOLIO_TEST_DATA": "the test suite's data directory (tests/conftest.py), for a server the tests start",
 }
 ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as browsers send it
