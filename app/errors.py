@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.engine import EngineError, EngineStopped, GenerationError, Overloaded
-from model.sampling import ValidationError
+from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.sampler import ValidationError
 from model.tokenizer import TokenizerError
 
 

@@ -11,12 +11,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.deps import AuthDep, ServiceDep
-from app.engine import EngineError, Finished, GenerationStream, TokenEvent
 from app.errors import ERROR_TABLE, error_body
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.sampling import ValidationError
+from model.engine import EngineError, Finished, GenerationStream, TokenEvent
+from model.sampler import ValidationError
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}

@@ -13,13 +13,13 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from app.admission import current_reservation
-from app.engine import Engine, Finished, GenerationStream, Result, TokenEvent
 from app.errors import Unavailable
 from app.metrics import Metrics
 from app.schemas import CompletionRequest, GenerateParameters
 from app.settings import Settings
 from model.checkpoint import Checkpoint
-from model.sampling import SamplingParams, ValidationError
+from model.engine import Engine, Finished, GenerationStream, Result, TokenEvent
+from model.sampler import SamplingParams, ValidationError
 
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
@@ -120,7 +120,7 @@ class GenerationService:
         (`inputs` and `parameters.truncate` for TGI, `prompt` for OpenAI)."""
         prompt = await self.encode(text, field)
         try:
-            prompt = self.engine.validate(prompt, params, truncate)
+            prompt = self.engine.validate(prompt, truncate)
         except ValidationError as e:
             if e.field == "truncate":
                 raise ValidationError("parameters.truncate", e.message) from None

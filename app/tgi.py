@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import AuthDep, ServiceDep
-from app.engine import EngineError, GenerationStream, Result, TokenEvent
 from app.errors import ERROR_TABLE
 from app.schemas import (
     Details,
@@ -24,6 +23,7 @@ from app.schemas import (
 )
 from app.service import ClientGone, GenerationService, Prepared
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, json_number, sse
+from model.engine import EngineError, GenerationStream, Result, TokenEvent
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}

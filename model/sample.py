@@ -12,8 +12,8 @@ import sys
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.generate import generate_naive
-from model.sampling import SamplingParams, ValidationError, new_generator
+from model.reference import generate_naive
+from model.sampler import SamplingParams, ValidationError, new_generator
 from model.stopping import TextStream
 from model.tokenizer import TokenizerError
 

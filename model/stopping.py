@@ -1,5 +1,7 @@
-"""Stopping and text streaming: small pieces the engine and the offline sampler share.
+"""Stopping and text streaming: small pieces the engine, the reference loop and the offline sampler share.
 
+- `StoppingCriteria`, one per request, owns every reason to stop (length, EOS, stop strings): called with each
+  generated token, it returns the text that token releases and the reason generation stops, if it does.
 - `check_stop_token` decides, per token, whether generation ends on length or EOS: `(stop, reason)`.
 - `TextStream` turns token ids into text that is safe to show: bytes are held back until they form whole
   UTF-8 characters (byte-level BPE splits characters across tokens), and text that could be the start of
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -85,3 +88,35 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """What one token did: the text it releases, and why generation stops (None: it goes on)."""
+
+    text: str
+    reason: str | None = None
+    stop_sequence: str | None = None  # the stop string matched, with reason STOP_SEQUENCE
+
+
+class StoppingCriteria:
+    """Every reason one request stops: EOS (unless `stop_at_eos` is off), `max_new_tokens`, and its stop strings
+    (matched across token boundaries in the decoded text, never part of the output; see `TextStream`)."""
+
+    def __init__(self, tokenizer: _Decodes, *, max_new_tokens: int, eos_id: int | None, stop: Sequence[str] = (),
+                 stop_at_eos: bool = True) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.eos_id = eos_id
+        self.stop_at_eos = stop_at_eos
+        self.generated = 0
+        self.stream = TextStream(tokenizer, stop, skip_ids=[eos_id] if eos_id is not None else [])
+
+    def __call__(self, token: int) -> StopCheck:
+        self.generated += 1
+        text = self.stream.push(token)
+        stop, reason = check_stop_token(token, self.generated, self.max_new_tokens, self.eos_id, self.stop_at_eos)
+        if self.stream.stopped_by is not None:
+            reason = STOP_SEQUENCE
+        elif not stop:
+            return StopCheck(text)
+        return StopCheck(text + self.stream.finish(), reason, self.stream.stopped_by)

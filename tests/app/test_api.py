@@ -31,8 +31,8 @@ from app.settings import Settings
 from app.system import VERSION
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
-from model.generate import generate_naive
-from model.sampling import SamplingParams
+from model.reference import generate_naive
+from model.sampler import SamplingParams
 
 LIMIT = 256  # max_new_tokens_limit of the test apps
 BODY_LIMIT = 16 * 1024
@@ -278,9 +278,9 @@ def test_plain_token_events_are_exactly_the_documented_schema(client: TestClient
 @pytest.mark.parametrize("text", ["a", "", '"', "\\", "\n\t", "é€😀", "\u2028</script>", "\x00\x1f"])
 @pytest.mark.parametrize("logprob", [-0.0, -1.5e-08, -12.345678901234567, float("-inf")])
 def test_fast_token_event_bytes_equal_the_dict_path(text: str, logprob: float) -> None:
-    from app.engine import TokenEvent
     from app.sse import sse
     from app.tgi import _stream_event, _token_sse
+    from model.engine import TokenEvent
 
     for special in (False, True):
         ev = TokenEvent(id=7, text=text, logprob=logprob, special=special, index=3)

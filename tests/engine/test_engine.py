@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from app import engine as engine_module
-from app.engine import (
+from model import sampler as sampler_module
+from model.checkpoint import Checkpoint
+from model.engine import (
     Engine,
     EngineStopped,
     Finished,
@@ -21,9 +22,8 @@ from app.engine import (
     Result,
     TokenEvent,
 )
-from model.checkpoint import Checkpoint
-from model.generate import generate_naive
-from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
+from model.reference import generate_naive
+from model.sampler import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
 
 TIMEOUT = 30.0  # seconds any single async test body may take before it counts as hung
 
@@ -236,11 +236,11 @@ def test_prompt_longer_than_the_window_is_refused(make_checkpoint, make_engine) 
     engine = make_engine(ck)
     with pytest.raises(ValidationError) as e:
         engine.generate(list(range(33)), SamplingParams())
-    assert e.value.field == "inputs"
+    assert e.value.field == "prompt"
     assert "33" in e.value.message and "32" in e.value.message and "truncate" in e.value.message
     with pytest.raises(ValidationError) as e:
         engine.generate([], SamplingParams())
-    assert e.value.field == "inputs"
+    assert e.value.field == "prompt"
     for bad in (0, -1, 33):
         with pytest.raises(ValidationError) as e:
             engine.generate(list(range(10)), SamplingParams(), truncate=bad)
@@ -445,7 +445,7 @@ def test_reserved_slots_count_as_taken_until_submitted_or_released(make_engine) 
         a.release()  # consumed by submit: nothing to give back
         with pytest.raises(Overloaded):
             engine.submit([3], params)
-        assert engine.busy == 2 and engine._reserved == 0
+        assert engine.busy == 2 and engine.scheduler.reserved == 0
         engine.start()
         return await asyncio.gather(first.collect(), second.collect())
 
@@ -586,14 +586,14 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, max_batch_size=4, start=False)
     params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
-    real_choose = engine_module.choose_token
+    real_sample = sampler_module.sample_row
 
-    def choose(logits, p, **kwargs):
-        if p is victim:
+    def sample(masked, row):
+        if row.params is victim:
             raise RuntimeError("injected fault")
-        return real_choose(logits, p, **kwargs)
+        return real_sample(masked, row)
 
-    monkeypatch.setattr(engine_module, "choose_token", choose)
+    monkeypatch.setattr(sampler_module, "sample_row", sample)
     prompts = [[1, 2, 3], [4, 5], [10]]
 
     async def main():

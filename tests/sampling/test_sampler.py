@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from model.sampling import (
+from model.sampler import (
     MAX_SEED,
+    Sampler,
+    SampleRow,
     SamplingParams,
     ValidationError,
     apply_repetition_penalty,
@@ -16,7 +18,6 @@ from model.sampling import (
     mask_unusable,
     new_generator,
     sampling_distribution,
-    token_logprobs,
     top_k_filter,
     top_p_filter,
 )
@@ -311,19 +312,22 @@ def test_mask_unusable_hides_padded_ids_even_when_they_are_largest() -> None:
     for params in (SamplingParams(temperature=5.0), SamplingParams(temperature=100.0, top_k=7, top_p=1.0)):
         drawn = {choose_token(logits, params, n_vocab=4, generator=gen) for _ in range(500)}
         assert drawn == {0, 1, 2, 3}
-    logp, top = token_logprobs(logits, 4, 1, top_n=4)
-    assert [i for i, _ in top] == [1, 0, 3, 2]
-    assert logp == pytest.approx(math.log(_softmax([0.5, 1.0, -0.25, 0.25])[1]), abs=1e-6)
+    out = Sampler(4)(logits[None], [SampleRow(SamplingParams(top_n_tokens=4))])
+    assert out.tokens == [1] and [i for i, _ in out.top[0]] == [1, 0, 3, 2]
+    assert out.logprobs[0] == pytest.approx(math.log(_softmax([0.5, 1.0, -0.25, 0.25])[1]), abs=1e-6)
 
 
-def test_token_logprobs_ignore_temperature_and_filters() -> None:
+def test_reported_logprobs_ignore_temperature_filters_and_penalty() -> None:
     logits = torch.tensor(LOGITS)
-    logp, top = token_logprobs(logits, len(LOGITS), 3, top_n=3)
     want = [math.log(p) for p in _softmax(LOGITS)]
-    assert logp == pytest.approx(want[3], abs=1e-6)
-    assert [i for i, _ in top] == [1, 6, 3]
-    assert [v for _, v in top] == pytest.approx([want[1], want[6], want[3]], abs=1e-6)
-    assert token_logprobs(logits, len(LOGITS), 0)[1] == []
+    params = SamplingParams(temperature=0.3, top_k=4, repetition_penalty=3.0, top_n_tokens=3, seed=5)
+    rows = [SampleRow(params, new_generator(5), history=[1, 6]), SampleRow(SamplingParams())]
+    out = Sampler(len(LOGITS))(torch.stack([logits, logits]), rows)
+    assert out.tokens[0] in (1, 3, 6, 9) and out.tokens[1] == 1  # top-k 4 keeps ids 1, 6, 3, 9
+    assert out.logprobs == pytest.approx([want[out.tokens[0]], want[1]], abs=1e-6)
+    assert [i for i, _ in out.top[0]] == [1, 6, 3]
+    assert [v for _, v in out.top[0]] == pytest.approx([want[1], want[6], want[3]], abs=1e-6)
+    assert out.top[1] == []  # no top_n_tokens asked: no alternatives
 
 
 # --- seeds -----------------------------------------------------------------------------------------------------

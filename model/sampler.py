@@ -1,7 +1,7 @@
-"""Sampling: validated parameters and pure functions over a logits vector plus an explicit generator.
+"""Sampling: validated parameters, pure functions over logits plus an explicit generator, and the batched
+`Sampler` the engine and the reference loop both use.
 
-Order of operations for one next-token choice (the same in the naive loop, the offline sampler and the
-engine):
+Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
 
 1. ids the tokenizer cannot decode (a padded vocabulary, e.g. 50257..50303) get -inf;
 2. repetition penalty (CTRL / Hugging Face): for every id already in the context, a positive logit is
@@ -13,12 +13,14 @@ engine):
 7. softmax over what is left, one draw from the request's own `torch.Generator`.
 
 Reported log-probabilities are the model's own: log-softmax of the logits after step 1 only, so they do
-not depend on temperature, top-k or top-p.
+not depend on the repetition penalty, temperature, top-k or top-p; a row's top-n alternatives are the n
+largest of them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -169,6 +171,91 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     return torch.softmax(logits, dim=-1)
 
 
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs of one row besides its logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the request's own, for sampled rows
+    history: Sequence[int] = ()  # every id seen so far (prompt and output), for the repetition penalty
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the chosen id, its log-probability, the top-n alternatives [(id, logprob)], or the error that
+    row's choice raised (its token is then -1; the other rows are unaffected)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+class Sampler:
+    """One batched pass over the logits of every row: ids, their log-probabilities and top-n alternatives out.
+
+    Greedy rows choose together (one argmax over all of them, the repetition penalty applied first to the rows
+    that have one); sampled rows draw one at a time from their own generator, so a seeded request draws the same
+    tokens alone or in any batch.
+    """
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+        masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
+        logprobs = torch.log_softmax(masked, dim=-1)
+        tokens, errors = self._choose(masked, rows)
+        chosen = torch.tensor([max(t, 0) for t in tokens], device=logprobs.device)
+        out = SamplerOutput(tokens, logprobs.gather(1, chosen[:, None])[:, 0].tolist(), [[] for _ in rows], errors)
+        for n in {r.params.top_n_tokens for r in rows} - {0}:  # one topk per distinct n (usually one)
+            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == n]
+            values, ids = torch.topk(logprobs[which], n)
+            for i, v, t in zip(which, values.tolist(), ids.tolist()):
+                out.top[i] = list(zip(t, v))
+        return out
+
+    def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], dict[int, Exception]]:
+        tokens = [-1] * len(rows)
+        errors: dict[int, Exception] = {}
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            picked = masked[greedy] if len(greedy) < len(rows) else masked
+            penalised = [(k, i) for k, i in enumerate(greedy) if _penalty(rows[i]) is not None]
+            if penalised:
+                picked = picked.clone()
+                for k, i in penalised:
+                    picked[k] = _penalise(picked[k], rows[i])
+            for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
+                tokens[i] = t
+        for i, row in enumerate(rows):
+            if not row.params.is_greedy:
+                try:
+                    tokens[i] = sample_row(masked[i], row)
+                except Exception as e:  # this row's own failure: it alone fails
+                    errors[i] = e
+        return tokens, errors
+
+
+def _penalty(row: SampleRow) -> float | None:
+    p = row.params.repetition_penalty
+    return None if p in (None, 1.0) or not row.history else p
+
+
+def _penalise(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Step 2 for one row."""
+    penalty = _penalty(row)
+    if penalty is None:
+        return logits
+    return apply_repetition_penalty(logits, torch.tensor(list(row.history), device=logits.device), penalty)
+
+
+def sample_row(masked: torch.Tensor, row: SampleRow) -> int:
+    """Steps 2 and 4-7 for one sampled row, from its logits already masked (step 1)."""
+    probs = sampling_distribution(_penalise(masked, row), row.params)
+    return int(torch.multinomial(probs, 1, generator=row.generator))
+
+
 def choose_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -177,21 +264,9 @@ def choose_token(
     context: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> int:
-    """The next token id from a 1-D logits vector, following steps 1-7."""
-    logits = mask_unusable(logits.float(), n_vocab)
-    if params.repetition_penalty not in (None, 1.0) and context is not None:
-        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
-    if params.is_greedy:
-        return int(torch.argmax(logits))
-    probs = sampling_distribution(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_logprobs(logits: torch.Tensor, n_vocab: int, chosen: int, top_n: int = 0) -> tuple[float, list]:
-    """The model's log-probability of `chosen` and its `top_n` most likely alternatives [(id, logprob)]."""
-    logp = torch.log_softmax(mask_unusable(logits.float(), n_vocab), dim=-1)
-    top: list[tuple[int, float]] = []
-    if top_n:
-        values, ids = torch.topk(logp, top_n)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return float(logp[chosen]), top
+    """The next token id from a 1-D logits vector (steps 1-7): `Sampler` for one row."""
+    history = () if context is None else context.tolist()
+    out = Sampler(n_vocab)(logits[None], [SampleRow(params, generator, history)])
+    if out.errors:
+        raise out.errors[0]
+    return out.tokens[0]

@@ -1,7 +1,7 @@
 """The naive reference loop: nanoGPT's `generate`, kept as the oracle the fast engine is tested against.
 
 Every step runs a full forward over the context cropped to the last `block_size` tokens (no KV cache),
-then picks the next token with `model.sampling.choose_token`. Slow and obviously right.
+then picks the next token with `model.sampler.choose_token`. Slow and obviously right.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from model.gpt import GPT
-from model.sampling import SamplingParams, choose_token, new_generator
+from model.sampler import SamplingParams, choose_token, new_generator
 from model.stopping import check_stop_token
 
 
