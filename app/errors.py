@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
-from model.sampler import ValidationError
+from model.sampling_params import ValidationError
 from model.tokenizer import TokenizerError
 
 

@@ -16,7 +16,7 @@ from app.schemas import CompletionRequest, OpenAIError
 from app.service import ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
-from model.sampler import ValidationError
+from model.sampling_params import ValidationError
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}

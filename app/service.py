@@ -19,7 +19,7 @@ from app.schemas import CompletionRequest, GenerateParameters
 from app.settings import Settings
 from model.checkpoint import Checkpoint
 from model.engine import Engine, Finished, GenerationStream, Result, TokenEvent
-from model.sampler import SamplingParams, ValidationError
+from model.sampling_params import SamplingParams, ValidationError
 
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 

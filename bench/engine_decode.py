@@ -34,7 +34,7 @@ from model.config import GPTConfig  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from model.reference import generate_naive  # noqa: E402
-from model.sampler import SamplingParams  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
 from model.tokenizer import CharTokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

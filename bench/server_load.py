@@ -36,7 +36,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
 from model.engine import Engine  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from model.sampler import SamplingParams  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
 from model.tokenizer import gpt2_tokenizer  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO ", "First Citizen:\nWe are", "KING RICHARD III:\nNow is the winter",

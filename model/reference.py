@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import torch
 
 from model.gpt import GPT
-from model.sampler import SamplingParams, choose_token, new_generator
+from model.sampler import choose_token, new_generator
+from model.sampling_params import SamplingParams
 from model.stopping import check_stop_token
 
 

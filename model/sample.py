@@ -13,7 +13,8 @@ import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.reference import generate_naive
-from model.sampler import SamplingParams, ValidationError, new_generator
+from model.sampler import new_generator
+from model.sampling_params import SamplingParams, ValidationError
 from model.stopping import TextStream
 from model.tokenizer import TokenizerError
 

@@ -24,7 +24,7 @@ from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import EngineStats, Scheduler
 from model.engine.stream import GenerationStream, Mailbox, Reservation
-from model.sampler import MAX_SEED, SamplingParams, ValidationError
+from model.sampling_params import MAX_SEED, SamplingParams, ValidationError
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
 # the reported seed exactly and can send it back

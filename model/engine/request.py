@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine.events import Event
-from model.sampler import SampleRow, SamplingParams
+from model.sampler import SampleRow
+from model.sampling_params import SamplingParams
 from model.stopping import StoppingCriteria
 
 

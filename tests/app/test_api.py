@@ -32,7 +32,7 @@ from app.system import VERSION
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
 from model.reference import generate_naive
-from model.sampler import SamplingParams
+from model.sampling_params import SamplingParams
 
 LIMIT = 256  # max_new_tokens_limit of the test apps
 BODY_LIMIT = 16 * 1024

@@ -10,7 +10,7 @@ import torch
 from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.reference import generate_naive
-from model.sampler import SamplingParams
+from model.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,8 @@ from model.engine import (
     TokenEvent,
 )
 from model.reference import generate_naive
-from model.sampler import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
+from model.sampler import choose_token, mask_unusable, new_generator
+from model.sampling_params import SamplingParams, ValidationError
 
 TIMEOUT = 30.0  # seconds any single async test body may take before it counts as hung
 

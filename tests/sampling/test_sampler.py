@@ -8,11 +8,8 @@ import pytest
 import torch
 
 from model.sampler import (
-    MAX_SEED,
     Sampler,
     SampleRow,
-    SamplingParams,
-    ValidationError,
     apply_repetition_penalty,
     choose_token,
     mask_unusable,
@@ -21,6 +18,7 @@ from model.sampler import (
     top_k_filter,
     top_p_filter,
 )
+from model.sampling_params import MAX_SEED, SamplingParams, ValidationError
 
 # --- validation ----------------------------------------------------------------------------------------------
 

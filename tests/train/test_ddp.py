@@ -32,7 +32,7 @@ from model.checkpoint import load_checkpoint
 from model.data import get_batch
 from model.distributed import DistEnv, dist_env
 from model.reference import generate_naive
-from model.sampler import SamplingParams
+from model.sampling_params import SamplingParams
 from model.train import Trainer, TrainError, main, resolve_config
 
 REPO = Path(__file__).resolve().parents[2]

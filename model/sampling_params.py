@@ -1,0 +1,93 @@
+"""What a request may ask of the sampler, validated: `SamplingParams`, and the `ValidationError` every layer
+below HTTP raises for a parameter outside its range (`field` names the parameter, the message gives the allowed
+range and the value)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+MAX_SEED = 2**63 - 1
+
+
+class ValidationError(ValueError):
+    """A parameter outside its allowed range; `field` names it, the message gives range and value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated generation parameters for one request. `None` means 'not set' (TGI's semantics)."""
+
+    max_new_tokens: int = 20
+    temperature: float | None = None  # 0 means greedy
+    top_k: int | None = None  # 0 or None: off
+    top_p: float | None = None  # 1.0 or None: off
+    do_sample: bool = False
+    greedy: bool = False
+    repetition_penalty: float | None = None  # 1.0 or None: off
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    top_n_tokens: int = 0  # alternatives reported per token
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
+        if self.temperature is not None:
+            _float("temperature", self.temperature, 0.0, 100.0)
+        if self.top_k is not None:
+            _int("top_k", self.top_k, 0, 1_000_000)
+        if self.top_p is not None:
+            _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.repetition_penalty is not None:
+            _float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, MAX_SEED)
+        _int("top_n_tokens", self.top_n_tokens, 0, 20)
+        for name in ("do_sample", "greedy", "stop_at_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(name, f"must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) for s in self.stop):
+            raise ValidationError("stop", f"must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValidationError("stop", "stop strings must be non-empty, got an empty string")
+        if len(self.stop) > 16:
+            raise ValidationError("stop", f"at most 16 stop strings are allowed, got {len(self.stop)}")
+
+    @property
+    def has_sampling_controls(self) -> bool:
+        return (
+            (self.temperature is not None and self.temperature != 1.0)
+            or bool(self.top_k)
+            or (self.top_p is not None and self.top_p < 1.0)
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        """Greedy when asked (`greedy`, temperature 0) or when nothing asks for sampling: no `do_sample`
+        and no temperature, top-k or top-p (Hugging Face TGI's rule)."""
+        if self.greedy or self.temperature == 0:
+            return True
+        return not (self.do_sample or self.has_sampling_controls)
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        return replace(self, seed=seed)
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _float(name: str, value: object, lo: float, hi: float, low_open: bool = False) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (lo < value if low_open else lo <= value) and value <= hi  # type: ignore[operator]
+    if not ok:
+        lb = "(" if low_open else "["
+        raise ValidationError(name, f"must be a number in {lb}{lo}, {hi}], got {value!r}")
