@@ -36,9 +36,10 @@ def generate_naive(
     block = model.config.block_size
     for n in range(1, params.max_new_tokens + 1):
         logits = model(idx[:, -block:], last_only=True)[0, -1]
-        token = choose_token(logits, params, n_vocab=n_vocab, context=idx[0], generator=generator)
+        token = choose_token(logits, params, n_vocab=n_vocab, context=idx[0], generator=generator,
+                             output=idx[0, len(prompt_ids):].tolist(), eos_id=eos_id)
         yield token, logits
         idx = torch.cat([idx, torch.tensor([[token]], device=device)], dim=1)
-        stop, _ = check_stop_token(token, n, params.max_new_tokens, eos_id, params.stop_at_eos)
+        stop, _ = check_stop_token(token, n, params.max_new_tokens, eos_id, params.stop_at_eos, params.min_tokens)
         if stop:
             return

@@ -4,13 +4,18 @@
 Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
 
 1. ids the tokenizer cannot decode (a padded vocabulary, e.g. 50257..50303) get -inf;
-2. repetition penalty (CTRL / Hugging Face): for every id already in the context, a positive logit is
-   divided by the penalty and a negative one multiplied by it;
-3. greedy decoding (see `SamplingParams.is_greedy`) takes the argmax here, and stops;
-4. temperature divides the logits;
-5. top-k keeps the k largest logits (ties at the k-th value are kept);
-6. top-p keeps the smallest set of most likely tokens whose probability reaches p (at least one);
-7. softmax over what is left, one draw from the request's own `torch.Generator`.
+2. logit bias: each (id, bias) of `logit_bias` is added (OpenAI: -100 bans an id, 100 all but forces it);
+3. min_tokens: while fewer than `min_tokens` tokens were generated, EOS gets -inf;
+4. repetition penalty (CTRL / Hugging Face): for every id already in the context (prompt and output), a
+   positive logit is divided by the penalty and a negative one multiplied by it;
+5. presence and frequency penalties (OpenAI): for every id generated so far, `presence_penalty` once and
+   `frequency_penalty` times its count are subtracted (the prompt does not count);
+6. greedy decoding (see `SamplingParams.is_greedy`) takes the argmax here, and stops;
+7. temperature divides the logits;
+8. top-k keeps the k largest logits (ties at the k-th value are kept);
+9. top-p keeps the smallest set of most likely tokens whose probability reaches p (at least one);
+10. min-p keeps the tokens at least `min_p` times as likely as the most likely one;
+11. softmax over what is left, one draw from the request's own `torch.Generator`.
 
 Reported log-probabilities are the model's own: log-softmax of the logits after step 1 only, so they do
 not depend on the repetition penalty, temperature, top-k or top-p; a row's top-n alternatives are the n
@@ -40,7 +45,7 @@ def mask_unusable(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Step 2, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output). The result stays
+    """Step 4, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output). The result stays
     finite: a tiny penalty (which favours repetition) divides a positive logit towards the largest float."""
     if penalty == 1.0 or context.numel() == 0:
         return logits
@@ -52,8 +57,18 @@ def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalt
     return logits
 
 
+def apply_presence_frequency(logits: torch.Tensor, output: Sequence[int], presence: float,
+                             frequency: float) -> torch.Tensor:
+    """Step 5, on a 1-D logits vector: OpenAI's penalties over the ids generated so far (`output`)."""
+    if not output or not (presence or frequency):
+        return logits
+    counts = torch.bincount(torch.tensor(list(output), device=logits.device), minlength=logits.size(-1))
+    counts = counts[: logits.size(-1)].to(logits.dtype)
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Step 5: keep logits >= the k-th largest; the rest become -inf."""
+    """Step 8: keep logits >= the k-th largest; the rest become -inf."""
     if not k or k >= logits.size(-1):
         return logits
     kth = torch.topk(logits, k).values[..., -1:]
@@ -61,7 +76,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Step 6: keep the smallest most-likely set whose probability mass reaches p (always >= 1 token)."""
+    """Step 9: keep the smallest most-likely set whose probability mass reaches p (always >= 1 token)."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
@@ -74,8 +89,16 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Step 10: keep the tokens whose probability is at least `p` times the largest (always >= 1 token)."""
+    if not p:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Steps 4-7 up to the softmax: the exact distribution a sampled token is drawn from."""
+    """Steps 7-11 up to the softmax: the exact distribution a sampled token is drawn from."""
     temperature = params.temperature if params.temperature is not None else 1.0
     # shifted by the maximum first (softmax does that anyway), so that dividing by a tiny temperature takes
     # logits towards -inf, never to +inf (inf - inf would make the softmax NaN); a temperature below the dtype's
@@ -84,6 +107,7 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     logits = top_k_filter(logits, params.top_k or 0)
     logits = top_p_filter(logits, params.top_p if params.top_p is not None else 1.0)
+    logits = min_p_filter(logits, params.min_p or 0.0)
     return torch.softmax(logits, dim=-1)
 
 
@@ -94,6 +118,7 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None = None  # the request's own, for sampled rows
     history: Sequence[int] = ()  # every id seen so far (prompt and output), for the repetition penalty
+    output: Sequence[int] = ()  # the ids generated so far, for min_tokens and the presence/frequency penalties
 
 
 @dataclass
@@ -115,8 +140,9 @@ class Sampler:
     tokens alone or in any batch.
     """
 
-    def __init__(self, n_vocab: int) -> None:
+    def __init__(self, n_vocab: int, eos_id: int | None = None) -> None:
         self.n_vocab = n_vocab
+        self.eos_id = eos_id
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
@@ -137,39 +163,49 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
         if greedy:
             picked = masked[greedy] if len(greedy) < len(rows) else masked
-            penalised = [(k, i) for k, i in enumerate(greedy) if _penalty(rows[i]) is not None]
-            if penalised:
+            adjusted = [(k, i) for k, i in enumerate(greedy) if _adjusts(rows[i], self.eos_id)]
+            if adjusted:
                 picked = picked.clone()
-                for k, i in penalised:
-                    picked[k] = _penalise(picked[k], rows[i])
+                for k, i in adjusted:
+                    picked[k] = adjust(picked[k], rows[i], self.eos_id)
             for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
                 tokens[i] = t
         for i, row in enumerate(rows):
             if not row.params.is_greedy:
                 try:
-                    tokens[i] = sample_row(masked[i], row)
+                    tokens[i] = sample_row(adjust(masked[i], row, self.eos_id), row)
                 except Exception as e:  # this row's own failure: it alone fails
                     errors[i] = e
         return tokens, errors
 
 
-def _penalty(row: SampleRow) -> float | None:
-    p = row.params.repetition_penalty
-    return None if p in (None, 1.0) or not row.history else p
+def _adjusts(row: SampleRow, eos_id: int | None) -> bool:
+    p = row.params
+    return bool(p.logit_bias or (p.repetition_penalty not in (None, 1.0) and row.history)
+                or ((p.presence_penalty or p.frequency_penalty) and row.output)
+                or (eos_id is not None and len(row.output) < p.min_tokens))
 
 
-def _penalise(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
-    """Step 2 for one row."""
-    penalty = _penalty(row)
-    if penalty is None:
+def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Tensor:
+    """Steps 2-5 for one row's masked logits (the same tensor when none applies)."""
+    if not _adjusts(row, eos_id):
         return logits
-    return apply_repetition_penalty(logits, torch.tensor(list(row.history), device=logits.device), penalty)
+    p = row.params
+    logits = logits.clone()
+    for token, bias in p.logit_bias:
+        if token < logits.size(-1):
+            logits[token] += bias
+    if eos_id is not None and len(row.output) < p.min_tokens:
+        logits[eos_id] = float("-inf")
+    if p.repetition_penalty not in (None, 1.0) and row.history:
+        context = torch.tensor(list(row.history), device=logits.device)
+        logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
+    return apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
 
 
-def sample_row(masked: torch.Tensor, row: SampleRow) -> int:
-    """Steps 2 and 4-7 for one sampled row, from its logits already masked (step 1)."""
-    probs = sampling_distribution(_penalise(masked, row), row.params)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+    """Steps 7-11 for one sampled row, from its logits after steps 1-5."""
+    return int(torch.multinomial(sampling_distribution(logits, row.params), 1, generator=row.generator))
 
 
 def choose_token(
@@ -179,10 +215,13 @@ def choose_token(
     n_vocab: int,
     context: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    output: Sequence[int] = (),
+    eos_id: int | None = None,
 ) -> int:
-    """The next token id from a 1-D logits vector (steps 1-7): `Sampler` for one row."""
+    """The next token id from a 1-D logits vector (steps 1-11): `Sampler` for one row. `context` holds every id
+    seen so far (prompt and output), `output` the generated ones."""
     history = () if context is None else context.tolist()
-    out = Sampler(n_vocab)(logits[None], [SampleRow(params, generator, history)])
+    out = Sampler(n_vocab, eos_id)(logits[None], [SampleRow(params, generator, history, output)])
     if out.errors:
         raise out.errors[0]
     return out.tokens[0]

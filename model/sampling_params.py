@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 
 
 class ValidationError(ValueError):
@@ -33,7 +34,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     top_n_tokens: int = 0  # alternatives reported per token
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # False: EOS is a token like any other (OpenAI's `ignore_eos`)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every id already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted once per time an id was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits; -100 bans, 100 forces
+    min_tokens: int = 0  # neither EOS nor a stop string ends generation before this many tokens
+    min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one; 0 or None: off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
@@ -49,6 +55,12 @@ class SamplingParams:
             _float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
         if self.seed is not None:
             _int("seed", self.seed, 0, MAX_SEED)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.min_p is not None:
+            _float("min_p", self.min_p, 0.0, 1.0)
+        _int("min_tokens", self.min_tokens, 0, self.max_new_tokens)
+        self._check_logit_bias()
         _int("top_n_tokens", self.top_n_tokens, 0, 20)
         for name in ("do_sample", "greedy", "stop_at_eos"):
             if not isinstance(getattr(self, name), bool):
@@ -60,13 +72,30 @@ class SamplingParams:
         if len(self.stop) > 16:
             raise ValidationError("stop", f"at most 16 stop strings are allowed, got {len(self.stop)}")
 
+    def _check_logit_bias(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for entry in self.logit_bias:
+            if not (isinstance(entry, tuple) and len(entry) == 2):
+                raise ValidationError("logit_bias", f"must map token ids to numbers, got {entry!r:.80}")
+            _int("logit_bias", entry[0], 0, 2**31 - 1)
+            _float("logit_bias", entry[1], -100.0, 100.0)
+
     @property
     def has_sampling_controls(self) -> bool:
         return (
             (self.temperature is not None and self.temperature != 1.0)
             or bool(self.top_k)
             or (self.top_p is not None and self.top_p < 1.0)
+            or bool(self.min_p)
         )
+
+    @property
+    def penalises_output(self) -> bool:
+        """Whether choosing a token depends on the tokens generated so far (beyond the repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

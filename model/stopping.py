@@ -27,10 +27,12 @@ STOP_SEQUENCE = "stop_sequence"
 
 
 def check_stop_token(
-    token: int, n_generated: int, max_new_tokens: int, eos_id: int | None, stop_at_eos: bool = True
+    token: int, n_generated: int, max_new_tokens: int, eos_id: int | None, stop_at_eos: bool = True,
+    min_tokens: int = 0,
 ) -> tuple[bool, str | None]:
-    """After `token` (the n-th generated): EOS ends first, then the length limit."""
-    if stop_at_eos and eos_id is not None and token == eos_id:
+    """After `token` (the n-th generated): EOS ends first (once `min_tokens` were generated), then the length
+    limit."""
+    if stop_at_eos and eos_id is not None and token == eos_id and n_generated > min_tokens:
         return True, EOS_TOKEN
     if n_generated >= max_new_tokens:
         return True, LENGTH
@@ -48,6 +50,12 @@ class TextStream:
         self.text = ""  # all text decoded so far (up to the stop string, once matched)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped_by: str | None = None
+        self.match_from = 0  # stop strings are matched in text[match_from:] (see `arm`)
+
+    def arm(self, stop: Sequence[str]) -> None:
+        """Match `stop` from now on, in the text of tokens pushed after this call only."""
+        self.stop = tuple(stop)
+        self.match_from = len(self.text)
 
     def push(self, token: int) -> str:
         """Add one token; return the text now safe to emit (maybe empty)."""
@@ -66,7 +74,7 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stopped_by is None and self.stop:
             # a stop string may begin in already-emitted text only if it overlaps the new tail
-            start = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+            start = max(self.match_from, self.emitted - max(len(s) for s in self.stop) + 1)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 i, s = min(hits)
@@ -83,7 +91,7 @@ class TextStream:
         """Length of the longest tail of `text` that is a proper prefix of some stop string."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+            for n in range(min(len(s) - 1, len(self.text) - self.match_from), best, -1):
                 if self.text.endswith(s[:n]):
                     best = n
                     break
@@ -101,20 +109,28 @@ class StopCheck:
 
 class StoppingCriteria:
     """Every reason one request stops: EOS (unless `stop_at_eos` is off), `max_new_tokens`, and its stop strings
-    (matched across token boundaries in the decoded text, never part of the output; see `TextStream`)."""
+    (matched across token boundaries in the decoded text, never part of the output; see `TextStream`). Before
+    `min_tokens` tokens neither EOS nor a stop string ends it: stop strings are matched in the text generated
+    from token `min_tokens + 1` on."""
 
     def __init__(self, tokenizer: _Decodes, *, max_new_tokens: int, eos_id: int | None, stop: Sequence[str] = (),
-                 stop_at_eos: bool = True) -> None:
+                 stop_at_eos: bool = True, min_tokens: int = 0) -> None:
         self.max_new_tokens = max_new_tokens
         self.eos_id = eos_id
         self.stop_at_eos = stop_at_eos
+        self.min_tokens = min_tokens
         self.generated = 0
-        self.stream = TextStream(tokenizer, stop, skip_ids=[eos_id] if eos_id is not None else [])
+        self.stream = TextStream(tokenizer, stop if min_tokens == 0 else (),
+                                 skip_ids=[eos_id] if eos_id is not None else [])
+        self._stop = tuple(stop)
 
     def __call__(self, token: int) -> StopCheck:
         self.generated += 1
+        if self.generated == self.min_tokens + 1 and self._stop and not self.stream.stop:
+            self.stream.arm(self._stop)  # stop strings count from here on
         text = self.stream.push(token)
-        stop, reason = check_stop_token(token, self.generated, self.max_new_tokens, self.eos_id, self.stop_at_eos)
+        stop, reason = check_stop_token(token, self.generated, self.max_new_tokens, self.eos_id, self.stop_at_eos,
+                                        self.min_tokens)
         if self.stream.stopped_by is not None:
             reason = STOP_SEQUENCE
         elif not stop:

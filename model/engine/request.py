@@ -40,6 +40,7 @@ class Request:
         return self.prefilled < len(self.prompt)
 
     def sample_row(self) -> SampleRow:
-        penalised = self.params.repetition_penalty not in (None, 1.0)
+        p = self.params
         # the repetition penalty sees every id so far (prompt and output): `context` is only the window once slid
-        return SampleRow(self.params, self.generator, self.prompt + self.output if penalised else ())
+        history = self.prompt + self.output if p.repetition_penalty not in (None, 1.0) else ()
+        return SampleRow(p, self.generator, history, self.output if p.penalises_output else ())

@@ -61,7 +61,7 @@ class Scheduler:
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.prefill_chunk, self.window_shift = prefill_chunk, window_shift
         self.eos_id = tokenizer.eos_id
-        self.sampler = Sampler(tokenizer.n_vocab)
+        self.sampler = Sampler(tokenizer.n_vocab, tokenizer.eos_id)
         self.batch = Batch(max_batch_size)
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -172,7 +172,8 @@ class Scheduler:
         req.context = list(req.prompt)
         req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
         req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
-                                        stop=req.params.stop, stop_at_eos=req.params.stop_at_eos)
+                                        stop=req.params.stop, stop_at_eos=req.params.stop_at_eos,
+                                        min_tokens=req.params.min_tokens)
 
     def _on_step(self, reqs: list[Request], phase: str) -> list[Request]:
         """Run the `on_step` hook (fault injection) per request; a request it raises for fails alone. The rest."""

@@ -792,3 +792,54 @@ def test_stream_type_and_prompt_tokens(make_engine) -> None:
         return await stream.collect()
 
     assert run(main()).finished.prompt_tokens == 4
+
+
+# --- OpenAI's controls through the engine ----------------------------------------------------------------------
+
+
+def test_openai_controls_are_the_same_alone_batched_and_in_the_reference_loop(make_checkpoint, make_engine) -> None:
+    ck = make_checkpoint(block_size=32, eos_id=5)
+    engine = make_engine(ck, window_shift=1, max_batch_size=8)
+    rng = random.Random(9)
+    jobs = []
+    for i in range(8):
+        params = SamplingParams(
+            max_new_tokens=rng.randint(8, 40), seed=2000 + i, do_sample=i % 4 != 3,
+            temperature=rng.choice([0.7, 1.0, 1.3]), min_p=rng.choice([None, 0.05, 0.2]),
+            presence_penalty=rng.choice([0.0, 0.8, -0.5]), frequency_penalty=rng.choice([0.0, 0.4, 1.5]),
+            logit_bias=rng.choice([{}, {5: 3.0, 7: -100.0}, {2: 1.5}]), min_tokens=rng.choice([0, 6]),
+        )
+        jobs.append((random_prompt(rng, rng.randint(1, 30), ck.tokenizer.n_vocab), params))
+
+    async def batched():
+        streams = [engine.submit(p, params) for p, params in jobs]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    together = run(batched())
+    for (prompt, params), t in zip(jobs, together):
+        want, logits = naive(ck, prompt, params)
+        assert t.token_ids == engine.generate(prompt, params).token_ids == want
+        assert_logprobs_match(ck, t, logits)
+        if (7, -100.0) in params.logit_bias:
+            assert 7 not in t.token_ids
+        assert 5 not in t.token_ids[: params.min_tokens]  # EOS never comes before min_tokens
+
+
+def test_min_tokens_holds_off_eos_and_stop_strings(make_checkpoint, make_engine) -> None:
+    params = dict(max_new_tokens=30, repetition_penalty=1.2)
+    free = make_engine(make_checkpoint(block_size=32)).generate([7, 8, 9], SamplingParams(**params))
+    eos = free.token_ids[3]  # the same weights with this id as EOS: the unconstrained output ends at token 4
+    engine = make_engine(make_checkpoint(block_size=32, eos_id=eos))
+    assert engine.generate([7, 8, 9], SamplingParams(**params)).finished.finish_reason == "eos_token"
+    # ignore_eos (stop_at_eos off): the same ids as without an EOS, through EOS to max_new_tokens
+    through = engine.generate([7, 8, 9], SamplingParams(**params, stop_at_eos=False))
+    assert through.token_ids == free.token_ids and through.finished.finish_reason == "length"
+    held = engine.generate([7, 8, 9], SamplingParams(**params, min_tokens=10))
+    assert eos not in held.token_ids[:10] and held.finished.generated_tokens > 10
+    # a stop string is matched only in the text generated after min_tokens tokens (EOS makes no text)
+    text = engine.generate([7, 8, 9], SamplingParams(**params, min_tokens=10, stop_at_eos=False)).text
+    stop = text[1:3]
+    later = text.find(stop, 10)
+    cut = engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), min_tokens=10, stop_at_eos=False))
+    assert text.find(stop) == 1 and cut.text == (text[:later] if later >= 0 else text)
+    assert engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), stop_at_eos=False)).text == text[:1]
