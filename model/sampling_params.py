@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
+MAX_TOP_N = 20  # alternatives reported per token
 
 
 class ValidationError(ValueError):
@@ -40,11 +41,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to the logits; -100 bans, 100 forces
     min_tokens: int = 0  # neither EOS nor a stop string ends generation before this many tokens
     min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one; 0 or None: off
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        _int("max_new_tokens", self.max_new_tokens, 1, 1_000_000)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_N)
+        # 0 new tokens: only score the prompt
+        _int("max_new_tokens", self.max_new_tokens, 0 if self.prompt_logprobs is not None else 1, 1_000_000)
         if self.temperature is not None:
             _float("temperature", self.temperature, 0.0, 100.0)
         if self.top_k is not None:
@@ -61,7 +66,7 @@ class SamplingParams:
             _float("min_p", self.min_p, 0.0, 1.0)
         _int("min_tokens", self.min_tokens, 0, self.max_new_tokens)
         self._check_logit_bias()
-        _int("top_n_tokens", self.top_n_tokens, 0, 20)
+        _int("top_n_tokens", self.top_n_tokens, 0, MAX_TOP_N)
         for name in ("do_sample", "greedy", "stop_at_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be true or false, got {getattr(self, name)!r}")

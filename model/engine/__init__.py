@@ -16,6 +16,7 @@ from model.engine.events import (
     Finished,
     GenerationError,
     Overloaded,
+    PromptToken,
     Result,
     TokenEvent,
     TopToken,
@@ -26,5 +27,5 @@ from model.engine.stream import GenerationStream, Reservation
 
 __all__ = [
     "Engine", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
-    "GenerationStream", "Overloaded", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
+    "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
 ]

@@ -31,6 +31,17 @@ class TopToken:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """A prompt token, scored: its log-probability given the tokens before it (None for the first, which has no
+    context) and the most likely alternatives there."""
+
+    id: int
+    text: str
+    logprob: float | None
+    top_tokens: tuple[TopToken, ...] = ()
+
+
+@dataclass(frozen=True)
 class Finished:
     finish_reason: str  # "length", "eos_token", "stop_sequence"
     generated_text: str
@@ -41,6 +52,7 @@ class Finished:
     stop_sequence: str | None = None
     window_slides: int = 0
     truncated_prompt_tokens: int = 0
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # with `SamplingParams.prompt_logprobs`
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,7 @@ class TokenEvent:
     index: int  # 1-based count of generated tokens
     top_tokens: tuple[TopToken, ...] = ()
     finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # on the first token, with `prompt_logprobs`
     created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model.engine.events import Event
+from model.engine.events import Event, PromptToken
+from model.engine.scoring import PromptScorer
 from model.sampler import SampleRow
 from model.sampling_params import SamplingParams
 from model.stopping import StoppingCriteria
@@ -32,12 +33,16 @@ class Request:
     cancelled: bool = False
     generator: torch.Generator | None = None
     stopping: StoppingCriteria | None = None
+    scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
     submitted_at: float = field(default_factory=time.perf_counter)
 
     @property
     def prefilling(self) -> bool:
         """Its prompt is not all in the cache yet."""
         return self.prefilled < len(self.prompt)
+
+    def prompt_scores(self) -> tuple[PromptToken, ...] | None:
+        return None if self.scorer is None else tuple(self.scorer.tokens)
 
     def sample_row(self) -> SampleRow:
         p = self.params

@@ -37,17 +37,19 @@ class ModelRunner:
         """Around a decode step: torch's small ops on this thread alone (the kernels use their own pool)."""
         return kernels.serial_torch_ops()
 
-    def forward_chunks(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+    def forward_chunks(self, rows: list[int], chunks: list[list[int]], starts: list[int], *,
+                       every_position: bool = False) -> torch.Tensor:
         """Forward each chunk at positions start.. in its own cache row, right-padded to the longest; the logits of
-        each chunk's last token, (len(rows), vocab)."""
+        each chunk's last token, (len(rows), vocab), or with `every_position` of every token, (len(rows), width,
+        vocab) (a padded chunk's rows past its length are meaningless)."""
         width = max(len(c) for c in chunks)
         last = self.block_size - 1
         idx = [c + [0] * (width - len(c)) for c in chunks]
         pos = [[min(start + t, last) for t in range(width)] for start in starts]
-        take = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
         logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
                             kv_len=min(self.block_size, max(starts) + width), take=take)
-        return logits[:, 0]
+        return logits if every_position else logits[:, 0]
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""

@@ -33,6 +33,7 @@ from model.engine.events import EngineError, EngineStopped, Finished, Generation
 from model.engine.prefill import plan_prefill
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
+from model.engine.scoring import PromptScorer
 from model.sampler import Sampler, SamplerOutput, new_generator
 from model.stopping import StoppingCriteria
 from model.tokenizer import Tokenizer
@@ -171,6 +172,8 @@ class Scheduler:
         self.batch.take_row(req)  # running + prefilling <= max_batch_size: there is always one
         req.context = list(req.prompt)
         req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
+        if req.params.prompt_logprobs is not None:
+            req.scorer = PromptScorer(req.prompt, req.params.prompt_logprobs, self.tokenizer.n_vocab, self._describe)
         req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
                                         stop=req.params.stop, stop_at_eos=req.params.stop_at_eos,
                                         min_tokens=req.params.min_tokens)
@@ -200,10 +203,8 @@ class Scheduler:
         plan = [(req, n) for req, n in plan if req in kept]
         if not plan:
             return
-        chunks = [req.prompt[req.prefilled : req.prefilled + n] for req, n in plan]
         try:
-            logits = self.runner.forward_chunks([req.row for req, _ in plan], chunks,
-                                                [req.prefilled for req, _ in plan])
+            logits = self._forward_plan(plan)
         except Exception as e:
             for req, _ in plan:
                 log.warning("request %d failed in prefill: %s", req.id, e)
@@ -217,8 +218,25 @@ class Scheduler:
                 self.prefilling.remove(req)
                 self.batch.add(req)
                 done.append(i)
-        if done:
-            self._choose_and_emit([plan[i][0] for i in done], logits[done])
+        scoring_only = [i for i in done if plan[i][0].params.max_new_tokens == 0]
+        for i in scoring_only:
+            self._finish(plan[i][0], "length")
+        sampled = [i for i in done if i not in scoring_only]
+        if sampled:
+            self._choose_and_emit([plan[i][0] for i in sampled], logits[sampled])
+
+    def _forward_plan(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """The plan's chunks in one forward: each chunk's last logits, (len(plan), vocab). Requests that score
+        their prompt get every position's logits first."""
+        chunks = [req.prompt[req.prefilled : req.prefilled + n] for req, n in plan]
+        rows, starts = [req.row for req, _ in plan], [req.prefilled for req, _ in plan]
+        if not any(req.scorer for req, _ in plan):
+            return self.runner.forward_chunks(rows, chunks, starts)
+        logits = self.runner.forward_chunks(rows, chunks, starts, every_position=True)
+        for i, (req, n) in enumerate(plan):
+            if req.scorer is not None:
+                req.scorer.add(req.prefilled, logits[i, :n])
+        return logits[torch.arange(len(plan)), torch.tensor([n - 1 for _, n in plan])]
 
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
@@ -256,7 +274,7 @@ class Scheduler:
     def _emit(self, req: Request, out: SamplerOutput, i: int) -> None:
         """Stream row `i`'s chosen token for `req` and finish the request if it should stop."""
         token = out.tokens[i]
-        top = tuple(TopToken(t, self.tokenizer.decode([t]), lp, self._special(t)) for t, lp in out.top[i])
+        top = tuple(self._describe(t, lp) for t, lp in out.top[i])
         req.output.append(token)
         req.context.append(token)
         req.pos += 1
@@ -264,17 +282,29 @@ class Scheduler:
         assert req.stopping is not None
         check = req.stopping(token)
         req.text.append(check.text)
-        finished = None
-        if check.reason is not None:
-            finished = Finished(
-                finish_reason=check.reason, generated_text="".join(req.text), generated_tokens=len(req.output),
-                seed=req.seed, prompt_tokens=len(req.prompt), prefill=tuple(req.prompt),
-                stop_sequence=check.stop_sequence, window_slides=req.slides, truncated_prompt_tokens=req.truncated,
-            )
-        req.sink(TokenEvent(token, check.text, out.logprobs[i], self._special(token), len(req.output), top, finished))
+        finished = None if check.reason is None else self._finished(req, check.reason, check.stop_sequence)
+        scores = req.prompt_scores() if len(req.output) == 1 else None
+        req.sink(TokenEvent(token, check.text, out.logprobs[i], self._special(token), len(req.output), top, finished,
+                            prompt_logprobs=scores))
         if finished is not None:
             self._leave(req)
             req.sink(finished)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """End `req` without another token (it asked for none: it only scored its prompt)."""
+        finished = self._finished(req, reason, None)
+        self._leave(req)
+        req.sink(finished)
+
+    def _finished(self, req: Request, reason: str, stop_sequence: str | None) -> Finished:
+        return Finished(
+            finish_reason=reason, generated_text="".join(req.text), generated_tokens=len(req.output), seed=req.seed,
+            prompt_tokens=len(req.prompt), prefill=tuple(req.prompt), stop_sequence=stop_sequence,
+            window_slides=req.slides, truncated_prompt_tokens=req.truncated, prompt_logprobs=req.prompt_scores(),
+        )
+
+    def _describe(self, token: int, logprob: float = 0.0) -> TopToken:
+        return TopToken(token, self.tokenizer.decode([token]), logprob, self._special(token))
 
     def _special(self, token: int) -> bool:
         return self.eos_id is not None and token == self.eos_id

@@ -843,3 +843,49 @@ def test_min_tokens_holds_off_eos_and_stop_strings(make_checkpoint, make_engine)
     cut = engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), min_tokens=10, stop_at_eos=False))
     assert text.find(stop) == 1 and cut.text == (text[:later] if later >= 0 else text)
     assert engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), stop_at_eos=False)).text == text[:1]
+
+
+# --- prompt log-probabilities ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill_chunk", [512, 5])
+def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(make_checkpoint, make_engine, prefill_chunk) -> None:
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, prefill_chunk=prefill_chunk, max_batch_size=4)
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n, ck.tokenizer.n_vocab) for n in (1, 7, 19, 32)]
+    params = [SamplingParams(max_new_tokens=0, prompt_logprobs=3), SamplingParams(max_new_tokens=4, prompt_logprobs=0),
+              SamplingParams(max_new_tokens=0, prompt_logprobs=5), SamplingParams(max_new_tokens=2)]
+
+    async def batched():
+        streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    results = run(batched())
+    for prompt, q, result in zip(prompts, params, results):
+        fin = result.finished
+        assert len(result.tokens) == q.max_new_tokens == fin.generated_tokens
+        if q.prompt_logprobs is None:
+            assert fin.prompt_logprobs is None
+            continue
+        with torch.no_grad():
+            want = model_logprobs(ck, ck.model(torch.tensor([prompt]))[0])  # (T, vocab): row t predicts t + 1
+        scored = fin.prompt_logprobs
+        assert [t.id for t in scored] == prompt and scored[0].logprob is None and scored[0].top_tokens == ()
+        for t in range(1, len(prompt)):
+            assert scored[t].logprob == pytest.approx(want[t - 1, prompt[t]].item(), abs=1e-4)
+            top = torch.topk(want[t - 1], q.prompt_logprobs)
+            assert [a.id for a in scored[t].top_tokens] == top.indices.tolist()
+            assert [a.logprob for a in scored[t].top_tokens] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert scored[t].text == ck.tokenizer.decode([prompt[t]])
+        if result.tokens:  # the first token event carries them too
+            assert result.tokens[0].prompt_logprobs == scored and result.tokens[1].prompt_logprobs is None
+        assert result.token_ids == naive(ck, prompt, SamplingParams(max_new_tokens=q.max_new_tokens or 1))[0][
+            : q.max_new_tokens]
+    assert engine.busy == 0
+
+
+def test_zero_new_tokens_needs_prompt_logprobs() -> None:
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(max_new_tokens=0)
+    assert e.value.field == "max_new_tokens" and "[1, 1000000]" in e.value.message
