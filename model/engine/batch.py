@@ -25,9 +25,17 @@ class Batch:
     def __contains__(self, req: Request) -> bool:
         return req in self.requests
 
-    def take_row(self, req: Request) -> None:
-        """Give `req` a cache row (the scheduler admits no more requests than there are rows)."""
-        req.row = self._free_rows.pop()
+    @property
+    def free_rows(self) -> list[int]:
+        return list(self._free_rows)
+
+    def take_row(self, req: Request, row: int | None = None) -> None:
+        """Give `req` cache row `row` (free), or the free row given back last (the scheduler admits no more
+        requests than there are rows)."""
+        if row is None:
+            row = self._free_rows[-1]
+        self._free_rows.remove(row)
+        req.row = row
 
     def release_row(self, req: Request) -> None:
         if req.row >= 0:

@@ -36,7 +36,8 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, max_batch_size: int = 16, max_waiting: int = 64,
-                 prefill_chunk: int = 512, window_shift: int | None = None, threads: int | None = None) -> None:
+                 prefill_chunk: int = 512, window_shift: int | None = None, threads: int | None = None,
+                 prefix_cache: bool = True) -> None:
         if max_batch_size < 1 or max_waiting < 0 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
         self.config, self.tokenizer = checkpoint.config, checkpoint.tokenizer
@@ -49,7 +50,7 @@ class Engine:
         self.max_batch_size, self.max_waiting, self.prefill_chunk = max_batch_size, max_waiting, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_size=max_batch_size,
                                    max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-                                   window_shift=self.window_shift)
+                                   window_shift=self.window_shift, prefix_cache=prefix_cache)
         self.scheduler.flush = self._flush
         self._lock = self.scheduler.lock
         self._ids = itertools.count(1)

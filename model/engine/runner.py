@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
 from model import kernels
 from model.checkpoint import Checkpoint
 from model.devices import default_dtype, resolve_device
+from model.engine.prefix_cache import RowContents
 from model.gpt import KVCache
 
 
@@ -30,8 +32,9 @@ class ModelRunner:
         # the kernels' packed weight layout for batched decode steps (as much memory again as the weights)
         self.packed_bytes = kernels.pack_weights(self.model)  # 0 where the kernels are not used
         self.block_size = checkpoint.config.block_size
-        # a cache row per batch slot
+        # a cache row per batch slot, and which tokens each row holds (prefix reuse)
         self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.dtype)
+        self.contents = RowContents(rows)
 
     def decode_context(self) -> contextlib.AbstractContextManager[None]:
         """Around a decode step: torch's small ops on this thread alone (the kernels use their own pool)."""
@@ -47,17 +50,37 @@ class ModelRunner:
         idx = [c + [0] * (width - len(c)) for c in chunks]
         pos = [[min(start + t, last) for t in range(width)] for start in starts]
         take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
-                            kv_len=min(self.block_size, max(starts) + width), take=take)
+        with self._recording(rows, starts, chunks):
+            logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
+                                kv_len=min(self.block_size, max(starts) + width), take=take)
         return logits if every_position else logits[:, 0]
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
-        logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
-                            kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
+        with self._recording(rows, positions, [[t] for t in tokens]):
+            logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
+                                kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
         return logits[:, -1]
+
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Row `row` gets the keys and values of positions 0..length-1 of row `source` (and their tokens)."""
+        for cache in (self.cache.k, self.cache.v):  # (n_layer, rows, n_head, max_len, head_size)
+            cache[:, row, :, :length] = cache[:, source, :, :length]
+        self.contents.wrote(row, 0, self.contents.tokens[source][:length])
+
+    @contextlib.contextmanager
+    def _recording(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> Iterator[None]:
+        """Record what a forward wrote into each row once it completed; a failed one leaves its rows unknown."""
+        try:
+            yield
+        except BaseException:
+            for row in rows:
+                self.contents.forget(row)
+            raise
+        for row, start, chunk in zip(rows, starts, chunks):
+            self.contents.wrote(row, start, chunk)
 
     def _ids(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -31,6 +31,7 @@ import torch
 from model.engine.batch import Batch
 from model.engine.events import EngineError, EngineStopped, Finished, GenerationError, Overloaded, TokenEvent, TopToken
 from model.engine.prefill import plan_prefill
+from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scoring import PromptScorer
@@ -49,6 +50,8 @@ class EngineStats:
     rejected_total: int = 0
     failed_total: int = 0
     generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of the requests that began prefilling
+    cached_prompt_tokens_total: int = 0  # of those, the ones found in the cache (prefix reuse), not computed
 
 
 class Scheduler:
@@ -56,11 +59,12 @@ class Scheduler:
     thread (`run`), submissions and cancellations come from any thread."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_batch_size: int, max_waiting: int,
-                 prefill_chunk: int, window_shift: int) -> None:
+                 prefill_chunk: int, window_shift: int, prefix_cache: bool = True) -> None:
         self.runner, self.tokenizer = runner, tokenizer
         self.block_size = runner.block_size
         self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
         self.prefill_chunk, self.window_shift = prefill_chunk, window_shift
+        self.prefix_cache = prefix_cache
         self.eos_id = tokenizer.eos_id
         self.sampler = Sampler(tokenizer.n_vocab, tokenizer.eos_id)
         self.batch = Batch(max_batch_size)
@@ -169,7 +173,9 @@ class Scheduler:
         self.stats.running = len(self.batch) + len(self.prefilling)
 
     def _begin(self, req: Request) -> None:
-        self.batch.take_row(req)  # running + prefilling <= max_batch_size: there is always one
+        """Give `req` a cache row, with the longest prefix of its prompt any row holds (in place if that row is
+        free, else copied), and its sampling and stopping state."""
+        self._take_row(req)
         req.context = list(req.prompt)
         req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
         if req.params.prompt_logprobs is not None:
@@ -177,6 +183,39 @@ class Scheduler:
         req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
                                         stop=req.params.stop, stop_at_eos=req.params.stop_at_eos,
                                         min_tokens=req.params.min_tokens)
+        self.stats.prompt_tokens_total += len(req.prompt)
+
+    def _take_row(self, req: Request) -> None:
+        contents, free = self.runner.contents, self.batch.free_rows
+        if self._reuses(req):
+            row, held = contents.longest(req.prompt, range(self.max_batch_size))
+            cached = min(held, len(req.prompt) - 1)  # the last prompt token is fed again: its logits are needed
+            if cached > 0:
+                if row in free:
+                    self.batch.take_row(req, row)
+                else:
+                    self.batch.take_row(req, self._spare_row(free))
+                    self.runner.copy_prefix(row, req.row, cached)
+                req.prefilled = cached
+                self.stats.cached_prompt_tokens_total += cached
+                return
+        # running + prefilling <= max_batch_size: there is always a free row
+        self.batch.take_row(req, self._spare_row(free) if self.prefix_cache else None)
+
+    def _spare_row(self, free: list[int]) -> int:
+        """The free row whose contents are the least loss: the fewest tokens, the one given back last on a tie."""
+        return min(reversed(free), key=lambda row: len(self.runner.contents.tokens[row]))
+
+    def _reuses(self, req: Request) -> bool:
+        # a scored prompt needs the logits of every position: it computes them all
+        return self.prefix_cache and req.params.prompt_logprobs is None
+
+    def _ready(self, req: Request) -> bool:
+        """A request that has not begun waits while another request prefills the same first tokens: once they are
+        in the cache it copies them instead of computing them too (n samples of one prompt share one prefill)."""
+        if req.row >= 0 or not self._reuses(req):
+            return True
+        return not any(o.row >= 0 and o.prefilling and shares_prefix(o.prompt, req.prompt) for o in self.prefilling)
 
     def _on_step(self, reqs: list[Request], phase: str) -> list[Request]:
         """Run the `on_step` hook (fault injection) per request; a request it raises for fails alone. The rest."""
@@ -195,10 +234,13 @@ class Scheduler:
     def _prefill_step(self) -> None:
         """Feed the next prompt chunk of every request `plan_prefill` packs into one forward; the requests whose
         prompt is then all in the cache join the batch with their first token."""
-        plan = plan_prefill(list(self.prefilling), self.prefill_chunk, self.block_size)
-        for req, _ in plan:
-            if req.prefilled == 0:
+        for req in list(self.prefilling):
+            if req.row < 0 and self._ready(req):
                 self._begin(req)
+        begun = [r for r in self.prefilling if r.row >= 0]
+        if not begun:
+            return
+        plan = plan_prefill(begun, self.prefill_chunk, self.block_size)
         kept = self._on_step([req for req, _ in plan], " during prefill")
         plan = [(req, n) for req, n in plan if req in kept]
         if not plan:
