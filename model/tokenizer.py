@@ -148,6 +148,17 @@ class BPETokenizer:
         atomic_write_bytes(Path(directory) / BPE_FILE, _dump_ranks(self.mergeable_ranks))
 
 
+def token_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[str, int, int]]:
+    """Each token's text and [start, stop) character offsets in the decoded text. A token that holds only part of
+    a character's bytes (byte-level BPE) shows U+FFFD and spans the characters that start inside it."""
+    spans, pos = [], 0
+    for i in ids:
+        chars = sum(1 for b in tokenizer.decode_bytes([i]) if b & 0xC0 != 0x80)  # bytes that start a character
+        spans.append((tokenizer.decode([i]), pos, pos + chars))
+        pos += chars
+    return spans
+
+
 def _dump_ranks(ranks: dict[bytes, int]) -> bytes:
     """tiktoken's `.tiktoken` format: base64(token) rank, one per line, by rank."""
     return b"".join(

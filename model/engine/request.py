@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from model.engine.events import Event, PromptToken
-from model.engine.scoring import PromptScorer
 from model.sampler import SampleRow
 from model.sampling_params import SamplingParams
+from model.scoring import PromptScorer
 from model.stopping import StoppingCriteria
 
 

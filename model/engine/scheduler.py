@@ -34,8 +34,8 @@ from model.engine.prefill import plan_prefill
 from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
-from model.engine.scoring import PromptScorer
 from model.sampler import Sampler, SamplerOutput, new_generator
+from model.scoring import PromptScorer
 from model.stopping import StoppingCriteria
 from model.tokenizer import Tokenizer
 
