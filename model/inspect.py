@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from model.engine.events import PromptToken, TopToken
 from model.gpt import GPT
 from model.sampler import mask_unusable
-from model.scoring import PromptScorer
+from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, token_spans
 
 # what one inspection may ask for, so that a client cannot make the server compute or send without bound

@@ -6,11 +6,30 @@ log-softmax of the logits with the unusable ids masked; the first token has no c
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from model.engine.events import PromptToken, TopToken
 from model.sampler import mask_unusable
+
+
+@dataclass(frozen=True)
+class TopToken:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class PromptToken:
+    """A prompt token, scored: its log-probability given the tokens before it (None for the first, which has no
+    context) and the most likely alternatives there."""
+
+    id: int
+    text: str
+    logprob: float | None
+    top_tokens: tuple[TopToken, ...] = ()
 
 
 class PromptScorer:

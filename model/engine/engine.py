@@ -14,16 +14,19 @@ import queue
 import random
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from model.checkpoint import Checkpoint
 from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
+from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import EngineStats, Scheduler
 from model.engine.stream import GenerationStream, Mailbox, Reservation
+from model.inspect import InspectOptions, Inspector
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
@@ -180,7 +183,31 @@ class Engine:
                 return Result(tokens, ev)
             tokens.append(ev)
 
-    def cancel(self, req: Request) -> None:
+    def submit_job(self, steps: Iterator[Any], result: Callable[[], Any], *,
+                   reservation: Reservation | None = None) -> JobHandle:
+        """Run `steps` on the engine thread, one step between two engine steps; the handle gives `result()` once
+        they are done (raises Overloaded at once unless `reservation` holds a slot for it)."""
+        try:
+            future = asyncio.get_running_loop().create_future()
+        except RuntimeError:  # from a plain thread: wait() on the handle
+            future = None
+        holder: list[Job] = []
+        handle = JobHandle(lambda: self.cancel(holder[0]), future)
+        job = Job(next(self._ids), steps, result, handle.settle)
+        holder.append(job)
+        with self._lock:
+            self._admit(reservation)
+            self.scheduler.add_job(job)
+        return handle
+
+    def inspect(self, ids: list[int], options: InspectOptions, *,
+                reservation: Reservation | None = None) -> JobHandle:
+        """Look inside the model for `ids` (`model.inspect`), one layer per engine step; the handle's result is an
+        `Inspection`. Raises `InspectError` at once for options outside the limits."""
+        inspector = Inspector(self.runner.model, self.tokenizer, ids, options)
+        return self.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)
+
+    def cancel(self, req: Request | Job) -> None:
         """Thread-safe; the request leaves the batch before the next model step."""
         with self._lock:
             self.scheduler.cancel(req)
@@ -191,13 +218,17 @@ class Engine:
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(DRAWN_SEED_LIMIT)
         req = Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
         with self._lock:
-            if self.scheduler.stopping:
-                raise EngineStopped("the engine is shutting down")
-            # a held reservation's slot becomes this request's (the lock is reentrant)
-            if reservation is None or not reservation.release():
-                self.scheduler.refuse_if_full()
+            self._admit(reservation)
             self.scheduler.enqueue(req)
         return req
+
+    def _admit(self, reservation: Reservation | None) -> None:
+        """Under the lock: refuse when stopping, else take the reservation's slot or check there is one free."""
+        if self.scheduler.stopping:
+            raise EngineStopped("the engine is shutting down")
+        # a held reservation's slot becomes this request's (the lock is reentrant)
+        if reservation is None or not reservation.release():
+            self.scheduler.refuse_if_full()
 
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
         with self._lock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from model.scoring import PromptToken, TopToken
+
 
 class EngineError(Exception):
     """Base of the engine's domain errors (each API maps them to its own status codes)."""
@@ -20,25 +22,6 @@ class GenerationError(EngineError):
 
 class EngineStopped(EngineError):
     """The engine is shutting down or stopped."""
-
-
-@dataclass(frozen=True)
-class TopToken:
-    id: int
-    text: str
-    logprob: float
-    special: bool
-
-
-@dataclass(frozen=True)
-class PromptToken:
-    """A prompt token, scored: its log-probability given the tokens before it (None for the first, which has no
-    context) and the most likely alternatives there."""
-
-    id: int
-    text: str
-    logprob: float | None
-    top_tokens: tuple[TopToken, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 
 from model.engine.batch import Batch
 from model.engine.events import EngineError, EngineStopped, Finished, GenerationError, Overloaded, TokenEvent, TopToken
+from model.engine.jobs import Job
 from model.engine.prefill import plan_prefill
 from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
@@ -70,6 +71,7 @@ class Scheduler:
         self.batch = Batch(max_batch_size)
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
+        self.jobs: deque[Job] = deque()  # model work besides generation, a step per loop iteration
         self.reserved = 0  # slots held by `Engine.reserve` for requests not yet submitted
         self.stats = EngineStats()
         self.lock = threading.Condition()
@@ -79,7 +81,7 @@ class Scheduler:
 
     # -- from any thread, under `lock` ------------------------------------------------------------------
     def in_flight(self) -> int:
-        return len(self.batch) + len(self.prefilling) + len(self.waiting)
+        return len(self.batch) + len(self.prefilling) + len(self.waiting) + len(self.jobs)
 
     def refuse_if_full(self) -> None:
         # bound the total, not just the waiting queue: requests wait in `waiting` until the engine thread
@@ -94,13 +96,21 @@ class Scheduler:
         self.stats.waiting = len(self.waiting)
         self.lock.notify_all()
 
-    def cancel(self, req: Request) -> None:
-        if not req.cancelled and (req in self.waiting or req in self.prefilling or req in self.batch):
+    def cancel(self, req: Request | Job) -> None:
+        if not req.cancelled and (req in self.waiting or req in self.prefilling or req in self.batch
+                                  or req in self.jobs):
             req.cancelled = True
             self.lock.notify_all()
 
+    def add_job(self, job: Job) -> None:
+        self.jobs.append(job)
+        self.lock.notify_all()
+
     def fail_all(self, err: EngineError) -> None:
         failed = list(self.waiting) + list(self.prefilling) + self.batch.clear()
+        for job in self.jobs:
+            job.deliver(err)
+        self.jobs.clear()
         self.waiting.clear()
         for req in self.prefilling:
             self.batch.release_row(req)
@@ -134,6 +144,8 @@ class Scheduler:
                     if self.batch:
                         with self.runner.decode_context():
                             self._decode_step()
+                    if self.jobs:
+                        self._job_step()
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 with self.lock:
@@ -141,7 +153,28 @@ class Scheduler:
                         self._fail(req, GenerationError(f"generation failed: {e}"))
             self.flush()
 
+    def _job_step(self) -> None:
+        """One step of the oldest job; then it goes to the back of the queue (jobs take turns), or delivers."""
+        job = self.jobs[0]
+        try:
+            next(job.steps)
+            with self.lock:
+                self.jobs.rotate(-1)
+            return
+        except StopIteration:
+            outcome = job.result()
+        except Exception as e:
+            log.warning("job %d failed: %s", job.id, e)
+            self.stats.failed_total += 1
+            outcome = GenerationError(f"the job failed: {e}")
+        with self.lock:
+            self.jobs.remove(job)
+        job.deliver(outcome)
+
     def _reap_cancelled(self) -> None:
+        for job in [j for j in self.jobs if j.cancelled]:
+            self.jobs.remove(job)
+            self.stats.cancelled_total += 1
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             self.stats.cancelled_total += 1
