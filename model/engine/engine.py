@@ -13,6 +13,7 @@ import itertools
 import queue
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -99,6 +100,29 @@ class Engine:
         else:  # never started: no loop will fail what is queued, so fail it here
             with self._lock:
                 self.scheduler.fail_all(EngineStopped("the engine stopped before this request started"))
+
+    def drain(self, timeout: float) -> bool:
+        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish for up to `timeout`
+        seconds, then stop. True if everything finished."""
+        with self._lock:
+            self.scheduler.closing = True
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = not self.busy
+        self.stop()
+        return finished
+
+    def liveness(self, stall_after: float) -> tuple[bool, str]:
+        """Whether the engine thread is alive and stepping: started, not dead, and idle or within `stall_after`
+        seconds of its current step's start. With a reason."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return False, "the engine thread is not running"
+        started = self.scheduler.step_started
+        if started is not None and (age := time.monotonic() - started) > stall_after:
+            return False, f"the engine's current step began {age:.1f} s ago (limit {stall_after:g} s)"
+        return True, "idle" if started is None else "stepping"
 
     @property
     def busy(self) -> int:
@@ -224,7 +248,9 @@ class Engine:
 
     def _admit(self, reservation: Reservation | None) -> None:
         """Under the lock: refuse when stopping, else take the reservation's slot or check there is one free."""
-        if self.scheduler.stopping:
+        if self.scheduler.stopping or self.scheduler.closing:
+            if reservation is not None:
+                reservation.release()
             raise EngineStopped("the engine is shutting down")
         # a held reservation's slot becomes this request's (the lock is reentrant)
         if reservation is None or not reservation.release():

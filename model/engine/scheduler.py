@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,8 @@ class Scheduler:
         self.stats = EngineStats()
         self.lock = threading.Condition()
         self.stopping = False
+        self.closing = False  # admits nothing new; what is in flight finishes (`Engine.drain`)
+        self.step_started: float | None = None  # monotonic time the current loop iteration began; None when idle
         self.on_step: Callable[[list[Request]], None] | None = None  # test hook: fault injection
         self.flush: Callable[[], None] = lambda: None  # hands the events of a step to their event loops
 
@@ -125,8 +128,10 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while True:
             with self.lock:
+                self.step_started = None
                 while not (self.stopping or self.in_flight()):
                     self.lock.wait()
+                self.step_started = time.monotonic()
                 if self.stopping:
                     self.fail_all(EngineStopped("the engine stopped before this request finished"))
                     self.flush()

@@ -4,6 +4,7 @@ offline function gives, counts toward capacity, and can be cancelled or failed a
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -83,3 +84,28 @@ def test_a_cancelled_job_leaves(make_checkpoint, make_engine) -> None:
     engine.start()
     assert engine.generate([1], SamplingParams(max_new_tokens=1)).finished.generated_tokens == 1
     assert engine.busy == 0 and engine.stats.cancelled_total == 1
+
+
+def test_liveness_says_when_the_engine_stalls_and_drain_finishes_what_runs(make_checkpoint, make_engine) -> None:
+    engine = make_engine(make_checkpoint(block_size=32), start=False)
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
+    engine.start()
+    assert engine.generate([1], SamplingParams(max_new_tokens=2)).finished.generated_tokens == 2
+    assert engine.liveness(1.0) == (True, "idle")
+    release = threading.Event()
+
+    async def main():
+        stream = engine.submit([1, 2], SamplingParams(max_new_tokens=5))
+        await asyncio.sleep(0.3)
+        alive, why = engine.liveness(0.1)
+        assert not alive and "limit 0.1 s" in why
+        assert engine.liveness(30.0) == (True, "stepping")
+        release.set()
+        drained = await asyncio.to_thread(engine.drain, 10.0)
+        return drained, await stream.collect()
+
+    engine.on_step = lambda reqs: release.wait(10)  # a step that hangs until released
+    drained, result = run(main())
+    assert drained and result.finished.generated_tokens == 5
+    with pytest.raises(EngineStopped):
+        engine.generate([1], SamplingParams(max_new_tokens=1))
