@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
+from model.files import atomic_write_bytes
+
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOT = "<|endoftext|>"
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -143,8 +145,6 @@ class BPETokenizer:
         }
 
     def save(self, directory: Path) -> None:
-        from model.checkpoint import atomic_write_bytes
-
         atomic_write_bytes(Path(directory) / BPE_FILE, _dump_ranks(self.mergeable_ranks))
 
 

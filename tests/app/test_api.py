@@ -30,7 +30,8 @@ from app.schemas import StreamResponse
 from app.settings import Settings
 from app.system import VERSION
 from model import kernels
-from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
+from model.checkpoint import WEIGHTS_FILE, load_checkpoint
+from model.files import sha256_file
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 
