@@ -2,34 +2,44 @@
 
     python -m app [--checkpoint DIR] [--host H] [--port P] [--device D] ...
 
-Every option is also read from a `FOLIO_*` environment variable (flags win). A checkpoint or device that
-cannot be used ends the process with one clear line and exit code 2, before anything is served.
-SIGTERM (or Ctrl-C): stop admitting (503), let in-flight requests finish for up to `--drain-timeout`
-seconds, end the rest with a final error event, exit 0.
+Every option is also read from a `FOLIO_*` environment variable (flags win). A start-up mistake (a bad flag or
+value, an unknown `FOLIO_*` variable, a device this machine lacks, an address that cannot be bound, a checkpoint
+that cannot be used) ends the process with one `error:` line and exit code 2, before anything is served.
+SIGTERM (or Ctrl-C): keep listening but answer new work 503, let in-flight requests finish for up to
+`--drain-timeout` seconds, end the rest with a final error event, exit 0 (`DrainingServer`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
-import threading
+import time
 
 import uvicorn
-from pydantic import ValidationError as SettingsError
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from app.main import build_engine, create_app
-from app.settings import Settings
+from app.protocol import protocol_class
+from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.cli import ArgumentParser
+from model.devices import resolve_device
+
+FINAL_WRITES_S = 2  # after the drain: how long responses still being written may take before they are cut
 
 
 def parse_args(argv: list[str] | None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m app", description="Serve a Folio checkpoint over HTTP.",
-                                argument_default=argparse.SUPPRESS)
+    p = ArgumentParser(prog="python -m app", description="Serve a Folio checkpoint over HTTP.",
+                       argument_default=argparse.SUPPRESS)
     for name, f in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_ = f"{f.description or ''} (env FOLIO_{name.upper()})"
+        help_ = f"{f.description or ''} (env {env_name(name)})"
         if f.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "cors_origins":
@@ -40,45 +50,104 @@ def parse_args(argv: list[str] | None) -> dict:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, with a drain: on the first signal new requests get 503; after `drain_timeout`
-    the engine stops, which ends any stream still running with a final error event."""
+    """uvicorn's server, with a drain. On the first SIGTERM or SIGINT the listener stays open: requests to the
+    generation routes and /tokenize get 503 with `Retry-After` (and `Connection: close`), /health 503 "draining",
+    while the requests already admitted run on. As soon as none is left (`GenerationService.in_flight`: their
+    responses have ended), or after `drain_timeout` seconds (then the engine stops, which ends each stream still
+    running with a final error event), uvicorn's shutdown follows: the listener closes, responses being written
+    are finished (for up to `FINAL_WRITES_S`), the process exits. A second signal skips what is left of the
+    drain. A load balancer in front sees 503s (nginx's `proxy_next_upstream http_503` retries elsewhere) and a
+    failing readiness probe, never a refused connection while streams finish."""
 
     def __init__(self, config: uvicorn.Config, app, drain_timeout: float) -> None:  # noqa: ANN001
         super().__init__(config)
         self.folio_app = app
         self.drain_timeout = drain_timeout
-        self._timer: threading.Timer | None = None
+        self.drain_started: float | None = None
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
         service = getattr(self.folio_app.state, "service", None)
-        if service is not None and self._timer is None:
-            service.draining = True
-            self._timer = threading.Timer(self.drain_timeout, service.engine.stop)
-            self._timer.daemon = True
-            self._timer.start()
-        super().handle_exit(sig, frame)
+        if service is None or self.drain_started is not None:  # still loading, or the second signal
+            super().handle_exit(sig, frame)
+            return
+        service.draining = True
+        self.drain_started = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's main loop calls this every 0.1 s; True ends the loop and starts the shutdown."""
+        if self.drain_started is not None and not self.should_exit:
+            service = self.folio_app.state.service
+            if service.in_flight == 0:
+                self.should_exit = True
+            elif time.monotonic() - self.drain_started >= self.drain_timeout:
+                await asyncio.to_thread(service.engine.stop)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def settings_error(e: ValidationError) -> str:
+    """The first problem as one line naming the flag and its variable, and the value unless it is the key."""
+    first = e.errors()[0]
+    if not first["loc"]:  # a check across fields: its message names them
+        return first["msg"].removeprefix("Value error, ")
+    field = str(first["loc"][0])
+    shown = field != "api_key" and first["type"] != "value_error"  # Folio's own checks quote what they need
+    got = f", got {str(first['input'])[:80]!r}" if shown else ""
+    return f"--{field.replace('_', '-')} ({env_name(field)}): {first['msg'].removeprefix('Value error, ')}{got}"
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind the address once and let it go, before the model loads: a port in use or a host that does not resolve
+    is then one line at once, not a uvicorn log after the load (uvicorn binds it again to serve)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is free
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+
+
+def startup_settings(argv: list[str] | None) -> Settings:
+    """Flags and FOLIO_* variables checked against each other, this machine's devices and the address to listen
+    on; a ValueError whose message is the one line to print otherwise."""
+    args = parse_args(argv)  # first: --help works whatever the environment holds
+    check_environment(os.environ)
+    try:
+        settings = Settings(**args)
+    except ValidationError as e:
+        raise ValueError(settings_error(e)) from None
+    except SettingsError as e:  # a variable the settings could not even parse
+        raise ValueError(str(e)) from None
+    resolve_device(settings.device)
+    check_listen(settings.host, settings.port)
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = Settings(**parse_args(argv))
-    except SettingsError as e:
-        first = e.errors()[0]
-        print(f"error: --{'-'.join(str(x) for x in first['loc'])}: {first['msg']}", file=sys.stderr)
+        settings = startup_settings(argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         checkpoint = load_checkpoint(settings.checkpoint)
         engine = build_engine(settings, checkpoint)
-    except (CheckpointError, RuntimeError, ValueError) as e:
+    except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2
     app = create_app(settings, checkpoint=checkpoint, engine=engine)
     # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
-    # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability.py)
+    # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability.py);
+    # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
+    closed = app.state.metrics.connections_closed
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout) + 2, access_log=False,
-                            http="httptools", loop="uvloop" if sys.platform != "win32" else "asyncio")
+                            timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
+                            limit_concurrency=settings.max_connections,
+                            http=protocol_class(settings, lambda reason: closed.labels(reason).inc()),
+                            loop="uvloop" if sys.platform != "win32" else "asyncio")
     server = DrainingServer(config, app, settings.drain_timeout)
     # once shut down, uvicorn re-raises the signal it caught under the handlers it found: no-op ones make a
     # drained shutdown return 0 below instead of dying of that signal (exit status -15 for SIGTERM)

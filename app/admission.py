@@ -1,12 +1,22 @@
-"""The overload fast path: a generation request either gets a slot in the engine before its body is read, parsed,
-validated or tokenised, or it gets its 429 at once.
+"""Admission: a request to a route that takes an engine slot (generation and /tokenize) gets the slot once its body
+has arrived, before it is parsed, validated or tokenised; or it gets its 429 (or, while loading or draining, its
+503) at once.
 
-The slot is held (`Engine.reserve`) from here until the route submits the request (`current_reservation`, read
-by `GenerationService.submit`) or the response ends, whichever is first. Holding it matters under a burst:
-a check that only looked at the engine would let every request of the burst through, since none of them has
-been submitted yet, and each would be parsed and tokenised on the event loop before being refused. A request
-refused here gets 429 even if it is malformed or unauthenticated: while the server is full, nothing about the
-request is looked at.
+In order, for each such request:
+1. while the server is loading or draining: 503 with `Retry-After` and `Connection: close`; while it is full: 429
+   with `Retry-After`. Nothing about the request is looked at, and its body is not read.
+2. the body is read whole (bounded in size by `BodyLimitMiddleware` outside, in time by the connection's
+   `body_timeout`, app/protocol.py). A slow body holds a connection, never a slot: were the slot taken first, a
+   few dozen clients sending half a body each would hold every slot and every other client would get 429.
+3. the slot is reserved (`Engine.reserve`, or 429 if the server filled up meanwhile), and the body is replayed to
+   the app.
+
+The slot is held from there until the route submits the request (`current_reservation`, read by
+`GenerationService.submit`) or the response ends, whichever is first; a /tokenize request never submits, so it
+holds its slot until it has answered. Holding it matters under a burst: a check that only looked at the engine
+would let every request of the burst through, since none of them has been submitted yet, and each would be parsed
+and tokenised before being refused. The request also counts in `GenerationService.in_flight` until its response
+has ended: what a drain waits for (app/__main__.py).
 """
 
 from __future__ import annotations
@@ -17,51 +27,91 @@ from types import SimpleNamespace
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_response
+from app.errors import Unavailable, error_response
 from model.engine import Overloaded, Reservation
 
 # the slot held for the request being handled (in the route's task: FastAPI runs async routes and streams in it)
 current_reservation: ContextVar[Reservation | None] = ContextVar("folio_reservation", default=None)
 
-GENERATION_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions"})
+ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize"})
 
 
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, get_app: Callable[[], Any]) -> None:
         self.app = app
         self.get_app = get_app  # the FastAPI app, for its state: the service and the settings
-        # the 429 for each (route, message), rendered once by the error table: a burst sends the same bytes
+        # each refusal (route, message), rendered once by the error table: a burst sends the same bytes
         self._refusals: dict[tuple[str, str, int], tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
 
-    async def _refuse(self, scope: Scope, send: Send, e: Overloaded, retry_after: int) -> None:
+    async def _refuse(self, scope: Scope, send: Send, e: Exception, retry_after: int) -> None:
         key = (scope["path"], str(e), retry_after)
         if key not in self._refusals:
             response = error_response(Request(scope), e, retry_after)
-            self._refusals[key] = (response.status_code, response.raw_headers, bytes(response.body))
+            headers = response.raw_headers
+            if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
+                headers = [*headers, (b"connection", b"close")]
+            self._refusals[key] = (response.status_code, headers, bytes(response.body))
         status, headers, body = self._refusals[key]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_PATHS:
-            app = self.get_app()
-            service = app.state.service
-            if service is not None and service.ready and not service.draining:
-                try:
-                    reservation = service.engine.reserve()
-                except Overloaded as e:
-                    # the request metrics label by route template; these routes have no path parameters
-                    scope["route"] = SimpleNamespace(path=scope["path"])
-                    await self._refuse(scope, send, e, app.state.settings.retry_after)
-                    return
-                token = current_reservation.set(reservation)
-                try:
-                    await self.app(scope, receive, send)
-                finally:
-                    current_reservation.reset(token)
-                    reservation.release()  # a no-op once the request was submitted
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS):
+            await self.app(scope, receive, send)
+            return
+        # the request metrics label by route template (the router sets it for requests that reach a route); these
+        # routes have no path parameters
+        scope["route"] = SimpleNamespace(path=scope["path"])
+        app = self.get_app()
+        service = app.state.service
+        try:
+            if service is None:
+                raise Unavailable("the model is still loading")
+            service.check_ready()
+            service.engine.check_capacity()
+            body = await read_body(receive)
+            if body is None:  # the client went away (or its body timed out) before the whole body arrived
+                await send({"type": "http.response.start", "status": 499, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
                 return
-        await self.app(scope, receive, send)
+            service.check_ready()
+            reservation = service.engine.reserve()
+        except (Unavailable, Overloaded) as e:
+            await self._refuse(scope, send, e, app.state.settings.retry_after)
+            return
+        token = current_reservation.set(reservation)
+        service.in_flight += 1
+        try:
+            await self.app(scope, replay(body, receive), send)
+        finally:
+            service.in_flight -= 1
+            current_reservation.reset(token)
+            reservation.release()  # a no-op once the request was submitted
 
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives `body` whole, then whatever `receive` gives (a disconnect, in the end)."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

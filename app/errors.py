@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
-from model.sampling_params import ValidationError
+from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError
 
 
@@ -44,15 +44,15 @@ def error_body(path: str, status: int, kind: str, oa_type: str, message: str, pa
     return {"error": message, "error_type": kind}
 
 
-def error_response(request: Request, exc: Exception, retry_after: int = 1) -> JSONResponse:
+def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
     for cls, (status, kind, oa_type) in ERROR_TABLE.items():
         if isinstance(exc, cls):
             param = getattr(exc, "field", None)
-            headers = {"Retry-After": str(retry_after)} if status == 429 else None
+            headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
             if status == 401:
                 headers = {"WWW-Authenticate": "Bearer"}
             body = error_body(request.url.path, status, kind, oa_type, str(exc), param)
-            return JSONResponse(body, status_code=status, headers=headers)
+            return StrictJSONResponse(body, status_code=status, headers=headers)
     raise exc
 
 
@@ -84,8 +84,20 @@ def _ranges() -> dict[str, str]:
 _RANGES: dict[str, str] | None = None
 
 
+MAX_ERRORS_SHOWN = 3  # of a request's validation errors (a list of a million wrong items has a million)
+MAX_NAME_CHARS = 40  # of a field name echoed back (an unknown key can be any string)
+
+
+def _name(part: object) -> str:
+    """One part of a field's location, as echoed back: short, and valid Unicode (a lone surrogate escaped)."""
+    name = str(part)
+    if len(name) > MAX_NAME_CHARS:
+        name = name[: MAX_NAME_CHARS - 3] + "..."
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _describe(err: dict[str, Any]) -> tuple[str, str]:
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [_name(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     msg = err.get("msg", "invalid value")
     ctx = err.get("ctx") or {}
@@ -93,8 +105,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return "body", f"body is not valid JSON: {ctx.get('error', msg)}"
     if err.get("type") == "extra_forbidden":
         return field, f"{field}: unknown field"
-    value = err.get("input")
-    shown = repr(value) if not isinstance(value, str) or len(value) < 80 else repr(value[:77] + "...")
+    shown = preview(err.get("input"))
     global _RANGES
     if _RANGES is None:
         _RANGES = _ranges()
@@ -114,31 +125,34 @@ def _unparseable(cause: BaseException) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
 
-    async def domain(request: Request, exc: Exception) -> JSONResponse:
+    async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
         return error_response(request, exc, retry_after(request))
 
     for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized):
         app.add_exception_handler(cls, domain)
 
-    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        described = [_describe(e) for e in exc.errors()]
+    async def validation(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
+        errors = exc.errors()
+        described = [_describe(e) for e in errors[:MAX_ERRORS_SHOWN]]
         message = "; ".join(m for _, m in described)
+        if len(errors) > MAX_ERRORS_SHOWN:
+            message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"
         param = described[0][0] if described else None
         body = error_body(request.url.path, 422, "validation", "invalid_request_error", message, param)
-        return JSONResponse(body, status_code=422)
+        return StrictJSONResponse(body, status_code=422)
 
     app.add_exception_handler(RequestValidationError, validation)
 
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
         if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
             # FastAPI answers 400 "There was an error parsing the body" when json.loads fails other than with a
             # JSONDecodeError: bytes that are not UTF-8, an integer over Python's 4300-digit limit, nesting
             # deeper than the recursion limit. That is malformed JSON like any other: 422, saying why.
             message = f"body is not valid JSON: {_unparseable(exc.__cause__)}"
-            return JSONResponse(error_body(request.url.path, 422, "validation", "invalid_request_error", message,
+            return StrictJSONResponse(error_body(request.url.path, 422, "validation", "invalid_request_error", message,
                                            "body"), status_code=422)
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http")
         body = error_body(request.url.path, exc.status_code, kind, "invalid_request_error", str(exc.detail), None)
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(StarletteHTTPException, http_error)

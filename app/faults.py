@@ -7,7 +7,10 @@ request fails alone (HTTP 424, or a final error event on a stream) while the oth
 
 - `FAULT_PREFILL` ("<fault:prefill>"): raises while the prompt is prefilled, before any token;
 - `FAULT_DECODE` ("<fault:decode>"): raises in the decode step after `DECODE_AFTER` tokens were generated
-  (a request asking for fewer tokens finishes first and never fails).
+  (a request asking for fewer tokens finishes first and never fails);
+- `FAULT_STALL` ("<fault:stall>"): the engine step holding the request hangs until the request is cancelled
+  (its client gone) or for `STALL_MAX_SECONDS`, whichever comes first: a stuck engine, for the liveness probe
+  (`GET /health/live`) to notice.
 
 A marker counts when its token ids appear contiguously in the prompt the model sees (after truncation). With a
 character tokenizer that is exactly "the prompt contains the marker text"; a BPE tokenizer may split the marker
@@ -16,6 +19,7 @@ differently inside other text, so surround it with newlines there.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from model.engine import Request
@@ -23,7 +27,9 @@ from model.tokenizer import Tokenizer, TokenizerError
 
 FAULT_PREFILL = "<fault:prefill>"
 FAULT_DECODE = "<fault:decode>"
+FAULT_STALL = "<fault:stall>"
 DECODE_AFTER = 2
+STALL_MAX_SECONDS = 60.0
 
 
 class InjectedFault(RuntimeError):
@@ -37,13 +43,20 @@ def _contains(seq: Sequence[int], sub: Sequence[int]) -> bool:
 
 def fault_hook(tokenizer: Tokenizer) -> Callable[[list[Request]], None]:
     """The engine's `on_step` hook for the markers above, encoded with `tokenizer`."""
-    try:
-        prefill_ids, decode_ids = list(tokenizer.encode(FAULT_PREFILL)), list(tokenizer.encode(FAULT_DECODE))
-    except TokenizerError:  # the markers are not spellable in this vocabulary: nothing can trigger them
-        prefill_ids, decode_ids = [], []
+    def ids(marker: str) -> list[int]:
+        try:
+            return list(tokenizer.encode(marker))
+        except TokenizerError:  # the marker is not spellable in this vocabulary: nothing can trigger it
+            return []
+
+    prefill_ids, decode_ids, stall_ids = ids(FAULT_PREFILL), ids(FAULT_DECODE), ids(FAULT_STALL)
 
     def on_step(requests: list[Request]) -> None:
         for req in requests:
+            if _contains(req.prompt, stall_ids):
+                deadline = time.monotonic() + STALL_MAX_SECONDS
+                while not req.cancelled and time.monotonic() < deadline:
+                    time.sleep(0.01)
             if req.prefilling and _contains(req.prompt, prefill_ids):
                 raise InjectedFault(f"injected fault in prefill ({FAULT_PREFILL} in the prompt)")
             if not req.prefilling and len(req.output) >= DECODE_AFTER and _contains(req.prompt, decode_ids):

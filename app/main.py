@@ -10,29 +10,23 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
 from app import openai_api, system, tgi
 from app.admission import AdmissionMiddleware
 from app.errors import install_error_handlers
-from app.faults import FAULT_DECODE, FAULT_PREFILL, fault_hook
+from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
+from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
+from model.devices import resolve_device
 from model.engine import Engine
 
 log = logging.getLogger("folio")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} was asked for, but CUDA is not available on this machine")
-    return device
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
@@ -48,8 +42,8 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
         threads=settings.threads or None,
     )
     if settings.fault_injection:
-        log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose",
-                    FAULT_PREFILL, FAULT_DECODE)
+        log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "
+                    "the engine step", FAULT_PREFILL, FAULT_DECODE, FAULT_STALL)
         engine.on_step = fault_hook(checkpoint.tokenizer)
     return engine
 
@@ -79,11 +73,14 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
             service.draining = True
             await run_in_threadpool(eng.stop)
 
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc load their scripts and styles from this server (fastapi-offline's copies under
+    # /static-offline-docs), not from a CDN: they work on a machine without internet access
+    app = FastAPIOffline(
         title="Folio",
         version=system.VERSION,
         summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
         lifespan=lifespan,
+        default_response_class=StrictJSONResponse,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()

@@ -25,6 +25,9 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("folio_inter_token_latency_seconds", "time between tokens of a stream",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.connections_closed = Counter(
+            "folio_connections_closed", "connections answered and closed by a limit of the HTTP layer "
+            "(app/protocol.py): header_timeout, body_timeout, head_too_large", ["reason"], registry=r)
 
     def bind(self, engine: Engine) -> None:
         """Engine figures are read from the engine itself at scrape time."""
@@ -40,6 +43,8 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("folio_queue_depth", "requests waiting for a batch slot", value=s.waiting)
         yield GaugeMetricFamily("folio_running_batch_size", "requests in the running batch (prefilling or decoding)",
                                 value=s.running)
+        yield GaugeMetricFamily("folio_reserved_slots", "slots held by admitted requests not in the engine yet "
+                                "(being parsed or tokenised) and by /tokenize requests", value=self.engine.reserved)
         yield CounterMetricFamily("folio_generated_tokens", "tokens generated", value=s.generated_tokens_total)
         yield CounterMetricFamily("folio_cancelled_requests", "requests cancelled (client gone)",
                                   value=s.cancelled_total)

@@ -8,15 +8,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from app.deps import AuthDep, ServiceDep
 from app.errors import ERROR_TABLE, error_body
+from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
-from app.service import ClientGone, GenerationService
+from app.service import OPENAI, ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
-from model.sampling_params import ValidationError
+from model.sampling_params import preview
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
@@ -53,15 +54,11 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     """OpenAI's legacy completions: one prompt, one choice."""
     service.check_ready()
     if body.model is not None and body.model != service.model_id:
-        msg = f"model: the model {body.model!r} does not exist; this server serves {service.model_id!r}"
-        return JSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ValidationError("prompt", f"must be a string or a list of exactly one string, got {len(prompt)}")
-        prompt = prompt[0]
+        msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
+        return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]  # a list holds one (schemas.py)
     params = service.params_from_openai(body)
-    prepared = await service.prepare(prompt, params, None, "prompt")
+    prepared = await service.prepare(prompt, params, None, OPENAI)
     stream = service.submit(prepared)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = prompt if body.echo else ""
@@ -80,7 +77,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
         "logprobs": _logprobs(service, result.tokens, len(echo)) if body.logprobs is not None else None,
         "finish_reason": FINISH[fin.finish_reason],
     }
-    return JSONResponse({
+    return StrictJSONResponse({
         "id": cid, "object": "text_completion", "created": created, "model": service.model_id,
         "choices": [choice], "usage": _usage(fin.prompt_tokens, fin.generated_tokens),
     })

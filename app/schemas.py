@@ -6,18 +6,57 @@ become the OpenAPI docs at /docs.
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic_core import PydanticCustomError
+
+from model.sampling_params import preview
+from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_SEED = 2**63 - 1
+STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each; generation "
+            "ends where one appears and the text stops before it")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """(where, character) of the first lone surrogate in a string, or in the strings of a list or dict."""
+    if isinstance(value, str):
+        if value.isascii():  # O(1) in CPython: the common case costs nothing
+            return None
+        m = _SURROGATE.search(value)
+        return (f"character {m.start()}", m.group()) if m else None
+    if isinstance(value, list | dict):
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            found = _lone_surrogate(key) or _lone_surrogate(item)
+            if found:
+                return f"{found[0]} of item {preview(key)}", found[1]
+    return None
 
 
 class _Strict(BaseModel):
     """Request models: unknown fields, NaN and infinities are refused, and so are values of another JSON type
-    ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them."""
+    ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them. Every
+    string must be valid Unicode: JSON's `\\ud800` escape gives Python a lone surrogate, which no UTF-8 text (a
+    tokenizer's input, a response echoing the prompt) can hold."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        found = _lone_surrogate(value)
+        if found:
+            where, char = found
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "must be valid Unicode text, but holds the lone surrogate {char} at {where} (a \\uD800-\\uDFFF "
+                "escape in JSON must be one half of a pair)",
+                {"char": preview(char), "where": where},
+            )
+        return value
 
 
 class GenerateParameters(_Strict):
@@ -29,7 +68,7 @@ class GenerateParameters(_Strict):
     greedy: bool = Field(False, description="Folio: force argmax decoding whatever else is set")
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="CTRL penalty; 1.0 or unset: off")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="random seed; drawn and reported if unset")
-    stop: list[str] = Field(default_factory=list, max_length=16, description="stop strings (not in the output)")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description=STOP_DOC)
     return_full_text: bool | None = Field(False, description="prepend the prompt to generated_text")
     details: bool = Field(False, description="return finish reason, seed, tokens and logprobs")
     decoder_input_details: bool = Field(False, description="return the prompt's tokens in details.prefill")
@@ -132,13 +171,31 @@ class CompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=5, description="return this many top alternatives per token")
     echo: bool = False
-    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    stop: str | list[str] | None = Field(None, description=STOP_DOC)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
     frequency_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported (empty only)")
     user: str | None = None
     suffix: None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _one_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str]:
+        # before the items are validated: a list of a million numbers is one error, not a million
+        if isinstance(value, list) and len(value) != 1:
+            raise PydanticCustomError("one_prompt", "must be a string or a list of exactly one string, not a list "
+                                      "of {n}", {"n": len(value)})
+        return handler(value)
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _few_stops(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
+        # the same for stop: its count is checked before its items
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError("too_many_stops", "must hold at most {max} stop strings, got {n}",
+                                      {"max": MAX_STOP_STRINGS, "n": len(value)})
+        return handler(value)
 
 
 class OpenAIErrorDetail(BaseModel):

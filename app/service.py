@@ -19,9 +19,25 @@ from app.schemas import CompletionRequest, GenerateParameters
 from app.settings import Settings
 from model.checkpoint import Checkpoint
 from model.engine import Engine, Finished, GenerationStream, Result, TokenEvent
-from model.sampling_params import SamplingParams, ValidationError
+from model.sampling_params import SamplingParams, ValidationError, preview
 
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
+
+
+@dataclass(frozen=True)
+class Api:
+    """How one API names the engine's fields (`inputs`, `max_new_tokens`, ...) in its error messages."""
+
+    renamed: dict[str, str]
+    prefix: str = ""  # for the fields not renamed
+    truncate_hint: str = ""  # how to fit a prompt longer than the context, if the API has a way
+
+    def field(self, name: str) -> str:
+        return self.renamed.get(name, self.prefix + name)
+
+
+TGI = Api({"prompt": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
+OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
 
 
 class ClientGone(Exception):
@@ -44,6 +60,7 @@ class GenerationService:
         self.metrics = metrics
         self.ready = False
         self.draining = False
+        self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
         self.model_id = settings.model_id or checkpoint.path.name
 
     def check_ready(self) -> None:
@@ -57,8 +74,16 @@ class GenerationService:
         limit = self.settings.max_new_tokens_limit
         value = value if value is not None else min(self.settings.max_new_tokens_default, limit)
         if value > limit:
-            raise ValidationError(field, f"must be an integer in [1, {limit}], got {value}")
+            raise ValidationError(field, f"must be an integer in [1, {limit}], got {preview(value)}")
         return value
+
+    @staticmethod
+    def _sampling_params(api: Api, **values: object) -> SamplingParams:
+        """`SamplingParams(**values)`, its errors naming the API's fields."""
+        try:
+            return SamplingParams(**values)  # type: ignore[arg-type]
+        except ValidationError as e:
+            raise ValidationError(api.field(e.field), e.message) from None
 
     def params_from_tgi(self, p: GenerateParameters) -> tuple[SamplingParams, int | None]:
         unsupported = {
@@ -68,10 +93,9 @@ class GenerationService:
         }
         for name, bad in unsupported.items():
             if bad:
-                raise ValidationError(f"parameters.{name}", f"is not supported by Folio, got {getattr(p, name)!r}")
-        if any(s == "" for s in p.stop):
-            raise ValidationError("parameters.stop", "stop strings must be non-empty, got ''")
-        params = SamplingParams(
+                raise ValidationError(TGI.field(name), f"is not supported by Folio, got {preview(getattr(p, name))}")
+        params = self._sampling_params(
+            TGI,
             max_new_tokens=self._max_new_tokens(p.max_new_tokens, "parameters.max_new_tokens"),
             temperature=p.temperature,
             top_k=p.top_k,
@@ -87,12 +111,9 @@ class GenerationService:
 
     def params_from_openai(self, r: CompletionRequest) -> SamplingParams:
         stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-        if any(s == "" for s in stop):
-            raise ValidationError("stop", "stop strings must be non-empty, got ''")
-        if len(stop) > 16:
-            raise ValidationError("stop", f"at most 16 stop strings are allowed, got {len(stop)}")
         greedy = r.temperature == 0
-        return SamplingParams(
+        return self._sampling_params(
+            OPENAI,
             max_new_tokens=self._max_new_tokens(r.max_tokens, "max_tokens"),
             temperature=r.temperature,
             top_k=r.top_k,
@@ -115,17 +136,15 @@ class GenerationService:
         except ValueError as e:
             raise ValidationError(field, str(e)) from None
 
-    async def prepare(self, text: str, params: SamplingParams, truncate: int | None, field: str) -> Prepared:
-        """Tokenise and check the prompt against the context; errors name this API's fields
-        (`inputs` and `parameters.truncate` for TGI, `prompt` for OpenAI)."""
-        prompt = await self.encode(text, field)
+    async def prepare(self, text: str, params: SamplingParams, truncate: int | None, api: Api) -> Prepared:
+        """Tokenise and check the prompt and parameters against the model (its context, its vocabulary); errors
+        name this API's fields (`inputs`, `parameters.truncate` for TGI, `prompt`, `logprobs` for OpenAI)."""
+        prompt = await self.encode(text, api.field("prompt"))
         try:
-            prompt = self.engine.validate(prompt, truncate)
+            prompt = self.engine.validate(prompt, truncate, params)
         except ValidationError as e:
-            if e.field == "truncate":
-                raise ValidationError("parameters.truncate", e.message) from None
-            hint = " (parameters.truncate)" if field == "inputs" and "context" in e.message else ""
-            raise ValidationError(field, e.message + hint) from None
+            hint = api.truncate_hint if e.field == "prompt" and "context" in e.message else ""
+            raise ValidationError(api.field(e.field), e.message + hint) from None
         return Prepared(prompt, params, truncate)
 
     def submit(self, prepared: Prepared) -> GenerationStream:

@@ -1,19 +1,46 @@
 """Server configuration: every field from `--flag`, `FOLIO_*` environment variables, or its default
-(in that order of precedence)."""
+(in that order of precedence), validated at start-up so that a mistake is one line, not a traceback or a
+server that runs with a setting silently dropped."""
 
 from __future__ import annotations
 
+import difflib
+import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from model.cli import check_threads
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
+ENV_PREFIX = "FOLIO_"
+# FOLIO_* variables that are not server options: read by other parts of Folio, or by docker compose on the host.
+# Any other FOLIO_* name that is not an option's stops the server: a misspelled FOLIO_API_KEY must not leave it open.
+OTHER_VARIABLES = {
+    "FOLIO_KERNEL_DIR": "where the CPU kernels are built and found (model/kernels.py)",
+    "FOLIO_CPU_KERNELS": "0 turns the CPU kernels off (model/kernels.py)",
+    "FOLIO_GPT2_BPE_DIR": "GPT-2's BPE files for the trainer and the converter (model/tokenizer.py)",
+    "FOLIO_WEIGHTS": "the host directory docker/compose.yaml mounts at /weights",
+    "FOLIO_WEIGHTS_VOLUME": "where docker/entrypoint.sh looks for a mounted checkpoint",
+    "FOLIO_REPLICAS": "how many replicas docker/compose.yaml runs",
+    "FOLIO_REPLICA_THREADS": "--threads of each replica in docker/compose.yaml",
+    "FOLIO_GPU_PORT": "the CUDA service's host port in docker/compose.yaml",
+    "FOLIO_PROXY_PORT": "nginx's host port in docker/compose.yaml",
+    "FOLIO_HEALTH_TIMEOUT": "seconds docker/healthcheck.py waits for /health",
+    "FOLIO_PEERS_CACHE": "where bench/peers.py keeps the peer servers it sets up",
+    "FOLIO_PEERS_CONVERT_VENV": ("set: bench/peers.py converts models in a virtualenv of its own, even where the "
+                                 "project's python could"),
+    "FOLIO_TEST_DATA": "the test suite's data directory (tests/conftest.py), for a server the tests start",
+}
+ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as browsers send it
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FOLIO_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     checkpoint: Path = Field(DEFAULT_CHECKPOINT, description="checkpoint directory to serve")
     model_id: str | None = Field(None, description="name reported by /info and /v1/models (default: dir name)")
@@ -21,7 +48,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int = Field(0, ge=0, description="CPU threads for torch (0: all cores)")
+    threads: int = Field(0, description="CPU threads for torch, at most the machine's cores (0: all cores)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="requests decoded together")
     max_waiting: int = Field(64, ge=0, le=100_000, description="admitted requests waiting for a batch slot")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per engine step")
@@ -29,10 +56,93 @@ class Settings(BaseSettings):
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    api_key: SecretStr | None = Field(None, description="if set, generation routes need 'Bearer <key>'")
-    cors_origins: list[str] = Field(default_factory=list, description="allowed CORS origins ('*' for any)")
-    drain_timeout: float = Field(30.0, ge=0, description="seconds in-flight requests get after SIGTERM")
+    api_key: SecretStr | None = Field(None, description="if set, generation routes and /tokenize need 'Bearer <key>' "
+                                      "(surrounding whitespace is ignored; an empty key is refused)")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="allowed CORS origins: '*' for any, or origins such as "
+        "https://example.com, comma-separated (or a JSON list)")
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="a larger request line + headers gets 431")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a request's line and headers may take (408)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a request's body may take after its headers (408)")
+    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 (uvicorn's "
+                                 "limit_concurrency)")
+    max_tokenize_chars: int = Field(65536, ge=1, description="/tokenize inputs longer than this get 422")
+    drain_timeout: float = Field(30.0, ge=0, le=86_400, description="seconds in-flight requests get after SIGTERM")
+    # one engine iteration is a prefill chunk plus a decode step, and a decode step re-prefills each row whose
+    # window slides: GPT-2 small on 2 CPU threads takes ~5 s for a 512-token chunk and ~7 s per slide, so 16 rows
+    # sliding together take ~2 minutes; the default leaves room for that, a stuck engine still fails in minutes
+    liveness_stall_seconds: float = Field(300.0, gt=0, description="GET /health/live fails once one engine step "
+                                          "has run this long")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, value: int) -> int:
+        return check_threads(value)
+
+    @field_validator("api_key")
+    @classmethod
+    def _api_key_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value().strip()
+        if not key:
+            raise ValueError("the key is empty, which would let 'Authorization: Bearer ' with nothing after it "
+                             "through; set a key, or unset the option to serve without one")
+        return SecretStr(key)
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        """`*`, `a,b` or `["a", "b"]` from the environment; the flag's words may hold commas too."""
+        if isinstance(value, str):
+            if value.strip().startswith("["):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"not a JSON list of origins ({e})") from None
+            else:
+                value = [value]
+        if not isinstance(value, list):
+            return value
+        origins = [o.strip() for item in value for o in (item.split(",") if isinstance(item, str) else [item])]
+        bad = [o for o in origins if isinstance(o, str) and o and o != "*" and not ORIGIN.fullmatch(o)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not an origin: use '*' or scheme://host[:port], with no path "
+                             "(https://example.com, not https://example.com/)")
+        return [o for o in origins if o != ""]
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> Settings:
+        if self.max_new_tokens_default > self.max_new_tokens_limit:
+            raise ValueError(f"--max-new-tokens-default ({self.max_new_tokens_default}) is larger than "
+                             f"--max-new-tokens-limit ({self.max_new_tokens_limit})")
+        return self
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse `FOLIO_*` variables that are neither an option nor in OTHER_VARIABLES (names compared without
+    regard to case, as the settings read them), naming the closest real one."""
+    known = {env_name(name) for name in Settings.model_fields} | set(OTHER_VARIABLES)
+    for name in sorted(environ):
+        if name.upper().startswith(ENV_PREFIX) and name.upper() not in known:
+            # compared without the prefix all names share, which would make any two look alike
+            close = difflib.get_close_matches(name.upper().removeprefix(ENV_PREFIX),
+                                              sorted(k.removeprefix(ENV_PREFIX) for k in known), n=1)
+            hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "it is not a Folio setting."
+            raise ValueError(
+                f"unknown environment variable {name}: {hint} Server options are FOLIO_<OPTION> for each option "
+                "of `python -m app --help`; the other FOLIO_* variables are listed in the README (Configuration)"
+            )

@@ -1,40 +1,121 @@
-"""Operational routes: /health, /info, /metrics, and the playground page at GET /."""
+"""Operational routes: /health and the three Kubernetes probes under it, /info, /metrics, and the playground page
+at GET /.
+
+The probes (what each answers is what the kubelet acts on; deploy/kubernetes/ uses them):
+- `/health/startup`: the model is loaded and warmed up; from then on 200, draining too (a failing startup probe
+  restarts the container, and a draining server must be left to finish);
+- `/health/ready`: send it new traffic: loaded, not draining, and not full (requests in flight below the
+  capacity, `max_batch_size + max_waiting`: the engine's own figures, the ones /metrics exports);
+- `/health/live`: the engine thread is alive and no step has run longer than `--liveness-stall-seconds`.
+A 503 says why in its body: `{"status": ..., "reason": ...}`. None of them touches the engine's lock, so a
+wedged engine cannot hang the probes too.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.deps import ServiceDep
+from app.responses import StrictJSONResponse
+from app.service import GenerationService
 
 router = APIRouter(tags=["system"])
 PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 VERSION = "0.1.0"
+# an absolute path inside a string: POSIX (/a/b, ~/a) or Windows (C:\\a, \\\\host\\share), up to a space or quote
+_ABSOLUTE_PATH = re.compile(r"""(?<![\w.~/\\:-])(?:~?/|[A-Za-z]:[\\/]|\\\\)[^\s'"`<>|,;()]+""")
+
+
+def without_paths(value: Any) -> Any:
+    """`value` (JSON-like) with every absolute path in its strings cut to its last part, a file or directory name:
+    /info is open to anyone who can reach the server and must not map the machine's file system."""
+    if isinstance(value, str):
+        return _ABSOLUTE_PATH.sub(lambda m: PureWindowsPath(m.group().rstrip("/\\")).name, value)
+    if isinstance(value, dict):
+        return {k: without_paths(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_paths(v) for v in value]
+    return value
 
 
 @router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
-async def health(request: Request) -> JSONResponse:
+async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
     service = getattr(request.app.state, "service", None)
     if service is None or not service.ready:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return StrictJSONResponse({"status": "loading"}, status_code=503)
     if service.draining:
-        return JSONResponse({"status": "draining"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+        return StrictJSONResponse({"status": "draining"}, status_code=503)
+    return StrictJSONResponse({"status": "ok"})
+
+
+def _loaded(request: Request) -> GenerationService | None:
+    """The service once the model is loaded and warmed up, else None."""
+    service = getattr(request.app.state, "service", None)
+    return service if service is not None and service.ready else None
+
+
+def _unavailable(status: str, reason: str) -> StrictJSONResponse:
+    return StrictJSONResponse({"status": status, "reason": reason}, status_code=503)
+
+
+LOADING = "the model is still loading"
+
+
+@router.get("/health/startup", responses={503: {"description": "the model is still loading"}})
+async def health_startup(request: Request) -> StrictJSONResponse:
+    """Kubernetes' startup probe: 200 once the model is loaded and warmed up, and from then on (draining too)."""
+    if _loaded(request) is None:
+        return _unavailable("loading", LOADING)
+    return StrictJSONResponse({"status": "ok"})
+
+
+@router.get("/health/ready", responses={503: {"description": "loading, draining, or full"}})
+async def health_ready(request: Request) -> StrictJSONResponse:
+    """Kubernetes' readiness probe: 200 when the server should get new requests: loaded, not draining, and with
+    requests in flight below its capacity (`max_batch_size + max_waiting`); else 503 with the reason."""
+    service = _loaded(request)
+    if service is None:
+        return _unavailable("loading", LOADING)
+    if service.draining:
+        return _unavailable("draining", "the server is shutting down and admits no new requests")
+    engine = service.engine
+    in_flight, capacity = engine.stats.running + engine.stats.waiting, engine.max_batch_size + engine.max_waiting
+    if in_flight >= capacity:
+        return _unavailable("full", f"{in_flight} requests in flight, the capacity is {capacity} "
+                            f"({engine.max_batch_size} running + {engine.max_waiting} waiting)")
+    return StrictJSONResponse({"status": "ok", "in_flight": in_flight, "capacity": capacity})
+
+
+@router.get("/health/live", responses={503: {"description": "the engine thread is dead or stuck in a step"}})
+async def health_live(request: Request) -> StrictJSONResponse:
+    """Kubernetes' liveness probe: 200 while the engine thread is alive and stepping (idle, or within
+    `--liveness-stall-seconds` of its current step's start); 503 with the reason when it is dead or stuck."""
+    service = getattr(request.app.state, "service", None)
+    if service is None:
+        return _unavailable("loading", "the engine has not started yet")
+    alive, why = service.engine.liveness(service.settings.liveness_stall_seconds)
+    if not alive:
+        return _unavailable("unhealthy", why)
+    return StrictJSONResponse({"status": why})
 
 
 @router.get("/info")
 async def info(service: ServiceDep) -> dict[str, Any]:
+    """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
+    its directory, and a path in the provenance (the training data, the output directory) by its last part."""
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     tok = ck.tokenizer
-    return {
+    return without_paths({
         "model_id": service.model_id,
         "model_sha": ck.meta.get("weights_sha256"),
-        "checkpoint": str(ck.path) if ck.path else None,
+        "checkpoint": ck.path.name if ck.path else None,
         "checkpoint_sha256": ck.meta.get("weights_sha256"),
         "parameters": cfg.num_params(),
         "model_config": cfg.to_dict(),
@@ -55,7 +136,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "training": ck.training,
         "version": VERSION,
         "router": "folio",
-    }
+    })
 
 
 @router.get("/metrics", response_class=PlainTextResponse,

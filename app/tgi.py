@@ -8,9 +8,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from app.deps import AuthDep, ServiceDep
 from app.errors import ERROR_TABLE
+from app.responses import json_number
 from app.schemas import (
     Details,
     ErrorBody,
@@ -21,9 +23,11 @@ from app.schemas import (
     Token,
     TokenizeRequest,
 )
-from app.service import ClientGone, GenerationService, Prepared
-from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, json_number, sse
+from app.service import TGI, ClientGone, GenerationService, Prepared
+from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Result, TokenEvent
+from model.sampling_params import ValidationError
+from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
@@ -32,7 +36,7 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 async def _start(service: GenerationService, body: GenerateRequest) -> tuple[Prepared, GenerationStream]:
     service.check_ready()
     params, truncate = service.params_from_tgi(body.parameters)
-    prepared = await service.prepare(body.inputs, params, truncate, "inputs")
+    prepared = await service.prepare(body.inputs, params, truncate, TGI)
     return prepared, service.submit(prepared)
 
 
@@ -139,14 +143,33 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, _
 
 
 @router.post("/tokenize", response_model=list[SimpleToken], responses=ERRORS)
-async def tokenize(body: TokenizeRequest, service: ServiceDep) -> list[SimpleToken]:
-    """The prompt's tokens with their text and character offsets."""
-    ids = await service.encode(body.inputs)
+async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Response:
+    """The prompt's tokens with their text and character offsets (inputs of up to `--max-tokenize-chars`)."""
+    service.check_ready()
+    limit = service.settings.max_tokenize_chars
+    if len(body.inputs) > limit:
+        raise ValidationError("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
+                                        f"got {len(body.inputs)}")
+    # tokenising and writing the answer both take time proportional to the input: off the event loop
+    return Response(await run_in_threadpool(_tokens_json, service.tokenizer, body.inputs),
+                    media_type="application/json")
+
+
+def _tokens_json(tokenizer: Tokenizer, text: str) -> bytes:
+    """`/tokenize`'s answer as JSON: a list of `SimpleToken`s, each token's id, text and character offsets."""
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as e:
+        raise ValidationError("inputs", str(e)) from None
+    pieces: dict[int, tuple[bytes, int]] = {}  # id -> (its JSON before the offsets, its length in characters)
     out, pos = [], 0
     for i in ids:
-        piece = service.tokenizer.decode_bytes([i])
-        # character offsets: count the characters that start inside this token's bytes
-        chars = sum(1 for b in piece if b & 0xC0 != 0x80)
-        out.append(SimpleToken(id=i, text=service.token_text(i), start=pos, stop=pos + chars))
-        pos += chars
-    return out
+        piece = pieces.get(i)
+        if piece is None:
+            # character offsets: count the characters that start inside this token's bytes
+            chars = sum(1 for b in tokenizer.decode_bytes([i]) if b & 0xC0 != 0x80)
+            text_json = json.dumps(tokenizer.decode([i]), ensure_ascii=False).encode()
+            piece = pieces[i] = (b'{"id":%d,"text":%b,' % (i, text_json), chars)
+        out.append(b'%b"start":%d,"stop":%d}' % (piece[0], pos, pos + piece[1]))
+        pos += piece[1]
+    return b"[" + b",".join(out) + b"]"

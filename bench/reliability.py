@@ -32,7 +32,13 @@ Sections (each returns its figures and a list of `problems`; empty means the req
 - checkpoints: damaged checkpoints refused by `python -m app` at startup, exit code 2 and one line;
 - training: the trainer SIGKILLed once right as its best checkpoint's weights are replaced, then at random
   moments, `--resume`d each time, its checkpoints loaded after each kill, the final weights and losses compared
-  with an uninterrupted run.
+  with an uninterrupted run;
+- slow_clients: slowloris: as many connections as the server has slots send their headers and half a body (more
+  send half their headers, or nothing), each trickling a byte every 0.5 s, while ordinary requests come: their
+  statuses and latencies, how and when the server closed the slow connections, and /metrics after;
+- oversized: the largest work one request may ask for: the longest /tokenize input the server accepts (its time,
+  the answer's size, the server's RSS and /health's latency meanwhile), and 16 stop strings of the longest
+  accepted length against none (a request alone, and half of a batch).
 
 `--quick` is the reduced form; tests/reliability/test_reliability.py runs these same functions in CI.
 Writes bench/results/reliability.json (or --out) and prints a summary table.
@@ -44,11 +50,13 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -105,16 +113,25 @@ class Sizes:
     fault_bad: int
     training_kills: int
     training_iters: int
+    slow_batch: int  # the slow-clients server's capacity: batch + waiting
+    slow_waiting: int
+    slow_connections: int  # connections sending headers and half a body (a quarter more send half their headers)
+    slow_requests: int  # ordinary requests meanwhile
+    slow_timeout: float  # the server's header and body timeout (0: its defaults)
+    stop_new_tokens: int
+    stop_batch: int
 
 
 FULL = Sizes(fuzz_examples=150, load_requests=2000, load_clients=64, load_warmup=200, overload_batch=8,
              overload_waiting=8, overload_factor=10, overload_new_tokens=96, overload_rounds=3,
              disconnect_streams=200, disconnect_wave=36, shutdown_streams=32, drain_timeout=5.0, fault_good=24,
-             fault_bad=8, training_kills=5, training_iters=300)
+             fault_bad=8, training_kills=5, training_iters=300, slow_batch=16, slow_waiting=64, slow_connections=80,
+             slow_requests=64, slow_timeout=3.0, stop_new_tokens=256, stop_batch=16)
 QUICK = Sizes(fuzz_examples=25, load_requests=200, load_clients=16, load_warmup=40, overload_batch=2,
               overload_waiting=2, overload_factor=10, overload_new_tokens=128, overload_rounds=1,
               disconnect_streams=30, disconnect_wave=15, shutdown_streams=8, drain_timeout=3.0, fault_good=8,
-              fault_bad=4, training_kills=2, training_iters=80)
+              fault_bad=4, training_kills=2, training_iters=80, slow_batch=2, slow_waiting=2, slow_connections=8,
+              slow_requests=8, slow_timeout=1.0, stop_new_tokens=64, stop_batch=4)
 
 
 class Problems(list):
@@ -141,12 +158,12 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set size of a process, from /proc (Linux)."""
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size of a process, from /proc (Linux); `field="VmHWM"` for its peak so far."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 @contextlib.contextmanager
@@ -1178,6 +1195,7 @@ def damaged_checkpoints(checkpoint: Path, workdir: Path) -> list[tuple[str, Path
     """Copies of `checkpoint`, each damaged one way: (name, directory, what the error line must say)."""
     import torch
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     out = []
 
@@ -1225,9 +1243,25 @@ def damaged_checkpoints(checkpoint: Path, workdir: Path) -> list[tuple[str, Path
     (d / "config.json").write_text(json.dumps(meta))
     out.append(("missing tensors (config has one more layer)", d, "does not match the model config"))
 
-    d = copy("pickle renamed")
+    for field, value in (("n_layer", 100_000), ("n_embd", 10**9)):  # refused before anything is built
+        d = copy(f"config {field} {value}")
+        meta = json.loads((d / "config.json").read_text())
+        meta["model"].update({field: value, "n_head": 1})
+        (d / "config.json").write_text(json.dumps(meta))
+        out.append((f"config.json with {field} {value}", d, "parameters"))
+
+    d = copy("non-finite weights")
     with safe_open(weights, framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}
+    diverged = state["transformer.h.0.mlp.c_fc.weight"].clone()
+    diverged[3, 5] = float("nan")
+    save_file({**state, "transformer.h.0.mlp.c_fc.weight": diverged}, d / "model.safetensors")
+    meta = json.loads((d / "config.json").read_text())
+    meta["weights_sha256"] = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()  # as a diverged run
+    (d / "config.json").write_text(json.dumps(meta))
+    out.append(("a NaN among the weights", d, "NaN or infinite"))
+
+    d = copy("pickle renamed")
     torch.save(state, d / "model.safetensors")
     out.append(("pickle renamed to .safetensors", d, "pickle renamed to .safetensors"))
     return out
@@ -1367,7 +1401,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
         step = read_config(resume_from)["training"]["steps"] if resume_from else 0
         if resume_from is None:
             fresh_starts += 1
-            argv = [*base_argv, "--out", str(run)]
+            argv = [*base_argv, "--out", str(run), "--overwrite"]  # what an attempt killed early left goes
         else:
             argv = ["--resume", "--out", str(run)]
         launched = time.perf_counter()
@@ -1441,7 +1475,7 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
                          f"val loss {run_t['val_loss']} vs {ref_t['val_loss']})")
         if not best_same:
             problems.add("the best-validation checkpoint differs from the reference's")
-        if not rows_same and fresh_starts == 1:  # a fresh start appends to the killed attempt's metrics.jsonl
+        if not rows_same:
             problems.add("metrics.jsonl differs from the reference's")
     else:
         problems.add("the killed run has no checkpoint at the end")
@@ -1449,9 +1483,230 @@ def training(workdir: Path, kills: int, max_iters: int, seed: int, targeted: boo
     return result
 
 
+# -- slow clients ---------------------------------------------------------------------------------------------
+
+
+async def _slow_connection(port: int, data: bytes, trickle: bytes, t0: float, out: dict[str, Any]) -> None:
+    """Send `data`, then one byte of `trickle` every 0.5 s (a slowloris keeps its connection busy) until the server
+    closes the connection (or the task is cancelled): in `out`, what the server answered and when it closed."""
+    out.update(answer=b"", closed_after=None)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+
+    async def trickle_bytes() -> None:
+        for i in range(len(trickle)):
+            await asyncio.sleep(0.5)
+            writer.write(trickle[i : i + 1])
+
+    trickling = asyncio.ensure_future(trickle_bytes())
+    try:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(65536):
+                out["answer"] += chunk
+        out["closed_after"] = time.perf_counter() - t0
+    finally:
+        trickling.cancel()
+        writer.close()
+
+
+def slow_clients(checkpoint: Path, workdir: Path, batch: int, waiting: int, connections: int, requests: int,
+                 timeout: float) -> dict[str, Any]:
+    """Slowloris against a server of capacity `batch + waiting`: `connections` connections send their headers and
+    half a JSON body, `connections // 4` half their headers, `connections // 8` nothing; then each trickles the
+    rest, a byte every 0.5 s. Meanwhile `requests` ordinary requests from up to 8 clients (never more than the
+    capacity): their statuses and latencies. Then how and when the server closed the slow connections (`timeout`
+    > 0 starts the server with that header and body timeout; 0 leaves the server's defaults, for a server without
+    those options), and what /metrics shows after."""
+    problems = Problems()
+    args = ["--max-batch-size", str(batch), "--max-waiting", str(waiting), "--window-shift", "8"]
+    if timeout > 0:
+        args += ["--header-timeout", str(timeout), "--body-timeout", str(timeout)]
+    body = json.dumps({"inputs": "ROMEO:", "parameters": {"max_new_tokens": 16}}).encode()
+    head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    kinds = {"half body": (head + body[: len(body) // 2], body[len(body) // 2 :], connections),
+             "half headers": (head[: len(head) // 2], head[len(head) // 2 :], connections // 4),
+             "headers from the first byte": (b"", head, connections // 8)}
+    window = 2 * timeout + 3 if timeout > 0 else 6.0  # how long the slow connections are watched
+    clients = min(8, batch + waiting)  # ordinary clients: never more than the capacity, so none needs a 429
+
+    async def attack(base: str) -> tuple[dict[str, list[dict[str, Any]]], list[tuple[int, float]], dict[str, Any]]:
+        port = int(base.rsplit(":", 1)[1])
+        t0 = time.perf_counter()
+        results: dict[str, list[dict[str, Any]]] = {kind: [{} for _ in range(n)] for kind, (_, _, n) in kinds.items()}
+        tasks = {kind: [asyncio.ensure_future(_slow_connection(port, data, trickle, t0, out)) for out in results[kind]]
+                 for kind, (data, trickle, _) in kinds.items()}
+        await asyncio.sleep(0.2)  # the server has read what they sent
+        answers: list[tuple[int, float]] = []
+        during: dict[str, Any] = {}
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            async def one(i: int) -> None:
+                t = time.perf_counter()
+                r = await client.post("/generate", json={"inputs": "ROMEO:", "parameters": {
+                    "max_new_tokens": 16, "do_sample": True, "seed": i}})
+                answers.append((r.status_code, time.perf_counter() - t))
+                if r.status_code == 200 and len(r.json()["generated_text"]) != 16:
+                    problems.add(f"an ordinary request generated {len(r.json()['generated_text'])} tokens, not 16")
+
+            async def client_loop(k: int) -> None:
+                for i in range(k, requests, clients):
+                    await one(i)
+
+            await asyncio.gather(*(client_loop(k) for k in range(clients)))
+            during["health"] = (await client.get("/health")).status_code
+            text = (await client.get("/metrics")).text
+            during["running"] = metric(text, "folio_running_batch_size")
+            during["still_open"] = sum(not t.done() for ts in tasks.values() for t in ts)
+        every = [t for ts in tasks.values() for t in ts]
+        await asyncio.wait(every, timeout=max(0.0, window - (time.perf_counter() - t0)))
+        for t in every:  # still open at the end of the window: closed from this side
+            t.cancel()
+        await asyncio.gather(*every, return_exceptions=True)
+        return results, answers, during
+
+    with serve(checkpoint, workdir / "slow.log", *args) as (base, _):
+        results, answers, during = asyncio.run(attack(base))
+        time.sleep(0.5)  # the client side has closed whatever the server had not
+        text = scrape(base)
+        after = {"running": metric(text, "folio_running_batch_size"), "queue": metric(text, "folio_queue_depth")}
+        with contextlib.suppress(AssertionError):  # only where the server exports them
+            after["reserved"] = metric(text, "folio_reserved_slots")
+        after["ordinary_request"] = httpx.post(f"{base}/generate", json={"inputs": "ROMEO:"}, timeout=60).status_code
+    statuses = Counter(str(s) for s, _ in answers)
+    latencies = [lat for _, lat in answers]
+    if statuses != Counter({"200": requests}):
+        problems.add(f"ordinary requests during the attack got {dict(statuses)}, not {requests} x 200")
+    closed: dict[str, dict[str, Any]] = {}
+    for kind, outs in results.items():
+        times = [o["closed_after"] for o in outs if o["closed_after"] is not None]
+        answered = Counter(o["answer"].split(b" ", 2)[1].decode() if o["answer"] else "nothing" for o in outs
+                           if o["closed_after"] is not None)
+        closed[kind] = {"connections": len(outs), "closed_by_server": len(times), "answers": dict(answered),
+                        "closed_after_p50_s": round(pct(times, 0.5), 2) if times else None,
+                        "closed_after_max_s": round(max(times), 2) if times else None}
+        if len(times) < len(outs):
+            problems.add(f"{len(outs) - len(times)} of {len(outs)} '{kind}' connections still open after {window} s")
+    if after["running"] or after["queue"] or after.get("reserved"):
+        problems.add(f"after the attack /metrics shows {after}")
+    if after["ordinary_request"] != 200:
+        problems.add(f"an ordinary request after the attack got {after['ordinary_request']}")
+    return {"capacity": batch + waiting, "slow_connections": sum(len(o) for o in results.values()),
+            "timeout_s": timeout or "server default", "ordinary_requests": requests,
+            "ordinary_statuses": dict(statuses), "ordinary_latency_p50_ms": ms(pct(latencies, 0.5)),
+            "ordinary_latency_max_ms": ms(max(latencies, default=None)), "during": during, "closed": closed,
+            "after": after, "problems": problems, "problem_count": problems.count}
+
+
+# -- oversized work -------------------------------------------------------------------------------------------
+
+
+async def _timed_with_health(base: str, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float, list[float]]:
+    """POST `body` while /health is polled every 10 ms on another connection: the response, its time, and the
+    latency of each /health answer that came while it ran."""
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client, \
+            httpx.AsyncClient(base_url=base, timeout=600) as prober:
+        await prober.get("/health")
+        health: list[float] = []
+        done = asyncio.Event()
+
+        async def probe() -> None:
+            while not done.is_set():
+                t = time.perf_counter()
+                await prober.get("/health")
+                if not done.is_set():
+                    health.append(time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+
+        probing = asyncio.ensure_future(probe())
+        t0 = time.perf_counter()
+        r = await client.post(path, json=body)
+        elapsed = time.perf_counter() - t0
+        done.set()
+        await probing
+    return r, elapsed, health
+
+
+def _stop_strings(length: int) -> list[str]:
+    """16 stop strings of `length` characters that greedy output will not contain (they alternate two characters
+    and end in a third)."""
+    return [("ab" * length)[: length - 1] + PRINTABLE[i] for i in range(16)]
+
+
+def oversized(base: str, pid: int, new_tokens: int, batch: int) -> dict[str, Any]:
+    """The largest work one request may ask for. /tokenize: the longest input the server accepts (a body's worth,
+    or its --max-tokenize-chars), its time, the answer's size, the server's RSS before and after and its peak, and
+    /health's latency meanwhile. Stop strings: a greedy request of `new_tokens` tokens with 16 stop strings of the
+    longest length the server accepts (from 4096 characters, halved while it answers 422) against the same request
+    without them; then `batch` such requests at once, half with the stop strings, against `batch` without."""
+    problems = Problems()
+
+    def text(chars: int) -> str:
+        line = "To be, or not to be: that is the question. "  # nothing JSON escapes: a character is a byte
+        return (line * (chars // len(line) + 1))[:chars]
+
+    rss_before, peak_before = rss_kib(pid), rss_kib(pid, "VmHWM")
+    chars = 2 * MB - 64  # a body's worth (--max-body-bytes 2 MiB on the main server)
+    r, elapsed, health = asyncio.run(_timed_with_health(base, "/tokenize", {"inputs": text(chars)}))
+    over = None
+    if r.status_code == 422 and (m := re.search(r"at most (\d+) characters", r.text)):
+        over = {"chars": chars, "status": r.status_code, "seconds": round(elapsed, 3), "answer_bytes": len(r.content)}
+        chars = int(m.group(1))
+        r, elapsed, health = asyncio.run(_timed_with_health(base, "/tokenize", {"inputs": text(chars)}))
+    if r.status_code != 200 or len(r.json()) != chars:
+        problems.add(f"the largest /tokenize ({chars} characters) got {r.status_code}: {r.text[:200]}")
+    tokenize = {"chars": chars, "status": r.status_code, "seconds": round(elapsed, 3),
+                "answer_mb": round(len(r.content) / MB, 2), "rss_before_mb": round(rss_before / 1024),
+                "rss_after_mb": round(rss_kib(pid) / 1024), "peak_rss_before_mb": round(peak_before / 1024),
+                "peak_rss_after_mb": round(rss_kib(pid, "VmHWM") / 1024), "health_answers_during": len(health),
+                "health_latency_p50_ms": ms(pct(health, 0.5)), "health_latency_max_ms": ms(max(health, default=None)),
+                "over_the_limit": over}
+    if not health and elapsed > 0.1:  # polled every 10 ms: the event loop was held for the whole request
+        problems.add(f"/health did not answer during a {elapsed:.2f} s /tokenize")
+
+    def request(stops: list[str]) -> dict[str, Any]:
+        return {"inputs": "ROMEO:", "parameters": {"max_new_tokens": new_tokens, "details": True, "stop": stops}}
+
+    length = 4096
+    while length > 1:
+        r = httpx.post(f"{base}/generate", json=request(_stop_strings(length)), timeout=600)
+        if r.status_code != 422:
+            break
+        length //= 2
+
+    async def run(bodies: list[dict[str, Any]]) -> tuple[float, list[float]]:
+        async with httpx.AsyncClient(base_url=base, timeout=600,
+                                     limits=httpx.Limits(max_connections=len(bodies))) as client:
+            async def one(b: dict[str, Any]) -> float:
+                t = time.perf_counter()
+                r = await client.post("/generate", json=b)
+                if r.status_code != 200 or r.json()["details"]["finish_reason"] != "length":
+                    problems.add(f"a stop-string request got {r.status_code}: {r.text[:200]}")
+                return time.perf_counter() - t
+
+            t0 = time.perf_counter()
+            times = await asyncio.gather(*(one(b) for b in bodies))
+            return time.perf_counter() - t0, list(times)
+
+    alone = {label: statistics.median(asyncio.run(run([request(stops)]))[0] for _ in range(3))
+             for label, stops in (("without", []), ("with", _stop_strings(length)))}
+    plain_wall, _ = asyncio.run(run([request([])] * batch))
+    mixed_wall, mixed_times = asyncio.run(run([request([])] * (batch // 2) + [request(_stop_strings(length))]
+                                              * (batch - batch // 2)))
+    stops = {"stop_strings": 16, "stop_length": length, "new_tokens": new_tokens,
+             "alone_without_s": round(alone["without"], 3), "alone_with_s": round(alone["with"], 3),
+             "alone_ratio": round(alone["with"] / alone["without"], 2), "batch": batch,
+             "batch_plain_tokens_per_s": round(batch * new_tokens / plain_wall, 1),
+             "batch_half_with_stops_tokens_per_s": round(batch * new_tokens / mixed_wall, 1),
+             "batch_throughput_ratio": round(plain_wall / mixed_wall, 3),
+             "plain_requests_in_the_mixed_batch_max_s": round(max(mixed_times[: batch // 2]), 3),
+             "plain_batch_s": round(plain_wall, 3)}
+    return {"tokenize": tokenize, "stop_strings": stops, "problems": problems, "problem_count": problems.count}
+
+
 # -- the whole suite ------------------------------------------------------------------------------------------
 
-SECTIONS = ("fuzz", "bad_inputs", "load", "overload", "disconnects", "shutdown", "faults", "checkpoints", "training")
+SECTIONS = ("fuzz", "bad_inputs", "load", "overload", "disconnects", "shutdown", "faults", "checkpoints", "training",
+            "slow_clients", "oversized")
 
 
 def run_all(sizes: Sizes, workdir: Path, seed: int, only: tuple[str, ...] = SECTIONS,
@@ -1473,10 +1728,12 @@ def run_all(sizes: Sizes, workdir: Path, seed: int, only: tuple[str, ...] = SECT
         if report:
             report(name, out)
 
-    needs_main = {"fuzz", "bad_inputs", "load", "disconnects", "faults"} & set(only)
+    needs_main = {"fuzz", "bad_inputs", "load", "disconnects", "faults", "oversized"} & set(only)
     with contextlib.ExitStack() as stack:
         if needs_main:
             base, proc = stack.enter_context(serve(ck, workdir / "main.log", *MAIN_ARGS))
+            # first: its memory figures are of a server that has done nothing else
+            timed("oversized", lambda: oversized(base, proc.pid, sizes.stop_new_tokens, sizes.stop_batch))
             timed("fuzz", lambda: fuzz(base, sizes.fuzz_examples, seed))
             timed("bad_inputs", lambda: bad_inputs(base))
             timed("load", lambda: load(base, proc.pid, sizes.load_requests, sizes.load_clients, sizes.load_warmup,
@@ -1486,6 +1743,8 @@ def run_all(sizes: Sizes, workdir: Path, seed: int, only: tuple[str, ...] = SECT
     timed("overload", lambda: overload(ck, workdir, sizes.overload_batch, sizes.overload_waiting,
                                        sizes.overload_factor, sizes.overload_new_tokens, sizes.overload_rounds))
     timed("shutdown", lambda: shutdown(ck, workdir, sizes.shutdown_streams, sizes.drain_timeout, seed))
+    timed("slow_clients", lambda: slow_clients(ck, workdir, sizes.slow_batch, sizes.slow_waiting,
+                                               sizes.slow_connections, sizes.slow_requests, sizes.slow_timeout))
     timed("checkpoints", lambda: checkpoints(ck, workdir))
     timed("training", lambda: training(workdir, sizes.training_kills, sizes.training_iters, seed))
     return results
@@ -1506,6 +1765,14 @@ HEADLINES = {
     "faults": lambda r: f"{r['faulty_failed_alone']}/{r['faulty']} faulty failed alone, "
                         f"{r['good_matching_reference']}/{r['good']} good intact",
     "checkpoints": lambda r: f"{r['refused']}/{len(r['cases'])} refused with exit code 2",
+    "slow_clients": lambda r: f"{r['slow_connections']} slow connections on capacity {r['capacity']}: ordinary "
+                              f"requests {r['ordinary_statuses']}, p50 {r['ordinary_latency_p50_ms']} ms; half bodies "
+                              f"closed {r['closed']['half body']['closed_by_server']}/"
+                              f"{r['closed']['half body']['connections']}",
+    "oversized": lambda r: f"/tokenize {r['tokenize']['chars']} chars {r['tokenize']['seconds']} s, /health max "
+                           f"{r['tokenize']['health_latency_max_ms']} ms, peak RSS "
+                           f"{r['tokenize']['peak_rss_after_mb']} MB; 16 stops x{r['stop_strings']['alone_ratio']} "
+                           f"alone, batch x{r['stop_strings']['batch_throughput_ratio']}",
     "training": lambda r: f"{r['kills']} SIGKILLs, final val loss {r.get('val_loss')} vs "
                           f"{r.get('reference_val_loss')}, bitwise {r.get('final_weights_bitwise_equal')}",
 }

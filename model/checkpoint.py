@@ -16,6 +16,7 @@ forward to it. Before that point the old pair is intact, after it the new one.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model.config import GPTConfig
+from model.config import GPTConfig, machine_memory, si
 from model.files import atomic_path, atomic_write_json, fsync_dir, sha256_file
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, tokenizer_from_config
@@ -126,6 +127,8 @@ def _parse_config(path: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} could not be read: {e.strerror or e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a Folio checkpoint config (expected \"format\": \"{FORMAT}\")")
     if meta.get("format_version") != FORMAT_VERSION:
@@ -166,6 +169,9 @@ def load_checkpoint(
             f"{directory / WEIGHTS_FILE} has sha256 {got}, but {CONFIG_FILE} records {want}: the weights were "
             "corrupted or replaced after the checkpoint was written"
         )
+    for name, t in state.items():  # after the hash: damaged bytes are reported as damage, not as the NaNs they make
+        if name not in TIED_KEYS:
+            _check_finite(directory / WEIGHTS_FILE, name, t)
     with torch.device("meta"):
         model = GPT(config)
     model.load_state_dict(state, assign=True, strict=True)
@@ -179,15 +185,17 @@ def load_checkpoint(
 def load_weights(
     path: Path, config: GPTConfig, *, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """Read `model.safetensors`, checking names, shapes and dtypes against what `config` builds."""
+    """Read `model.safetensors`, checking its size against what `config` implies (before building anything),
+    then names, shapes and dtypes against what `config` builds."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
-    with torch.device("meta"):
-        expected = {k: v for k, v in GPT(config).state_dict().items() if k not in TIED_KEYS}
     state: dict[str, torch.Tensor] = {}
     try:
         with safe_open(path, framework="pt", device=str(device)) as f:
             keys = set(f.keys())
+            _check_size(path, config, {k: f.get_slice(k).get_shape() for k in keys - set(TIED_KEYS)})
+            with torch.device("meta"):
+                expected = {k: v for k, v in GPT(config).state_dict().items() if k not in TIED_KEYS}
             missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected) - set(TIED_KEYS))
             if missing or unexpected:
                 raise CheckpointError(
@@ -214,3 +222,36 @@ def load_weights(
         raise CheckpointError(f"{path} could not be read: {e}") from None
     state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
+
+
+def _check_size(path: Path, config: GPTConfig, shapes: dict[str, list[int]]) -> None:
+    """The config against the weights' header (`shapes`: read without loading a tensor) and this machine's
+    memory, before any module is built even on the meta device: a config claiming 100,000 layers would otherwise
+    take a minute and gigabytes to build before the first tensor is compared. A smaller mismatch (fewer layers,
+    other widths) is left to the comparison tensor by tensor, which names the tensor."""
+    held = sum(math.prod(shape) for shape in shapes.values())
+    layers = len({k.split(".")[2] for k in shapes if k.startswith("transformer.h.")})
+    with open(path, "rb") as f:  # tensor bytes: the file less its 8-byte length and JSON header
+        stored = path.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    sizes = f"{path.name} holds {si(held)} parameters in {layers} layers ({si(stored)}B)"
+    try:
+        config.check_memory(stored / held if held else 4, machine_memory(), "loading it")
+    except ValueError as e:
+        raise CheckpointError(f"{path.parent / CONFIG_FILE}: {e}; {sizes}") from None
+    if config.n_layer > layers:
+        raise CheckpointError(
+            f"{path} does not match the model config: {CONFIG_FILE} describes n_layer {config.n_layer} "
+            f"({si(config.num_params())} parameters), but {sizes}"
+        )
+
+
+def _check_finite(path: Path, name: str, t: torch.Tensor) -> None:
+    """Refuse NaN or infinite weights (a diverged run): they load, then every stream gives NaN logprobs. One sum
+    over the tensor, nothing copied; only a non-finite sum (also a finite tensor whose sum overflows) is looked
+    at element by element."""
+    if torch.isfinite(t.sum()) or not (bad := int((~torch.isfinite(t)).sum())):
+        return
+    raise CheckpointError(
+        f"{path}: tensor {name} holds {bad} NaN or infinite value(s) of {t.numel()}: these weights cannot "
+        "generate (a training run that diverged?); retrain, or serve an earlier checkpoint"
+    )

@@ -1,8 +1,11 @@
-"""The model's shape: nanoGPT's `GPTConfig`, field for field, so configs map one to one."""
+"""The model's shape: nanoGPT's `GPTConfig`, field for field, so configs map one to one; and what a shape costs
+against this machine's memory, checked before anything is built."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -64,3 +67,43 @@ class GPTConfig:
         if non_embedding:
             n -= self.block_size * d
         return n
+
+    def summary(self) -> str:
+        return (f"n_layer {self.n_layer}, n_embd {self.n_embd}, vocab_size {self.vocab_size}, "
+                f"block_size {self.block_size}")
+
+    def check_memory(self, bytes_per_param: float, memory: int, purpose: str, extra_bytes: float = 0) -> None:
+        """A ValueError saying so when `purpose` (loading, training) needs more than `memory` bytes: `bytes_per_param`
+        bytes per parameter plus `extra_bytes`; O(1), so it can come before anything is built."""
+        n = self.num_params()
+        need = n * bytes_per_param + extra_bytes
+        if need > memory:
+            raise ValueError(f"the model ({self.summary()}) has {si(n)} parameters: {purpose} needs at least "
+                             f"{si(need)}B, more than this machine's {si(memory)}B of memory")
+
+
+def si(n: float) -> str:
+    """1234567 -> '1.23M': counts and byte sizes in messages (beyond the T range, 7.2e+19)."""
+    if abs(n) >= 1e15:
+        return f"{n:.2g}"
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.3g}{prefix}"
+    return f"{n:.3g}"
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's physical memory, or its cgroup's limit where lower
+    (a container started with --memory)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): nothing to compare against
+        return 1 << 62
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            value = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            total = min(total, int(value))
+    return total

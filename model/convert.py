@@ -328,11 +328,6 @@ def _gpt2_bpe(bpe_dir: str | os.PathLike[str] | None) -> BPETokenizer:
         return gpt2_tokenizer(bpe_dir)
     except TokenizerError as e:
         raise ConvertError(f"cannot build GPT-2's BPE tokenizer: {e}") from None
-    except Exception as e:  # no bpe_dir and no network: the download fails
-        raise ConvertError(
-            f"cannot build GPT-2's BPE tokenizer ({type(e).__name__}: {e}); pass --bpe-dir with a folder "
-            "holding vocab.bpe and encoder.json, or set FOLIO_GPT2_BPE_DIR"
-        ) from None
 
 
 def _refuse_same_dir(src: Path, out: Path) -> None:

@@ -5,19 +5,22 @@ Parameter names and layouts are nanoGPT's, so nanoGPT and (transposed) GPT-2 wei
 
 Incremental decoding: a `KVCache` holds keys and values for `batch_size` rows. Cache slot `p` of a row holds
 the token at position `p`, so rows may sit at different positions; a query at position `p` attends to slots
-`0..p` of its own row. Slots above a row's position may hold stale values and are always masked out.
+`0..p` of its own row. Slots above a row's position may hold stale values and are always masked out. Each
+cached forward sees the cache through a `CacheStep`, whose `update` writes a layer's new keys and values and
+returns what its queries attend to.
+
+Everything here is plain torch. The CPU decode kernels enter by swapping modules (`model.kernels.install`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from model import kernels
 from model.config import GPTConfig
 
 
@@ -46,20 +49,61 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
+    def step(self, pos: torch.Tensor, rows: torch.Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+        """One cached forward's place in the cache: new token (b, t) at position `pos[b, t]` (B, T) of cache row
+        `rows[b]` (default: rows 0..B-1); `kv_len` bounds the slots read (default max(pos) + 1)."""
+        return CacheStep(self, pos, rows, kv_len)
 
-@dataclass(frozen=True)
+
 class CacheStep:
-    """What every layer needs for one cached forward, computed once per forward."""
+    """A `KVCache` as one cached forward sees it. Each layer's attention calls `update`; what the layers share
+    (the mask, the tokens' rows and positions) is computed once, on first use."""
 
-    cache: KVCache
-    rows: torch.Tensor | slice  # cache rows of the batch rows
-    row_idx: torch.Tensor  # (B, 1) the same rows as an index
-    pos: torch.Tensor  # (B, T) positions of the new tokens
-    kv_len: int  # cache slots read
-    mask: torch.Tensor | None  # (B, 1, T, kv_len): a query at position p sees slots 0..p of its own row
-    fused: bool  # each block through `kernels.decode_block`, the B * T tokens as rows (no mask needed)
-    token_rows: torch.Tensor | None = None  # fused: (B * T,) each token's cache row
-    token_pos: torch.Tensor | None = None  # fused: (B * T,) each token's position
+    def __init__(self, cache: KVCache, pos: torch.Tensor, rows: torch.Tensor | None, kv_len: int | None) -> None:
+        self.cache, self.pos, self.rows = cache, pos, rows
+        self._kv_len = kv_len
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values for every cache row: (rows, n_head, max_len, head_size) each."""
+        return self.cache.k_layers[i], self.cache.v_layers[i]
+
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer i's new keys and values (B, nh, T, hs) at each token's own position, cache[row, :, pos];
+        return the keys and values its queries attend to, (B, nh, kv_len, hs), through `mask`."""
+        k_cache, v_cache = self.layer(i)
+        k_cache[self._write_rows, :, self.pos] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[self._write_rows, :, self.pos] = v.transpose(1, 2).to(v_cache.dtype)
+        # rows 0..B-1 in order read as a slice: a view, not a gather
+        read = slice(0, self.pos.shape[0]) if self.rows is None else self.rows
+        return k_cache[read, :, : self.kv_len], v_cache[read, :, : self.kv_len]
+
+    @cached_property
+    def kv_len(self) -> int:
+        """Cache slots read (reading max(pos) waits for the device: the caller may pass it)."""
+        return int(self.pos.max()) + 1 if self._kv_len is None else self._kv_len
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, kv_len): a query at position p sees slots 0..p of its own row."""
+        return torch.arange(self.kv_len, device=self.pos.device) <= self.pos[:, None, :, None]
+
+    @cached_property
+    def token_rows(self) -> torch.Tensor:
+        """(B * T,) each new token's cache row, the tokens of all rows as one list."""
+        return self._row_index.repeat_interleave(self.pos.shape[1])
+
+    @cached_property
+    def token_pos(self) -> torch.Tensor:
+        """(B * T,) each new token's position, in `token_rows`' order."""
+        return self.pos.reshape(-1)
+
+    @cached_property
+    def _row_index(self) -> torch.Tensor:
+        return torch.arange(self.pos.shape[0], device=self.pos.device) if self.rows is None else self.rows
+
+    @cached_property
+    def _write_rows(self) -> torch.Tensor:
+        return self._row_index[:, None]
 
 
 class LayerNorm(nn.Module):
@@ -74,14 +118,6 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters), computed by `kernels.linear`: at inference on CPU a few rows go through a
-    kernel that reads the weights at memory bandwidth; everything else is `F.linear`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -89,28 +125,23 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.n_embd = config.n_embd
         self.dropout = config.dropout
-        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         dropout_p = self.dropout if self.training else 0.0
-        if step is None:
+        if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
-            k_cache, v_cache = step.cache.k[self.layer], step.cache.v[self.layer]
-            # write this step's keys/values at each token's own position: cache[b, :, pos[b, t]]
-            k_cache[step.row_idx, :, step.pos] = k.transpose(1, 2).to(k_cache.dtype)
-            v_cache[step.row_idx, :, step.pos] = v.transpose(1, 2).to(v_cache.dtype)
-            keys = k_cache[step.rows, :, : step.kv_len]  # (B, nh, kv_len, hs)
-            values = v_cache[step.rows, :, : step.kv_len]
+            keys, values = cache.update(self.layer, k, v)  # (B, nh, kv_len, hs)
             y = F.scaled_dot_product_attention(
-                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=step.mask, dropout_p=dropout_p
+                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask, dropout_p=dropout_p
             )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
@@ -119,9 +150,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's gelu_new
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,14 +167,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, step: CacheStep | None) -> torch.Tensor:
-        if step is not None and step.fused:  # the same maths in one kernel call (model/kernels.py)
-            B, T, C = x.size()
-            cache, layer = step.cache, self.attn.layer
-            y = kernels.decode_block(x.reshape(B * T, C), self, cache.k_layers[layer], cache.v_layers[layer],
-                                     step.token_rows, step.token_pos, self.attn.n_head)
-            return y.view(B, T, C)
-        x = x + self.attn(self.ln_1(x), step)
+    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -160,7 +185,7 @@ class GPT(nn.Module):
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
         )
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         if self.transformer.wte.weight.device.type != "meta":
             self.apply(self._init_weights)
@@ -211,28 +236,10 @@ class GPT(nn.Module):
             pos = torch.arange(T, device=idx.device).expand(B, T)
         elif pos.shape != idx.shape:
             raise ValueError(f"pos shape {tuple(pos.shape)} must equal idx shape {tuple(idx.shape)}")
-        step = None
-        if kv_cache is not None:
-            kv_len = int(pos.max()) + 1 if kv_len is None else kv_len
-            row_idx = torch.arange(B, device=idx.device) if rows is None else rows
-            # decode steps and short prompt chunks go through the fused blocks, every token a row of the kernels;
-            # longer chunks through torch's SDPA (its attention is faster for many queries at once)
-            fused = B * T <= kernels.FUSED_MAX_TOKENS and not self.training and kernels.decode_block_applies(
-                self.lm_head.weight, kv_cache.k, self.config.head_size)
-            step = CacheStep(
-                cache=kv_cache,
-                rows=slice(0, B) if rows is None else rows,
-                row_idx=row_idx[:, None],
-                pos=pos,
-                kv_len=kv_len,
-                mask=None if fused else torch.arange(kv_len, device=idx.device) <= pos[:, None, :, None],
-                fused=fused,
-                token_rows=row_idx.repeat_interleave(T) if fused else None,
-                token_pos=pos.reshape(-1) if fused else None,
-            )
+        cache = None if kv_cache is None else kv_cache.step(pos, rows, kv_len)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x, step)
+            x = block(x, cache)
         if last_only:
             x = x[:, -1:, :]
         elif take is not None:

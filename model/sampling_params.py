@@ -5,11 +5,36 @@ range and the value)."""
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field, replace
+
+from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 MAX_TOP_N = 20  # alternatives reported per token
+PREVIEW_CHARS = 80
+# a bounded repr: the ends of a long string or number, the first items of a container
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = _REPR.maxfrozenset = 4
+_REPR.maxstring = _REPR.maxlong = _REPR.maxother = PREVIEW_CHARS
+
+
+def preview(value: object) -> str:
+    """`repr(value)` cut short for an error message: at most about PREVIEW_CHARS characters, with the value's size
+    when it was cut, whatever its size (a 5 MB string or a million-item list costs no more than a short one).
+    Like repr, it escapes what JSON could not carry as is (a lone surrogate)."""
+    shown = _REPR.repr(value)
+    if len(shown) > PREVIEW_CHARS:
+        shown = shown[: PREVIEW_CHARS - 3] + "..."
+    if isinstance(value, str) and (len(value) > PREVIEW_CHARS or shown != repr(value)):
+        shown += f" ({len(value)} characters)"
+    elif isinstance(value, list | tuple | dict) and len(value) > 4:
+        shown += f" ({len(value)} items)"
+    elif isinstance(value, int) and "..." in shown:
+        shown += f" ({len(str(abs(value)))} digits)"
+    return shown
 
 
 class ValidationError(ValueError):
@@ -20,6 +45,19 @@ class ValidationError(ValueError):
         self.field = field
         self.message = message
 
+
+def check_stop_strings(stop: object) -> None:
+    """Stop strings: a list of at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS characters."""
+    if not isinstance(stop, tuple | list) or any(not isinstance(s, str) for s in stop):
+        raise ValidationError("stop", f"must be a list of strings, got {preview(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValidationError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    for s in stop:
+        if not s:
+            raise ValidationError("stop", "stop strings must be non-empty, got an empty string ('')")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValidationError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
+                                          f"{len(s)}: {preview(s)}")
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -69,13 +107,8 @@ class SamplingParams:
         _int("top_n_tokens", self.top_n_tokens, 0, MAX_TOP_N)
         for name in ("do_sample", "greedy", "stop_at_eos"):
             if not isinstance(getattr(self, name), bool):
-                raise ValidationError(name, f"must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) for s in self.stop):
-            raise ValidationError("stop", f"must be a list of strings, got {self.stop!r}")
-        if any(s == "" for s in self.stop):
-            raise ValidationError("stop", "stop strings must be non-empty, got an empty string")
-        if len(self.stop) > 16:
-            raise ValidationError("stop", f"at most 16 stop strings are allowed, got {len(self.stop)}")
+                raise ValidationError(name, f"must be true or false, got {preview(getattr(self, name))}")
+        check_stop_strings(self.stop)
 
     def _check_logit_bias(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -84,7 +117,7 @@ class SamplingParams:
             raise ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for entry in self.logit_bias:
             if not (isinstance(entry, tuple) and len(entry) == 2):
-                raise ValidationError("logit_bias", f"must map token ids to numbers, got {entry!r:.80}")
+                raise ValidationError("logit_bias", f"must map token ids to numbers, got {preview(entry)}")
             _int("logit_bias", entry[0], 0, 2**31 - 1)
             _float("logit_bias", entry[1], -100.0, 100.0)
 
@@ -116,7 +149,7 @@ class SamplingParams:
 
 def _int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValidationError(name, f"must be an integer in [{lo}, {hi}], got {value!r}")
+        raise ValidationError(name, f"must be an integer in [{lo}, {hi}], got {preview(value)}")
 
 
 def _float(name: str, value: object, lo: float, hi: float, low_open: bool = False) -> None:
@@ -124,4 +157,4 @@ def _float(name: str, value: object, lo: float, hi: float, low_open: bool = Fals
     ok = ok and (lo < value if low_open else lo <= value) and value <= hi  # type: ignore[operator]
     if not ok:
         lb = "(" if low_open else "["
-        raise ValidationError(name, f"must be a number in {lb}{lo}, {hi}], got {value!r}")
+        raise ValidationError(name, f"must be a number in {lb}{lo}, {hi}], got {preview(value)}")

@@ -196,12 +196,20 @@ def gpt2_tokenizer(bpe_dir: str | os.PathLike[str] | None = None) -> BPETokenize
             if got != want:
                 raise TokenizerError(f"{f} has sha256 {got}, expected GPT-2's {want}")
         vocab, encoder = str(vocab), str(encoder)
-    ranks = data_gym_to_mergeable_bpe_ranks(
-        vocab_bpe_file=vocab,
-        encoder_json_file=encoder,
-        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
-        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
-    )
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            vocab_bpe_file=vocab,
+            encoder_json_file=encoder,
+            vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+            encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+        )
+    except Exception as e:  # without bpe_dir: the download failed (offline, a proxy, a changed file)
+        if bpe_dir is not None:
+            raise
+        raise TokenizerError(
+            f"cannot download GPT-2's BPE files from {GPT2_PUBLIC_URL} ({type(e).__name__}); offline, pass --bpe-dir "
+            "with a folder holding vocab.bpe and encoder.json, or set FOLIO_GPT2_BPE_DIR"
+        ) from None
     return BPETokenizer(ranks)
 
 

@@ -6,7 +6,8 @@ Every `TrainConfig` field is a flag in kebab case (`--max-iters 2000`); values c
 `--config` file (JSON or TOML), then flags. `--resume` continues a run exactly (step, optimizer, RNG,
 schedule) from `OUT/last/`. The best-validation model is written to `OUT/` itself (what the server loads);
 `OUT/last/` holds the latest periodic checkpoint plus `resume.pt`. Metrics go to `OUT/metrics.jsonl` and the
-loss curve to `OUT/loss.png`.
+loss curve to `OUT/loss.png` (redrawn at every evaluation). A run never starts over another one in `OUT`:
+`--resume` continues it, `--overwrite` deletes it first (the tokenized text in `OUT/data/` is kept).
 
 Distributed data parallel: `torchrun --nproc_per_node=N -m model.train ...` runs N processes (gloo on CPU,
 NCCL on CUDA, one GPU per process: `cuda:LOCAL_RANK`). `--gradient-accumulation-steps` stays the global
@@ -37,13 +38,32 @@ import torch
 from torch.nn import functional as F
 
 from model import distributed
-from model.checkpoint import CheckpointError, load_checkpoint, read_config, save_checkpoint
-from model.config import GPTConfig
+from model.checkpoint import (
+    CONFIG_FILE,
+    NEXT_CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    atomic_path,
+    load_checkpoint,
+    read_config,
+    save_checkpoint,
+)
+from model.cli import ArgumentParser, check_threads
+from model.config import GPTConfig, machine_memory
 from model.data import DataError, Dataset, get_batch, prepare
+from model.devices import resolve_device
 from model.distributed import DistEnv, DistributedError, dist_env
 from model.gpt import GPT
+from model.tokenizer import BPE_FILE
 
 RESUME_FILE = "resume.pt"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+# what a run leaves in OUT; OUT/data/ (the tokenized text, reused by any run on the same text) is not the run's
+RUN_FILES = (CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, BPE_FILE, METRICS_FILE, PLOT_FILE, "last", "last.old",
+             "last.tmp")
+# training memory per parameter: float32 weights, gradients and AdamW's two moments
+TRAIN_BYTES_PER_PARAM = 16
 
 
 @dataclass
@@ -79,6 +99,7 @@ class TrainConfig:
     checkpoint_interval: int = 0  # 0: eval_interval
     log_interval: int = 10
     stop_after: int = 0  # stop after this many iterations in this process (time-boxing); 0: run to max_iters
+    overwrite: bool = False  # delete a run already in --out and start afresh (without it, such a run is refused)
     # system
     device: str = "auto"  # auto, cpu, cuda, cuda:N, mps
     compile: bool = False
@@ -122,7 +143,7 @@ class TrainError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m model.train",
         description="Train a GPT on a text file and write a Folio checkpoint.",
         argument_default=argparse.SUPPRESS,
@@ -182,7 +203,8 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
             saved = read_config(last)["training"]["train_config"]
         except (CheckpointError, KeyError) as e:
             raise TrainError(f"cannot resume from {last}: {e}") from None
-        values.update(saved, stop_after=0)  # a time box applies to the run that set it, not to resumes
+        # a time box applies to the run that set it, not to resumes; so does deleting the run before it
+        values.update(saved, stop_after=0, overwrite=False)
     else:
         preset = args.get("preset") or (config_file and _load_config_file(config_file).get("preset"))
         if preset:
@@ -195,7 +217,7 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
     return TrainConfig(**values), resume
 
 
-def check_config(cfg: TrainConfig) -> None:
+def check_config(cfg: TrainConfig, resume: bool = False) -> None:
     if not cfg.data:
         raise TrainError("--data is required: the text file to train on")
     if not cfg.out:
@@ -208,9 +230,23 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"--n-embd ({cfg.n_embd}) must be divisible by --n-head ({cfg.n_head})")
     if not 0 <= cfg.dropout < 1:
         raise TrainError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    for f in fields(TrainConfig):
+        if f.type == "float" and not math.isfinite(getattr(cfg, f.name)):
+            raise TrainError(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
     if cfg.learning_rate <= 0 or cfg.min_lr < 0:
         raise TrainError("--learning-rate must be > 0 and --min-lr >= 0")
+    try:
+        check_threads(cfg.threads)
+    except ValueError as e:
+        raise TrainError(f"--threads {e}") from None
     out = Path(cfg.out)
+    if resume and cfg.overwrite:
+        raise TrainError("--resume continues the run in --out and --overwrite deletes it: pass one of them")
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not (resume or cfg.overwrite):
+        resumable = "continue it with --resume, or " if (out / "last").is_dir() else ""
+        raise TrainError(f"--out {out} already holds a run ({', '.join(found)}): {resumable}delete it and start "
+                         "afresh with --overwrite, or pick another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test-{os.getpid()}"  # per process: torchrun's ranks probe at once
@@ -238,11 +274,10 @@ def check_distributed(cfg: TrainConfig, env: DistEnv) -> None:
 
 def pick_device(name: str, local_rank: int | None = None) -> torch.device:
     """The device to train on; under torchrun (`local_rank` given) CUDA means this rank's own GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TrainError(f"--device {name}: CUDA is not available on this machine")
+    try:
+        dev = resolve_device(name, kinds=("cpu", "cuda", "mps"))
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     if local_rank is not None and dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise TrainError(f"LOCAL_RANK {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
@@ -289,7 +324,7 @@ class Trainer:
     """One training run; `run()` trains to `max_iters` (or `stop_after`), checkpointing as it goes."""
 
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, env: DistEnv | None = None) -> None:
-        check_config(cfg)
+        check_config(cfg, resume)
         try:
             self.dist = env or dist_env()
         except DistributedError as e:
@@ -301,6 +336,8 @@ class Trainer:
         self.device = pick_device(cfg.device, self.dist.local_rank if self.dist.enabled else None)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.overwrite and self.is_main:
+            self._delete_run()
         if self.dist.enabled:
             distributed.init(self.dist, self.device)
         self.ds: Dataset = self._prepare_data()
@@ -312,6 +349,7 @@ class Trainer:
             block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
             n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         )
+        self._check_memory()
         torch.manual_seed(cfg.seed)
         self.model = GPT(self.model_config).to(self.device)
         self.optimizer = configure_optimizer(self.model, cfg, self.device)
@@ -338,6 +376,28 @@ class Trainer:
             self.fwd = DistributedDataParallel(
                 self.eval_fwd, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
+
+    def _delete_run(self) -> None:
+        """--overwrite: the run already in OUT goes, so that its checkpoints and metrics never mix with this one's."""
+        for name in RUN_FILES:
+            path = self.out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _check_memory(self) -> None:
+        """Refuse a run whose weights, gradients, optimizer state and one micro-batch's logits alone (a lower bound)
+        exceed the device's memory, before building anything: a mistyped --n-layer, --n-embd or --batch-size would
+        otherwise fail deep in an allocation, or after minutes spent building layers or drawing the batch."""
+        memory = (torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda"
+                  else machine_memory())
+        b, t, config = self.cfg.batch_size, self.cfg.block_size, self.model_config
+        purpose = f"training it (weights, gradients, AdamW's state and the logits of a {b}x{t} batch, in float32)"
+        try:
+            config.check_memory(TRAIN_BYTES_PER_PARAM, memory, purpose, extra_bytes=b * t * config.vocab_size * 4)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
 
     def _prepare_data(self) -> Dataset:
         """Tokenize the text into `OUT/data/`. Distributed: rank 0 writes the cache first, then the first
@@ -407,7 +467,7 @@ class Trainer:
         """Drop what was logged after the checkpoint at `step`. The training row for `step` was logged
         before that checkpoint and is kept; an evaluation at `step` is dropped, since the resumed loop
         evaluates `step` again (same weights, same eval batches, so the same row comes back)."""
-        path = self.out / "metrics.jsonl"
+        path = self.out / METRICS_FILE
         if path.is_file():
             rows = [ln for ln in path.read_text().splitlines() if ln]
             keep = [ln for ln in rows
@@ -432,7 +492,7 @@ class Trainer:
         }
 
     def _log(self, record: dict[str, Any]) -> None:
-        with open(self.out / "metrics.jsonl", "a") as f:
+        with open(self.out / METRICS_FILE, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     @torch.no_grad()
@@ -530,6 +590,7 @@ class Trainer:
         losses = self.estimate_loss()  # every rank gets the same numbers, so every rank tracks best_val
         if self.is_main:
             self._log({"step": self.step, "train_loss": losses["train"], "val_loss": losses["val"]})
+            plot_metrics(self.out / METRICS_FILE, self.out / PLOT_FILE)
         if losses["val"] < self.best_val:
             self.best_val = losses["val"]
             if self.is_main:
@@ -576,20 +637,21 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
             bar.update(1)
         bar.close()
-        if self.step >= cfg.max_iters:  # the run is complete: final evaluation
+        if self.step >= cfg.max_iters:  # the run is complete: final evaluation (which redraws the loss curve)
             losses = self.evaluate_and_save()
             if self.is_main:
                 print(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
                       file=sys.stderr)
+        elif self.is_main:  # stopped early (--stop-after): the curve up to the last step logged
+            plot_metrics(self.out / METRICS_FILE, self.out / PLOT_FILE)
         self.save_last(losses)
-        if self.is_main:
-            plot_metrics(self.out / "metrics.jsonl", self.out / "loss.png")
         return {"step": self.step, "best_val": self.best_val, "losses": losses, "wall_time_s": self.wall_time,
                 "tokens_seen": self.tokens_seen}
 
 
 def plot_metrics(metrics: Path, png: Path) -> None:
-    """Loss curve: training loss per log interval and evaluated train/val loss, against step."""
+    """Loss curve: training loss per log interval and evaluated train/val loss, against step. Written to a
+    temporary file renamed over `png`, so a viewer never opens half an image."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -611,7 +673,8 @@ def plot_metrics(metrics: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
 
 
@@ -619,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, resume = resolve_config(argv)
         trainer = Trainer(cfg, resume=resume)
-    except (TrainError, DataError, ValueError) as e:
+    except (TrainError, DataError, ValueError, OSError) as e:  # OSError: a file it may not read or write
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = trainer.run()

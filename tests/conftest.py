@@ -1,7 +1,9 @@
-"""Shared test fixtures: repository paths, GPT-2's BPE tokenizer built once, a tiny seeded GPT."""
+"""Shared test fixtures: repository paths, the test data directory, GPT-2's BPE tokenizer built once, a tiny
+seeded GPT."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,14 +14,22 @@ from model.gpt import GPT
 from model.tokenizer import BPETokenizer, gpt2_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-# GPT-2's vocab.bpe + encoder.json live beside the repository, never inside it
-BPE_DIR = REPO.parent / "shared" / "data" / "gpt2-bpe"
+# the data the tests read lives beside the repository, never inside it: gpt2-bpe/{vocab.bpe,encoder.json} and
+# tinyshakespeare/input.txt under ../shared/data, or under the directory FOLIO_TEST_DATA names (README: Tests)
+DATA_DIR = Path(os.environ.get("FOLIO_TEST_DATA") or REPO.parent / "shared" / "data")
+BPE_DIR = DATA_DIR / "gpt2-bpe"
 
 
 @pytest.fixture(scope="session")
 def repo() -> Path:
     """The repository root."""
     return REPO
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The test data directory (FOLIO_TEST_DATA, else ../shared/data); any file in it may be absent."""
+    return DATA_DIR
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +43,7 @@ def gpt2_tok() -> BPETokenizer:
     """GPT-2's BPE from the local files (built once per session; tiktoken never touches the network)."""
     missing = [name for name in ("vocab.bpe", "encoder.json") if not (BPE_DIR / name).is_file()]
     if missing:
-        pytest.skip(f"GPT-2 BPE files {missing} not found in {BPE_DIR}")
+        pytest.skip(f"GPT-2 BPE files {missing} not found in {BPE_DIR} (README: Tests; FOLIO_TEST_DATA)")
     return gpt2_tokenizer(BPE_DIR)
 
 

@@ -28,7 +28,7 @@ from model.engine.runner import ModelRunner
 from model.engine.scheduler import EngineStats, Scheduler
 from model.engine.stream import GenerationStream, Mailbox, Reservation
 from model.inspect import InspectOptions, Inspector
-from model.sampling_params import MAX_SEED, SamplingParams, ValidationError
+from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
 # the reported seed exactly and can send it back
@@ -135,12 +135,20 @@ class Engine:
         self.generate([0] * min(8, self.block_size - 1), SamplingParams(max_new_tokens=4, seed=0))
 
     # -- submission -----------------------------------------------------------------------------------
-    def validate(self, prompt: list[int], truncate: int | None = None) -> list[int]:
+    def validate(self, prompt: list[int], truncate: int | None = None,
+                 params: SamplingParams | None = None) -> list[int]:
         """The prompt the model will see; `ValidationError` (field `prompt` or `truncate`) for an empty or too
-        long prompt or a truncation outside the context."""
+        long prompt or a truncation outside the context, and (field `top_n_tokens` or `prompt_logprobs`) for
+        more alternatives per token than the model's vocabulary holds."""
+        if params is not None:
+            for name in ("top_n_tokens", "prompt_logprobs"):
+                if (n := getattr(params, name)) is not None and n > self.n_vocab:
+                    raise ValidationError(name, f"must be at most the model's vocabulary size, {self.n_vocab}, "
+                                                f"got {n}")
         if truncate is not None:
             if not 1 <= truncate <= self.block_size:
-                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], got {truncate}")
+                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], "
+                                                  f"got {preview(truncate)}")
             prompt = prompt[-truncate:]
         if not prompt:
             raise ValidationError("prompt", "the prompt must hold at least one token, got 0")
@@ -151,6 +159,17 @@ class Engine:
                 f"shorten it or truncate it to at most {self.block_size} tokens",
             )
         return prompt
+
+    @property
+    def reserved(self) -> int:
+        """Slots held by `reserve` for requests not yet submitted (or for work that never is: /tokenize)."""
+        return self.scheduler.reserved
+
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` (counted as a rejection) where `reserve` would, holding nothing: the admission check
+        made before a request's body is read, so that a full server reads no body."""
+        with self._lock:
+            self.scheduler.refuse_if_full()
 
     def reserve(self) -> Reservation:
         """Hold a slot for a request that is about to be parsed, validated and submitted, or raise `Overloaded`
@@ -238,7 +257,7 @@ class Engine:
 
     def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
                  truncate: int | None, reservation: Reservation | None = None) -> Request:
-        seen = self.validate(prompt, truncate)
+        seen = self.validate(prompt, truncate, params)
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(DRAWN_SEED_LIMIT)
         req = Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
         with self._lock:

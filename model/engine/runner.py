@@ -29,8 +29,9 @@ class ModelRunner:
             kernels.load()
             self.cpu_kernels = kernels.status()
         self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
-        # the kernels' packed weight layout for batched decode steps (as much memory again as the weights)
-        self.packed_bytes = kernels.pack_weights(self.model)  # 0 where the kernels are not used
+        # the kernels' modules in place of torch's, with packed weights for batched decode steps (as much memory
+        # again as the weights); nothing where the kernels are not used
+        self.packed_bytes = kernels.install(self.model).packed_bytes
         self.block_size = checkpoint.config.block_size
         # a cache row per batch slot, and which tokens each row holds (prefix reuse)
         self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.dtype)

@@ -1,9 +1,9 @@
 """Checkpoints for the app tests, written with `save_checkpoint`.
 
 - `make_char_checkpoint` (fixture `char_checkpoint`): a seeded random GPT (block_size 64, 2 layers,
-  n_embd 32) over a character tokenizer of printable ASCII plus newline. Weights are scaled up from GPT-2's
-  init so that logits are spread out: greedy output must not hang on a near tie that the KV-cache path and
-  the naive loop could break differently.
+  n_embd 32) over a character tokenizer of printable ASCII plus newline (or the characters given). Weights are
+  scaled up from GPT-2's init so that logits are spread out: greedy output must not hang on a near tie that the
+  KV-cache path and the naive loop could break differently.
 - `make_bpe_checkpoint` (fixture `bpe_checkpoint`): GPT-2's BPE (vocab_size 50304, n_embd 16, 1 layer) with
   weights set by hand so that, whatever the prompt, greedy decoding cycles through single-byte tokens that
   spell "😀中" (F0 9F 98 80 E4 B8 AD). Every character is split across tokens, which is what UTF-8-safe
@@ -26,15 +26,15 @@ TRAINING = {"note": "random weights for the app tests", "iters": 0, "seed": 1234
 EMOJI_CJK = "😀中"
 
 
-def make_char_checkpoint(directory: Path, *, seed: int = 1234) -> Path:
+def make_char_checkpoint(directory: Path, *, seed: int = 1234, chars: list[str] = CHARS) -> Path:
     torch.manual_seed(seed)
-    config = GPTConfig(block_size=64, vocab_size=len(CHARS), n_layer=2, n_head=2, n_embd=32)
+    config = GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=32)
     model = GPT(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.mul_(4.0)
-    return save_checkpoint(directory, model, CharTokenizer(CHARS), training=TRAINING)
+    return save_checkpoint(directory, model, CharTokenizer(chars), training=TRAINING)
 
 
 def make_bpe_checkpoint(directory: Path, tok: BPETokenizer) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import make_bpe_checkpoint, make_char_checkpoint
-from server_process import free_port, spawn, stop, wait_healthy
+from server_process import serving
 
 from model.tokenizer import BPETokenizer
 
@@ -27,11 +27,5 @@ def bpe_checkpoint(tmp_path_factory: pytest.TempPathFactory, gpt2_tok: BPETokeni
 @pytest.fixture(scope="session")
 def server(char_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of one `python -m app` on 127.0.0.1 serving the char checkpoint, started once per session."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = spawn(char_checkpoint, log, port=port)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    with serving(char_checkpoint, tmp_path_factory.mktemp("server") / "server.log") as base:
+        yield base

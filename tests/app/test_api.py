@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import CHARS, EMOJI_CJK, TRAINING
+from checkpoints import CHARS, EMOJI_CJK, TRAINING, make_char_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from wire import assert_openai_error, assert_tgi_error, metric, parse_sse
+from wire import assert_openai_error, assert_tgi_error, metric, parse_sse, strict_json
 
 from app.main import create_app
 from app.schemas import StreamResponse
@@ -105,6 +106,44 @@ def test_health_is_ok_after_startup(client: TestClient) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
 
 
+PROBES = ("/health/startup", "/health/ready", "/health/live")
+
+
+def test_probes_say_loading_before_the_lifespan_has_run(char_checkpoint: Path) -> None:
+    """The app before its lifespan (checkpoint load, engine start, warmup) has run: no service yet."""
+    loading = TestClient(create_app(Settings(checkpoint=char_checkpoint, **BASE)))  # no `with`: no lifespan
+    for route in PROBES:
+        r = loading.get(route)
+        assert r.status_code == 503 and r.json()["status"] == "loading", (route, r.text)
+    assert "still loading" in loading.get("/health/ready").json()["reason"]
+
+
+def test_probes_after_startup_and_during_warmup(client: TestClient) -> None:
+    r = client.get("/health/startup")
+    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    r = client.get("/health/ready")
+    assert (r.status_code, r.json()) == (200, {"status": "ok", "in_flight": 0, "capacity": 4 + 8})
+    r = client.get("/health/live")
+    assert r.status_code == 200 and r.json()["status"] in ("idle", "stepping"), r.text
+    service = client.app.state.service
+    service.ready = False  # the state between the engine's start and the end of its warmup
+    try:
+        for route in ("/health/startup", "/health/ready"):
+            r = client.get(route)
+            assert (r.status_code, r.json()["status"]) == (503, "loading"), (route, r.text)
+        assert client.get("/health/live").status_code == 200  # the engine thread runs the warmup
+    finally:
+        service.ready = True
+
+
+def test_live_fails_once_the_engine_thread_has_stopped(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    assert client.get("/health/live").status_code == 200
+    engine_of(client).stop()
+    r = client.get("/health/live")
+    assert (r.status_code, r.json()) == (503, {"status": "unhealthy", "reason": "the engine thread is not running"})
+
+
 def test_info_describes_model_engine_and_training(client: TestClient, char_checkpoint: Path) -> None:
     r = client.get("/info")
     assert r.status_code == 200
@@ -124,6 +163,35 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION
+
+
+def test_info_shows_no_absolute_path(client: TestClient) -> None:
+    """/info is open to anyone: the checkpoint is named by its directory, a path in the provenance by its last part,
+    a path inside a message (the kernels' build error) likewise."""
+    service = client.app.state.service
+    meta, status = service.checkpoint.meta, service.engine.runner.cpu_kernels
+    training = {"dataset": "input.txt", "source": "/home/someone/models/gpt2", "train_config": {
+        "data": "/work/shared/data/tinyshakespeare/input.txt", "out": "/srv/folio/weights/run-7/", "bpe_dir": "",
+        "resume_from": "C:\\Users\\someone\\ckpt", "tokenizer": "char", "lr": 0.002}}
+    service.checkpoint.meta = {**meta, "training": training}
+    service.engine.runner.cpu_kernels = "could not be built: /root/.cache/torch_extensions/folio/main.cpp:3: error"
+    try:
+        info = client.get("/info").json()
+    finally:
+        service.checkpoint.meta, service.engine.runner.cpu_kernels = meta, status
+
+    def strings(v: Any) -> Iterator[str]:
+        if isinstance(v, dict | list):
+            for x in v.values() if isinstance(v, dict) else v:
+                yield from strings(x)
+        elif isinstance(v, str):
+            yield v
+
+    assert [v for v in strings(info) if re.search(r"(^|[\s(])(/|~/|[A-Za-z]:\\)\S", v)] == []
+    assert info["checkpoint"] == "tiny-char"
+    assert info["training"] == {"dataset": "input.txt", "source": "gpt2", "train_config": {
+        "data": "input.txt", "out": "run-7", "bpe_dir": "", "resume_from": "ckpt", "tokenizer": "char", "lr": 0.002}}
+    assert info["cpu_kernels"] == "could not be built: main.cpp:3: error"
 
 
 def test_v1_models_lists_the_served_model(client: TestClient) -> None:
@@ -168,6 +236,21 @@ def test_docs_openapi_and_playground_are_served(client: TestClient) -> None:
     assert {"/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/models"} <= set(spec.json()["paths"])
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_docs_pages_load_everything_from_this_server(client: TestClient, page: str) -> None:
+    """Swagger UI and ReDoc work offline: the page names only same-origin URLs (no CDN), and each answers."""
+    html = client.get(page)
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    urls = re.findall(r"""(?:src|href|url|spec-url)\s*[=:]\s*["']([^"']+)["']""", html.text)
+    assert urls and all(u.startswith("/") and not u.startswith("//") for u in urls), urls
+    assert "/openapi.json" in urls and any(u.endswith(".js") for u in urls)
+    types = {".js": "javascript", ".css": "text/css", ".png": "image/png", ".json": "application/json"}
+    for url in urls:
+        r = client.get(url)
+        assert r.status_code == 200 and len(r.content) > 1000, url
+        assert types[Path(url).suffix] in r.headers["content-type"], (url, r.headers["content-type"])
 
 
 # -- /generate ------------------------------------------------------------------------------------------------
@@ -297,6 +380,68 @@ def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) ->
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = parse_sse(r.text)
     assert len(events) == 6 and events[-1]["generated_text"] == whole["generated_text"]
+
+
+# -- strict JSON: a model that computes NaN -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nan_client(char_checkpoint: Path) -> Iterator[TestClient]:
+    """The app serving the char checkpoint with every weight of its (tied) embedding and LM head set to NaN after
+    loading: every logit and log-probability is NaN (a checkpoint whose weights hold NaN, or a model that
+    overflows)."""
+    ck = load_checkpoint(char_checkpoint)
+    with torch.no_grad():
+        ck.model.lm_head.weight.fill_(float("nan"))
+    with TestClient(create_app(Settings(checkpoint=char_checkpoint, **BASE), checkpoint=ck)) as client:
+        yield client
+
+
+def test_non_finite_numbers_are_written_as_null(nan_client: TestClient) -> None:
+    """Every body and every event is strict JSON: a NaN log-probability is null (the hot byte-formatted path and
+    the dict path alike), /v1/completions with logprobs is no 500, and the server keeps serving."""
+    def post(route: str, body: dict) -> Any:
+        r = nan_client.post(route, json=body)
+        assert r.status_code == 200, r.text
+        if r.headers["content-type"].startswith("text/event-stream"):
+            return parse_sse(r.text)  # strict
+        return strict_json(r.text)
+
+    greedy = {"max_new_tokens": 4, "greedy": True}
+    d = post("/generate", {"inputs": PROMPT, "parameters": {**greedy, "details": True, "top_n_tokens": 2}})["details"]
+    assert [t["logprob"] for t in d["tokens"]] == [None] * 4
+    assert [a["logprob"] for top in d["top_tokens"] for a in top] == [None] * 8
+    for top_n in (0, 2):  # without alternatives the events are formatted straight to bytes (app.tgi._token_sse)
+        events = post("/generate_stream", {"inputs": PROMPT, "parameters": {**greedy, "top_n_tokens": top_n}})
+        assert [e["token"]["logprob"] for e in events] == [None] * 4
+        assert [a["logprob"] for e in events for a in e["top_tokens"]] == [None] * 4 * top_n
+    assert post("/", {"inputs": PROMPT, "parameters": {**greedy, "details": True}})[0]["details"]["tokens"][0][
+        "logprob"] is None
+    assert len(post("/", {"inputs": PROMPT, "parameters": greedy, "stream": True})) == 4
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
+    lp = post("/v1/completions", body)["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None] * 4 and all(set(t.values()) == {None} for t in lp["top_logprobs"])
+    chunks = post("/v1/completions", {**body, "stream": True})
+    assert [c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks[1:-1]] == [[None]] * 4
+    # sampling from NaN probabilities fails that request alone, in a well-formed error
+    assert_tgi_error(nan_client.post("/generate", json={"inputs": PROMPT, "parameters": {"do_sample": True}}), 424,
+                     "generation")
+    events = parse_sse(nan_client.post("/generate_stream", json={"inputs": PROMPT,
+                                                                 "parameters": {"do_sample": True}}).text)
+    assert events[-1]["error_type"] == "generation"
+    for route in ("/health", "/info", "/v1/models"):
+        r = nan_client.get(route)
+        assert r.status_code == 200 and strict_json(r.text)
+
+
+def test_the_json_encoder_writes_null_for_every_non_finite_float() -> None:
+    from app.responses import StrictJSONResponse, dumps
+    from app.sse import sse
+
+    data = {"a": [1.5, float("nan"), {"b": (float("inf"), -float("inf"))}], "c": "NaN", "d": -0.0}
+    assert dumps(data) == '{"a":[1.5,null,{"b":[null,null]}],"c":"NaN","d":-0.0}'
+    assert strict_json(StrictJSONResponse(data).body) == strict_json(dumps(data))
+    assert sse(data) == f"data: {dumps(data)}\n\n".encode()
 
 
 # -- UTF-8 with byte-level BPE ----------------------------------------------------------------------------------
@@ -438,6 +583,7 @@ TGI_INVALID = [
     ({"frequency_penalty": 0.5}, "parameters.frequency_penalty", "not supported", "0.5"),
     ({"stop": [""]}, "parameters.stop", "non-empty", "''"),
     ({"stop": ["x"] * 17}, "parameters.stop", "at most 16"),
+    ({"stop": ["ok", "x" * 129]}, "parameters.stop", "at most 128 characters", "one of 129", "'xxxx"),
     ({"no_such_knob": 1}, "parameters.no_such_knob", "unknown field"),
 ]
 
@@ -522,6 +668,21 @@ def test_tokenize_rejects_unknown_characters(client: TestClient) -> None:
     assert_tgi_error(r, 422, "validation", "inputs:", "'ï'")
 
 
+def test_tokenize_over_its_limit_is_422_naming_it(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_tokenize_chars=16)
+    assert len(client.post("/tokenize", json={"inputs": "a" * 16}).json()) == 16
+    r = client.post("/tokenize", json={"inputs": "a" * 17})
+    assert_tgi_error(r, 422, "validation", "inputs: must be at most 16 characters", "--max-tokenize-chars", "got 17")
+
+
+def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
+    """The list's length is checked before its items: a body of thousands of numbers is one 422 (before, pydantic
+    reported every item, twice: seconds of work on the event loop and a 20x larger answer for a large body)."""
+    r = client.post("/v1/completions", json={"prompt": [1] * 5000})
+    message = assert_openai_error(r, 422, "invalid_request_error", "prompt", "exactly one string, not a list of 5000")
+    assert message.count("prompt") == 1
+
+
 OPENAI_INVALID = [
     ({"temperature": -1}, "temperature", "greater than or equal to 0", "got -1"),
     ({"temperature": 2.5}, "temperature", "less than or equal to 2", "got 2.5"),
@@ -537,7 +698,9 @@ OPENAI_INVALID = [
     ({"max_tokens": "many"}, "max_tokens", "valid integer", "'many'"),
     ({"stop": ""}, "stop", "non-empty", "''"),
     ({"stop": ["a"] * 17}, "stop", "at most 16", "got 17"),
-    ({"prompt": ["a", "b"]}, "prompt", "exactly one string", "got 2"),
+    ({"stop": "x" * 129}, "stop", "at most 128 characters", "one of 129", "'xxxx"),
+    ({"stop": ["ok", "y" * 129]}, "stop", "at most 128 characters", "one of 129", "'yyyy"),
+    ({"prompt": ["a", "b"]}, "prompt", "exactly one string, not a list of 2", "got ['a', 'b']"),
     ({"prompt": ""}, "prompt", "at least one token", "got 0"),
     ({"prompt": "a" * 65}, "prompt", "65 tokens", "context of 64"),
     ({"prompt": "naïve"}, "prompt", "'ï'"),
@@ -562,6 +725,97 @@ def test_openai_raw_nan_missing_prompt_and_malformed_json_are_422(client: TestCl
                                ('{"prompt": "ab",', "body", "not valid JSON")]:
         r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
         assert_openai_error(r, 422, "invalid_request_error", param, needle)
+
+
+def post_raw(client: TestClient, route: str, body: Any) -> Any:
+    """POST `body` as JSON written with ASCII escapes: a lone surrogate goes out as the 6 characters \\ud800, as a
+    client in another language would send it (httpx's own encoder cannot write it at all)."""
+    return client.post(route, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+LONE_SURROGATES = [
+    ("/generate", {"inputs": "hi \ud800", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["ok", "\udfff"]}}, "parameters.stop"),
+    ("/generate_stream", {"inputs": "\ud800 hi", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/", {"inputs": "x\ud83d", "stream": True}, "inputs"),
+    ("/tokenize", {"inputs": "\udc00"}, "inputs"),
+    ("/v1/completions", {"prompt": "hi \ud800", "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi \ud800"], "echo": True, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "user": "\ud800"}, "user"),
+    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), LONE_SURROGATES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f) in enumerate(LONE_SURROGATES)])
+def test_a_lone_surrogate_in_any_string_is_422_naming_the_field(bpe_client: TestClient, route: str, body: dict,
+                                                                field: str) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8 text can hold: on a BPE model it used to
+    give a plain-text 500 (echoing the prompt), a stream cut off mid-way, or tokens of U+FFFD."""
+    r = post_raw(bpe_client, route, body)
+    needles = (f"{field}:", "lone surrogate", "valid Unicode")
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", field, *needles)
+    else:
+        assert_tgi_error(r, 422, "validation", *needles)
+
+
+def test_a_surrogate_pair_is_one_character(bpe_client: TestClient) -> None:
+    parameters = {"max_new_tokens": 7, "return_full_text": True}
+    r = post_raw(bpe_client, "/generate", {"inputs": "emoji \ud83d\ude00", "parameters": parameters})
+    assert r.status_code == 200
+    assert r.json() == generate(bpe_client, "emoji 😀", **parameters)
+    assert r.json()["generated_text"].startswith("emoji 😀")
+
+
+def test_top_n_tokens_beyond_the_vocabulary_is_422_naming_its_size(make_client: Callable[..., TestClient],
+                                                                  tmp_path: Path) -> None:
+    """A model of 4 characters has 4 alternatives to report, not 5 (torch's top-k failed: a 424)."""
+    client = make_client(make_char_checkpoint(tmp_path / "four-chars", chars=["\n", " ", "a", "b"]))
+    details = generate(client, "ab", max_new_tokens=3, details=True, top_n_tokens=4)["details"]
+    assert [len(top) for top in details["top_tokens"]] == [4, 4, 4]
+    for route in ("/generate", "/generate_stream", "/"):
+        r = client.post(route, json={"inputs": "ab", "parameters": {"top_n_tokens": 5}})
+        assert_tgi_error(r, 422, "validation", "parameters.top_n_tokens:", "vocabulary size, 4", "got 5")
+    for streaming in (False, True):
+        r = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 5, "stream": streaming})
+        assert_openai_error(r, 422, "invalid_request_error", "logprobs", "logprobs:", "vocabulary size, 4", "got 5")
+    logprobs = completion(client, prompt="ab", max_tokens=2, logprobs=4)["choices"][0]["logprobs"]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [4, 4]
+
+
+LARGE_VALUES = [
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["x"] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/generate", {"inputs": ["a"] * 3000}, "inputs", "(3000 items)"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 10**4000}}, "parameters.max_new_tokens",
+     "(4001 digits)"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": [1] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/v1/completions", {"prompt": [1] * 3000}, "prompt", "(3000 items)"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1] * 3000}, "stop", "at most 16 stop strings, got 3000"),
+    ("/generate", {"inputs": "hi", "parameters": {"z" * 12000: 1}}, "parameters.zzzz", "unknown field"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["y" * 12000]}}, "parameters.stop", "(12000 characters)"),
+    ("/generate", {"inputs": "hi", "parameters": {"truncate": 10**4000}}, "parameters.truncate", "(4001 digits)"),
+    ("/tokenize", {"inputs": "".join(map(chr, range(256, 2256)))}, "inputs", "2000 character(s) outside"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1000)}}, "logit_bias",
+     "(1000 items)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**4000}, "max_tokens", "(4001 digits)"),
+    ("/v1/completions", {"prompt": "hi", "stop": "s" * 12000}, "stop", "(12000 characters)"),
+    ("/v1/completions", {"prompt": "hi", "model": "m" * 12000}, "model", "(12000 characters)"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field", "needle"), LARGE_VALUES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f, _) in enumerate(LARGE_VALUES)])
+def test_errors_echo_a_short_preview_of_a_large_value(client: TestClient, route: str, body: dict, field: str,
+                                                      needle: str) -> None:
+    """An error names the field and shows a preview of the value (about 80 characters, saying how long it was),
+    never the value: a 5 MB list used to come back whole."""
+    r = post_raw(client, route, body)
+    assert r.status_code in (404, 422), r.text[:200]
+    assert len(r.content) < 700, r.text[:200]
+    message = r.json()["error"]["message"] if route.startswith("/v1") else r.json()["error"]
+    assert message.startswith(field) and needle in message, message
 
 
 # -- 413, 429, 424, 503, 401, CORS ----------------------------------------------------------------------------------
@@ -669,6 +923,60 @@ def test_a_request_being_validated_holds_its_slot(make_client: Callable[..., Tes
     assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
+def test_tokenize_takes_a_slot_until_it_answers(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_batch_size=1, max_waiting=0)
+    with engine_held_full(client):
+        assert_tgi_error(client.post("/tokenize", json={"inputs": PROMPT}), 429, "overloaded", "at capacity")
+    assert len(client.post("/tokenize", json={"inputs": PROMPT}).json()) == len(PROMPT)
+    assert engine_of(client).reserved == 0
+    assert metric(client.get("/metrics").text, "folio_reserved_slots") == 0
+
+
+class GatedTokenizer:
+    """A tokenizer whose `encode` and `decode_bytes` each wait for their gate on their first call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = {name: threading.Event() for name in ("encode", "decode_bytes")}
+        self.gates = {name: threading.Event() for name in ("encode", "decode_bytes")}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _wait(self, name: str) -> None:
+        self.entered[name].set()
+        self.gates[name].wait(30)
+
+    def encode(self, text: str) -> list[int]:
+        self._wait("encode")
+        return self.inner.encode(text)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        self._wait("decode_bytes")
+        return self.inner.decode_bytes(ids)
+
+
+def test_tokenize_works_off_the_event_loop(client: TestClient) -> None:
+    """Tokenising and writing the answer both take time proportional to the input: while each is held up, the
+    event loop still answers /health (were either on the loop, /health would wait for it)."""
+    service = client.app.state.service
+    gated = service.tokenizer = GatedTokenizer(service.tokenizer)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answer = pool.submit(client.post, "/tokenize", json={"inputs": "Hi, you!"})
+            for phase in ("encode", "decode_bytes"):
+                assert gated.entered[phase].wait(30), phase
+                assert pool.submit(client.get, "/health").result(timeout=30).status_code == 200
+                assert not answer.done()
+                gated.gates[phase].set()
+            assert answer.result(timeout=30).json() == [{"id": CHARS.index(c), "text": c, "start": i, "stop": i + 1}
+                                                        for i, c in enumerate("Hi, you!")]
+    finally:
+        for gate in gated.gates.values():
+            gate.set()
+        service.tokenizer = gated.inner
+
+
 def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:
     engine = engine_of(client)
     tok = client.app.state.service.tokenizer
@@ -709,21 +1017,29 @@ def test_draining_answers_503(client: TestClient) -> None:
     try:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "draining"})
-        for route in ("/generate", "/generate_stream", "/"):
-            assert_tgi_error(client.post(route, json={"inputs": PROMPT}), 503, "unavailable", "shutting down")
+        r = client.get("/health/ready")
+        assert (r.status_code, r.json()["status"]) == (503, "draining") and "shutting down" in r.json()["reason"]
+        assert client.get("/health/startup").status_code == 200  # a draining server is not restarted
+        assert client.get("/health/live").status_code == 200
+        for route in ("/generate", "/generate_stream", "/", "/tokenize"):
+            r = client.post(route, json={"inputs": PROMPT})
+            assert_tgi_error(r, 503, "unavailable", "shutting down")
+            assert (r.headers["retry-after"], r.headers["connection"]) == ("1", "close")
         r = client.post("/v1/completions", json={"prompt": PROMPT})
         assert_openai_error(r, 503, "server_error", None, "shutting down")
+        assert r.headers["retry-after"] == "1"
         assert client.get("/metrics").status_code == 200
     finally:
         service.draining = False
     assert client.get("/health").status_code == 200
+    assert client.get("/health/ready").status_code == 200
 
 
-def test_api_key_guards_generation_routes_only(make_client: Callable[..., TestClient]) -> None:
+def test_api_key_guards_generation_routes_and_tokenize(make_client: Callable[..., TestClient]) -> None:
     client = make_client(api_key="s3cret")
     tgi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        for route in ("/generate", "/generate_stream", "/"):
+        for route in ("/generate", "/generate_stream", "/", "/tokenize"):
             r = client.post(route, json=tgi, headers=headers)
             assert_tgi_error(r, 401, "authentication", "Bearer <key>")
             assert r.headers["www-authenticate"] == "Bearer"
@@ -733,6 +1049,7 @@ def test_api_key_guards_generation_routes_only(make_client: Callable[..., TestCl
     assert client.post("/generate", json=tgi, headers=ok).status_code == 200
     assert len(parse_sse(client.post("/generate_stream", json=tgi, headers=ok).text)) == 2
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=ok).status_code == 200
+    assert len(client.post("/tokenize", json={"inputs": PROMPT}, headers=ok).json()) == len(PROMPT)
     for route in ("/health", "/metrics"):
         assert client.get(route).status_code == 200
 

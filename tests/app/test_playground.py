@@ -1,54 +1,89 @@
-"""The playground page in a real browser: Debian's chromium driven by Playwright against a real server.
+"""The playground page in a real browser: Debian's chromium driven by Playwright against real servers (the shared
+one, and one started with an API key).
 
 Skipped, with the reason, only where no chromium binary is installed (CI installs it in .ci/run)."""
 
 from __future__ import annotations
 
-import shutil
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from server_process import serving
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium)")
-# what the project's probe found necessary on a closed-network machine, as root, headless
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
+pytestmark = needs_chromium
+API_KEY = "pl4yground-k3y"
+DONE = "document.getElementById('status').textContent.includes('tokens ·')"
+FAILED = "document.getElementById('status').className === 'error'"
+SETTLED = f"({DONE} || {FAILED}) && !document.getElementById('go').disabled"
 
 
-def test_playground_streams_tokens_coloured_by_probability(server: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """One headless chromium for the module; each test gets its own context (its own session storage)."""
     from playwright.sync_api import sync_playwright
 
-    prompt, n = "Hello there", 40
-    expected = httpx.post(f"{server}/generate", timeout=30, json={
-        "inputs": prompt, "parameters": {"max_new_tokens": n, "greedy": True}}).json()["generated_text"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
-            page = browser.new_page()
-            page.goto(server + "/")
-            page.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
-            page.fill("#prompt", prompt)
-            page.fill("#max_new_tokens", str(n))
-            page.check("#greedy")
-            # record each batch of tokens as it lands in the page
-            page.evaluate("""() => {
-                window.batches = [];
-                new MutationObserver(m => window.batches.push(m.length))
-                    .observe(document.getElementById('output'), {childList: true});
-            }""")
-            page.click("#go")
-            page.wait_for_function("document.getElementById('status').textContent.includes('tokens ·')")
-            spans = page.query_selector_all("#output span.token")
-            texts = [s.text_content() for s in spans]
-            logprobs = [float(s.get_attribute("data-logprob")) for s in spans]
-            backgrounds = [s.evaluate("e => e.style.background") for s in spans]
-            status = page.text_content("#status")
-            batches = page.evaluate("window.batches")
-            page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+            yield browser
         finally:
             browser.close()
+
+
+@pytest.fixture
+def page(browser) -> Iterator[object]:  # noqa: ANN001
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(char_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second `python -m app`, started with `--api-key`."""
+    with serving(char_checkpoint, tmp_path_factory.mktemp("keyed-server") / "server.log", "--api-key", API_KEY) as base:
+        yield base
+
+
+def output_tokens(page) -> str:  # noqa: ANN001
+    return "".join(s.text_content() for s in page.query_selector_all("#output span.token"))
+
+
+def generate(page) -> str:  # noqa: ANN001
+    """Click Generate and wait for the stream's end or an error; the status line."""
+    page.click("#go")
+    page.wait_for_function(SETTLED)
+    return page.text_content("#status")
+
+
+def test_playground_streams_tokens_coloured_by_probability(server: str, page, tmp_path: Path) -> None:  # noqa: ANN001
+    prompt, n = "Hello there", 40
+    expected = httpx.post(f"{server}/generate", timeout=30, json={
+        "inputs": prompt, "parameters": {"max_new_tokens": n, "greedy": True}}).json()["generated_text"]
+    page.goto(server + "/")
+    page.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
+    page.fill("#prompt", prompt)
+    page.fill("#max_new_tokens", str(n))
+    page.check("#greedy")
+    # record each batch of tokens as it lands in the page
+    page.evaluate("""() => {
+        window.batches = [];
+        new MutationObserver(m => window.batches.push(m.length))
+            .observe(document.getElementById('output'), {childList: true});
+    }""")
+    generate(page)
+    spans = page.query_selector_all("#output span.token")
+    texts = [s.text_content() for s in spans]
+    logprobs = [float(s.get_attribute("data-logprob")) for s in spans]
+    backgrounds = [s.evaluate("e => e.style.background") for s in spans]
+    status = page.text_content("#status")
+    batches = page.evaluate("window.batches")
+    page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
     assert len(spans) == n
     assert "".join(texts) == expected  # the page shows exactly what /generate returns
     assert all(lp <= 0 for lp in logprobs)
@@ -57,18 +92,126 @@ def test_playground_streams_tokens_coloured_by_probability(server: str, tmp_path
     assert sum(batches) >= n + 1 and len(batches) > 1  # prompt span + tokens, arriving over several reads
 
 
-def test_playground_shows_validation_errors(server: str) -> None:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page()
-            page.goto(server + "/")
-            page.fill("#max_new_tokens", "0")
-            page.click("#go")
-            page.wait_for_function("document.getElementById('status').className === 'error'")
-            status = page.text_content("#status")
-        finally:
-            browser.close()
+def test_playground_shows_validation_errors(server: str, page) -> None:  # noqa: ANN001
+    page.goto(server + "/")
+    page.fill("#max_new_tokens", "0")
+    status = generate(page)
     assert status.startswith("422") and "max_new_tokens" in status
+
+
+def test_playground_asks_for_the_api_key_and_sends_it_as_bearer(keyed_server: str, page, tmp_path: Path) -> None:  # noqa: ANN001
+    sent: list[tuple[str, str | None]] = []
+    page.on("request", lambda r: sent.append((r.url, r.headers.get("authorization"))))
+    page.goto(keyed_server + "/")
+    page.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
+    page.fill("#prompt", "Hello")
+    page.fill("#max_new_tokens", "12")
+    page.check("#greedy")
+
+    # without a key: the 401 is explained and the key field asks for one
+    status = generate(page)
+    assert status.startswith("401") and "needs an API key" in status, status
+    assert page.get_attribute("#api_key", "aria-invalid") == "true"
+    assert page.evaluate("document.activeElement.id") == "api_key"
+    page.screenshot(path=str(tmp_path / "playground-key-needed.png"), full_page=True)
+
+    # with the key: the stream runs, and shows what /generate gives with the same key
+    page.fill("#api_key", API_KEY)
+    status = generate(page)
+    assert "12 tokens ·" in status, status
+    expected = httpx.post(f"{keyed_server}/generate", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"inputs": "Hello", "parameters": {"max_new_tokens": 12, "greedy": True}})
+    assert output_tokens(page) == expected.json()["generated_text"]
+    assert page.get_attribute("#api_key", "aria-invalid") != "true"
+    streams = [auth for url, auth in sent if url.endswith("/generate_stream")]
+    assert streams == [None, f"Bearer {API_KEY}"]
+
+    # kept in this tab's session storage only, never in a URL
+    assert page.evaluate("sessionStorage.getItem('folio.apiKey')") == API_KEY
+    assert page.evaluate("localStorage.length") == 0
+    assert all(API_KEY not in url for url, _ in sent) and API_KEY not in page.url
+    page.reload()
+    assert page.input_value("#api_key") == API_KEY
+    other = page.context.browser.new_context()
+    try:
+        fresh = other.new_page()
+        fresh.goto(keyed_server + "/")
+        assert fresh.input_value("#api_key") == ""
+    finally:
+        other.close()
+
+    # a wrong key is told apart from a missing one
+    page.fill("#api_key", "not-the-key")
+    status = generate(page)
+    assert status.startswith("401") and "refused" in status, status
+    page.fill("#api_key", "")
+    assert page.evaluate("sessionStorage.getItem('folio.apiKey')") is None
+
+
+def test_playground_keeps_seeds_exact(server: str, page) -> None:  # noqa: ANN001
+    seed = 2**63 - 25  # a double cannot hold it: as a JavaScript Number it becomes 2**63, past the API's range
+    bodies: list[str] = []
+    page.on("request", lambda r: bodies.append(r.post_data) if r.url.endswith("/generate_stream") else None)
+    page.goto(server + "/")
+    page.fill("#prompt", "ROMEO:")
+    page.fill("#max_new_tokens", "30")
+    page.fill("#seed", str(seed))
+    status = generate(page)
+    sent = json.loads(bodies[-1])
+    assert sent["parameters"]["seed"] == seed  # the digits as typed, not rounded
+    assert f"seed {seed} ·" in status, status
+    # the same request through /generate gives the text the page shows
+    again = httpx.post(f"{server}/generate", timeout=30, json=sent).json()["generated_text"]
+    assert output_tokens(page) == again
+
+    # a seed the server drew is shown exactly and can be put back into the form
+    page.fill("#seed", "")
+    status = generate(page)
+    assert "seed" not in json.loads(bodies[-1])["parameters"]
+    drawn, text = page.get_attribute("#reuse_seed", "data-seed"), output_tokens(page)
+    assert drawn.isdigit() and f"seed {drawn} ·" in status, (drawn, status)
+    page.click("#reuse_seed")
+    assert page.input_value("#seed") == drawn
+    generate(page)
+    assert json.loads(bodies[-1])["parameters"]["seed"] == int(drawn)
+    assert output_tokens(page) == text
+
+    # what is not a whole number never leaves the page
+    page.fill("#seed", "12x")
+    status = generate(page)
+    assert page.get_attribute("#status", "class") == "error" and "seed" in status and "12x" in status, status
+    assert len(bodies) == 3
+
+
+def _stream_of(word: str, pieces: int) -> str:
+    """Server-sent events in /generate_stream's shape (TGI's StreamResponse) spelling `word` in `pieces` tokens."""
+    size = -(-len(word) // pieces)
+    chunks = [word[i:i + size] for i in range(0, len(word), size)]
+    events = []
+    for i, text in enumerate(chunks):
+        last = i == len(chunks) - 1
+        events.append({"index": i + 1, "token": {"id": 0, "text": text, "logprob": -0.1, "special": False},
+                       "top_tokens": [], "generated_text": word if last else None,
+                       "details": {"finish_reason": "length", "generated_tokens": len(chunks), "seed": 7,
+                                   "input_length": 1} if last else None})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (375, 740)], ids=["desktop", "phone"])
+def test_playground_wraps_a_long_word_inside_the_output_box(server: str, page, width: int, height: int,  # noqa: ANN001
+                                                             tmp_path: Path) -> None:
+    word = "Honorificabilitudinitatibus" * 30  # 810 characters without a break opportunity
+    page.set_viewport_size({"width": width, "height": height})
+    # a random test model rarely writes such a word: the stream is the server's shape, served by the browser
+    page.route("**/generate_stream", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=_stream_of(word, 12)))
+    page.goto(server + "/")
+    page.fill("#prompt", "x" * 120)
+    assert "tokens ·" in generate(page)
+    page.screenshot(path=str(tmp_path / f"playground-{width}px.png"), full_page=True)
+    assert output_tokens(page) == word
+    box = page.evaluate("(() => { const e = document.getElementById('output');"
+                        " return [e.scrollWidth, e.clientWidth]; })()")
+    assert box[0] <= box[1], f"the output box scrolls: content {box[0]} px wide in a {box[1]} px box"
+    page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert page_width[0] <= page_width[1], f"the page scrolls sideways at {width} px: {page_width}"

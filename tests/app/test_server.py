@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
-from server_process import free_port, spawn, stop, wait_healthy
+from server_process import REFUSED, free_port, probe, spawn, stop, wait_healthy
 from wire import metric, parse_sse
 
 from model.checkpoint import WEIGHTS_FILE
@@ -95,6 +97,83 @@ def test_chunked_body_over_the_limit_is_413(server: str) -> None:
         assert r.json()["error_type"] == "payload_too_large" and "16384 bytes" in r.json()["error"]
 
 
+def port_of(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+def connect(port: int, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(data)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(60)  # a hang detector: the server's deadlines are 2 s (SERVER_ARGS)
+    out = b""
+    with sock:
+        while chunk := sock.recv(65536):
+            out += chunk
+    return out
+
+
+def closed_count(base: str, reason: str) -> float:
+    text = httpx.get(f"{base}/metrics").text
+    try:
+        return metric(text, "folio_connections_closed_total", reason=reason)
+    except AssertionError:  # not counted yet
+        return 0.0
+
+
+def test_slow_clients_hold_no_slot_and_are_cut_at_their_deadlines(server: str) -> None:
+    """Slowloris: more connections than the server has slots send their headers and half a body, others part of
+    their headers or nothing; meanwhile other clients are served (before the fix, a slot was taken as soon as the
+    headers were in, and everyone else got 429). Each slow connection gets 408 at its deadline (a silent close if
+    it sent nothing), and nothing stays reserved."""
+    port = port_of(server)
+    capacity = httpx.get(f"{server}/info").json()["max_concurrent_requests"]
+    before = {r: closed_count(server, r) for r in ("header_timeout", "body_timeout")}
+    body = json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 4}}).encode()
+    head = (b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    half_bodies = [connect(port, head + body[: len(body) // 2]) for _ in range(capacity + 20)]
+    half_heads = [connect(port, head[: len(head) // 2]) for _ in range(20)]
+    silent = [connect(port, b"") for _ in range(10)]
+    time.sleep(0.2)  # let the server read what they sent (before the fix, the half bodies then held every slot)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: httpx.post(f"{server}/generate", json={
+            "inputs": PROMPT, "parameters": {"max_new_tokens": 4, "do_sample": True, "seed": i}}, timeout=30),
+            range(16)))
+        assert [r.status_code for r in answers] == [200] * 16, [r.text for r in answers if r.status_code != 200]
+        assert all(len(r.json()["generated_text"]) == 4 for r in answers)
+        assert httpx.get(f"{server}/health").status_code == 200
+        closed = list(pool.map(read_until_closed, half_bodies + half_heads + silent))
+    for raw in closed[: len(half_bodies)]:
+        assert raw.startswith(b"HTTP/1.1 408 ") and b"connection: close" in raw, raw[:200]
+        assert json.loads(raw.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "the request body did not arrive within 2 s of its headers", "error_type": "timeout"}
+    for raw in closed[len(half_bodies) : -len(silent)]:
+        assert raw.startswith(b"HTTP/1.1 408 ") and b"headers did not arrive within 2 s" in raw, raw[:200]
+    assert closed[-len(silent) :] == [b""] * len(silent)
+    text = httpx.get(f"{server}/metrics").text
+    assert metric(text, "folio_reserved_slots") == 0
+    assert metric(text, "folio_running_batch_size") == 0 and metric(text, "folio_queue_depth") == 0
+    assert closed_count(server, "body_timeout") == before["body_timeout"] + len(half_bodies)
+    assert closed_count(server, "header_timeout") == before["header_timeout"] + len(half_heads) + len(silent)
+    assert httpx.post(f"{server}/generate", json={"inputs": PROMPT}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(("headers", "needle"), [
+    ([(b"X-Big", b"a" * 20_000)], b"over 16384 bytes"),
+    ([(b"X-%d" % i, b"1") for i in range(101)], b"more than 100 headers"),
+])
+def test_a_request_head_too_large_is_431(server: str, headers: list, needle: bytes) -> None:
+    lines = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+    raw = read_until_closed(connect(port_of(server), b"GET /health HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n"))
+    assert raw.startswith(b"HTTP/1.1 431 ") and needle in raw, raw[:300]
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
 def test_client_timeout_cancels_a_whole_generation(server: str) -> None:
     before = metric(httpx.get(f"{server}/metrics").text, "folio_cancelled_requests_total")
     with pytest.raises(httpx.ReadTimeout):
@@ -150,13 +229,23 @@ def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Pa
         for t in threads:
             t.start()
         assert all(e.wait(30) for e in streaming), "streams did not start"
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            health = httpx.get(f"{base}/health", timeout=2)
-            assert (health.status_code, health.json()) == (503, {"status": "draining"})
-        except httpx.TransportError:
-            pass  # uvicorn already closed its listening socket: no new connection gets in at all
+        with httpx.Client(base_url=base) as client:  # its keep-alive connection is open before the signal
+            assert probe(client, "/health/ready")[0] == 200
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert_draining(base)  # the listener stays open during the drain
+            seen: list[tuple] = []  # (/health, /health/ready, /health/startup) until the port closes
+            while (not seen or REFUSED not in seen[-1]) and len(seen) < 1000:
+                seen.append(tuple(probe(client, route) for route in ("/health", "/health/ready", "/health/startup")))
+        # the signal is handled within moments: from then on /health and readiness fail (503 "draining" while the
+        # port is open, refused once uvicorn has closed it), while a started server stays started (and the
+        # kubelet stops the startup and liveness probes of a deleted pod anyway)
+        draining = {"status": "draining", "reason": "the server is shutting down and admits no new requests"}
+        first = next(i for i, s in enumerate(seen) if s[0] == REFUSED or s[0][0] != 200)
+        for health, ready, startup in seen[first:]:
+            assert health in (REFUSED, (503, {"status": "draining"})), seen
+            assert ready in (REFUSED, (503, draining)), seen
+            assert startup in (REFUSED, (200, {"status": "ok"})), seen
         assert proc.wait(30) == 0, log.read_text()
         assert time.monotonic() - signalled < drain + 5
         for t in threads:
@@ -170,5 +259,51 @@ def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Pa
             else:
                 assert last == {"error": "the engine stopped before this request finished", "error_type": "unavailable"}
         assert any("error" in results[i][-1] for i in range(3))  # 4096 slow tokens cannot finish in the drain
+    finally:
+        stop(proc)
+
+
+def assert_draining(base: str) -> None:
+    """What a new connection gets during a drain: /health 503 "draining"; generation and /tokenize 503 with
+    Retry-After and Connection: close."""
+    health = httpx.get(f"{base}/health", timeout=10)
+    assert (health.status_code, health.json()) == (503, {"status": "draining"})
+    for route, body in (("/generate", {"inputs": PROMPT}), ("/tokenize", {"inputs": PROMPT})):
+        r = httpx.post(f"{base}{route}", json=body, timeout=10)
+        assert (r.status_code, r.json()["error_type"]) == (503, "unavailable"), r.text
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+
+
+def test_sigterm_keeps_answering_503_while_a_stream_finishes_then_exits_0(char_checkpoint: Path,
+                                                                          tmp_path: Path) -> None:
+    """The drain as a load balancer sees it: during the drain a new connection is answered (503 + Retry-After,
+    /health 503), not refused; the running stream completes whole; the process exits 0 as soon as it has, long
+    before the drain timeout."""
+    port, log = free_port(), tmp_path / "server.log"
+    base = f"http://127.0.0.1:{port}"
+    proc = spawn(char_checkpoint, log, "--drain-timeout", "600", port=port)
+    try:
+        wait_healthy(proc, base, log)
+        raw, streaming = [b""], threading.Event()
+
+        def consume() -> None:
+            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4096, "do_sample": True, "seed": 3}}
+            with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=120) as r:
+                for chunk in r.iter_bytes():
+                    raw[0] += chunk
+                    streaming.set()
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        assert streaming.wait(30), "the stream did not start"
+        proc.send_signal(signal.SIGTERM)
+        assert_draining(base)
+        assert proc.wait(120) == 0, log.read_text()  # not the 600 s drain timeout: right after the stream
+        thread.join(10)
+        *tokens, last = parse_sse(raw[0].decode())
+        assert last["details"]["finish_reason"] == "length" and len(tokens) + 1 == 4096
+        assert "".join(e["token"]["text"] for e in tokens + [last]) == last["generated_text"]
+        with pytest.raises(httpx.ConnectError):  # and only then is the listener closed
+            httpx.get(f"{base}/health", timeout=10)
     finally:
         stop(proc)

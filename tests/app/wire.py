@@ -8,16 +8,26 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def _not_json(constant: str) -> Any:
+    raise AssertionError(f"{constant} is not JSON (JSON has no NaN or infinities)")
+
+
+def strict_json(text: str | bytes) -> Any:
+    """`json.loads`, refusing the NaN / Infinity / -Infinity that Python's json module reads and writes but strict
+    parsers (JavaScript's JSON.parse, Go, Rust) refuse."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 def parse_sse(body: str) -> list[Any]:
     """Events of an SSE body, checking the framing: every event is exactly `data: <payload>\\n\\n`.
 
-    JSON payloads come back parsed; OpenAI's terminator comes back as the string "[DONE]"."""
+    JSON payloads come back parsed (strict JSON); OpenAI's terminator comes back as the string "[DONE]"."""
     assert body.endswith("\n\n"), f"SSE body does not end an event: {body[-80:]!r}"
     events = []
     for chunk in body[:-2].split("\n\n"):
         assert chunk.startswith("data: ") and "\n" not in chunk, f"not one 'data: ' line: {chunk!r}"
         payload = chunk.removeprefix("data: ")
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
+        events.append(payload if payload == "[DONE]" else strict_json(payload))
     return events
 
 

@@ -28,39 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dockerfile import instructions, stages
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
-DOCKERFILE = DOCKER / "Dockerfile"
-
-
-def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out, pending = [], ""
-    for line in path.read_text().splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        full = (pending + line).strip()
-        pending = ""
-        keyword, _, args = full.partition(" ")
-        out.append((keyword.upper(), args.strip()))
-    return out
-
-
-def stages() -> dict[str, list[tuple[str, str]]]:
-    """Each build stage's instructions, by stage name, in order (dicts keep insertion order)."""
-    result: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for keyword, args in instructions():
-        if keyword == "FROM":
-            current = args.split(" AS ")[-1].strip() if " AS " in args else args
-            result[current] = []
-        elif current is not None:
-            result[current].append((keyword, args))
-    return result
 
 
 # -- hadolint -------------------------------------------------------------------------------------------
@@ -119,6 +90,30 @@ def test_dockerfile_layers_and_runtime_contract() -> None:
     assert json.loads(next(a for k, a in runtime if k == "ENTRYPOINT")) == ["/app/docker/entrypoint.sh"]
     assert json.loads(next(a for k, a in runtime if k == "CMD")) == []
 
+
+@pytest.mark.parametrize("variant", ["cpu", "cu128"])
+def test_dockerfile_installs_the_pinned_torch_build_of_its_variant(variant: str, tmp_path: Path) -> None:
+    """constraints.txt pins torch's CPU build (torch==X+cpu); the dependency stage swaps the label for the
+    variant's, installs exactly that build, and installs the rest under the rewritten pins (not the CPU one)."""
+    install = next(a for k, a in stages()["deps"] if k == "RUN" and "pip install" in a)
+    steps = [step.strip() for step in install.split(" && ")]
+    rewrite = next(i for i, step in enumerate(steps) if step.startswith("sed -i") and "constraints.txt" in step)
+    torch_install = next(i for i, step in enumerate(steps) if "--index-url" in step)
+    rest = next(i for i, step in enumerate(steps) if "-c constraints.txt" in step)
+    assert rewrite < torch_install < rest
+    pinned = re.findall(r"^torch==([0-9.]+)\+cpu;", (REPO / "constraints.txt").read_text(), flags=re.M)
+    assert len(pinned) == 1, pinned
+    shutil.copy(REPO / "constraints.txt", tmp_path)
+    # the two steps as the build runs them (sh -c, the ARG in the environment), pip replaced by a function
+    # that prints its last argument: the requirement it would install
+    fake_pip = 'pip() { for a; do last="$a"; done; printf "%s\\n" "$last"; }; '
+    script = fake_pip + " && ".join(steps[rewrite:torch_install + 1])
+    result = subprocess.run(["sh", "-c", script], cwd=tmp_path, env={**os.environ, "TORCH_VARIANT": variant},
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [f"torch=={pinned[0]}+{variant}"]
+    rewritten = [ln for ln in (tmp_path / "constraints.txt").read_text().splitlines() if ln.startswith("torch==")]
+    assert f"torch=={pinned[0]}+{variant}" in rewritten and not [ln for ln in rewritten if "+cpu;" in ln]
 
 def ignore_regex(pattern: str) -> re.Pattern[str]:
     """A .dockerignore pattern as a regex: `**` any number of directories, `*` and `?` within one name."""
@@ -304,7 +299,7 @@ def test_the_image_tree_serves_a_volume_and_drains_on_sigterm(tmp_path: Path) ->
     server, since it was exec'd) drains and exits 0, as `docker stop` would."""
     import torch
 
-    from model.checkpoint import save_checkpoint
+    from model.checkpoint import WEIGHTS_FILE, save_checkpoint, sha256_file
     from model.config import GPTConfig
     from model.gpt import GPT
     from model.tokenizer import CharTokenizer
@@ -335,7 +330,9 @@ def test_the_image_tree_serves_a_volume_and_drains_on_sigterm(tmp_path: Path) ->
             time.sleep(0.3)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/info", timeout=10) as r:
             info = json.load(r)
-        assert info["checkpoint"] == str(volume)
+        # /info names the checkpoint by its directory (no absolute paths), and its weights by their hash
+        assert info["checkpoint"] == volume.name
+        assert info["checkpoint_sha256"] == sha256_file(volume / WEIGHTS_FILE)
         assert Path(app_dir / "app" / "main.py").is_file() and not (app_dir / "tests").exists()
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, log.read_text()

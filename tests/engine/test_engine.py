@@ -333,6 +333,17 @@ def test_no_seed_draws_one_and_reports_it(make_checkpoint, make_engine) -> None:
     assert engine.generate([1, 2, 3], params.with_seed(seed)).token_ids == result.token_ids
 
 
+
+def test_drawn_seeds_survive_json_doubles(make_engine) -> None:
+    """A drawn seed is below 2^53, so a client that reads JSON numbers as doubles (JavaScript) gets it exactly;
+    a request may still name any seed up to 2^63 - 1."""
+    engine = make_engine()
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    seeds = [engine.generate([1], params).finished.seed for _ in range(64)]
+    assert all(0 <= seed < 2**53 for seed in seeds), [seed for seed in seeds if seed >= 2**53]
+    assert len(set(seeds)) == len(seeds)  # still drawn, not fixed
+    assert engine.generate([1], params.with_seed(2**63 - 1)).finished.seed == 2**63 - 1
+
 # --- stopping ----------------------------------------------------------------------------------------------------
 
 
@@ -648,6 +659,37 @@ def test_stop_fails_requests_of_an_engine_never_started(make_engine) -> None:
     outcomes = run(main())
     assert all(isinstance(o, EngineStopped) for o in outcomes), outcomes
     assert engine.busy == 0
+
+
+def test_liveness_says_when_the_thread_is_gone_or_a_step_hangs(make_engine) -> None:
+    engine = make_engine(start=False)
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
+    engine.start()
+    assert engine.generate([1], SamplingParams(max_new_tokens=2)).finished.generated_tokens == 2
+    entered, release = threading.Event(), threading.Event()
+
+    def hang(reqs):  # a step that hangs until released
+        entered.set()
+        release.wait(10)
+
+    async def main():
+        await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # waiting for work: no step to time
+        engine.on_step = hang
+        stream = engine.submit([1, 2], SamplingParams(max_new_tokens=5))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
+        assert engine.liveness(30.0) == (True, "stepping")
+        await wait_until(lambda: not engine.liveness(0.1)[0])
+        alive, why = engine.liveness(0.1)
+        assert why.startswith("the engine's current step began") and why.endswith("s ago (limit 0.1 s)"), why
+        engine.on_step = None
+        release.set()
+        result = await stream.collect()
+        await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # the stall is over: alive again
+        return result
+
+    assert run(main()).finished.generated_tokens == 5
+    engine.stop()
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
 
 
 def test_generate_timeout_cancels_the_request(make_engine) -> None:

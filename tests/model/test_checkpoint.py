@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from model import checkpoint
 from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from model.config import GPTConfig
+from model.config import GPTConfig, si
 from model.files import atomic_write_bytes
 from model.gpt import GPT
 from model.tokenizer import BPE_FILE, BPETokenizer, CharTokenizer
@@ -73,6 +74,19 @@ def test_malformed_json(saved: Path) -> None:
         load_checkpoint(saved)
 
 
+def test_unreadable_config(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    read_text = Path.read_text
+
+    def denied(self: Path, *args: object, **kwargs: object) -> str:  # what a file of another user gives
+        if self.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(CheckpointError, match="config.json could not be read: Permission denied"):
+        load_checkpoint(saved)
+
+
 def test_wrong_format_field(saved: Path) -> None:
     _edit_config(saved, lambda m: m.update(format="hf-transformers"))
     with pytest.raises(CheckpointError, match='is not a Folio checkpoint config \\(expected "format"'):
@@ -114,6 +128,72 @@ def test_shapes_that_disagree_with_the_config(saved: Path) -> None:
     _edit_config(saved, lambda m: m["model"].update(n_embd=64))  # the weights are n_embd 32
     with pytest.raises(CheckpointError, match=r"wte.weight has shape \(65, 32\), the config needs \(65, 64\)"):
         load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(
+    tmp_path: Path, tiny_model: GPT, char_tok: CharTokenizer, value: float
+) -> None:
+    # saved normally (config.json records these weights' sha256), as a run that diverged would save them
+    with torch.no_grad():
+        tiny_model.transformer.h[1].mlp.c_fc.weight[3, 5] = value
+    directory = save_checkpoint(tmp_path / "diverged", tiny_model, char_tok)
+    with pytest.raises(CheckpointError, match=r"tensor transformer\.h\.1\.mlp\.c_fc\.weight holds 1 NaN or "
+                       r"infinite value\(s\) of 4096"):
+        load_checkpoint(directory)
+
+
+def test_finite_half_precision_weights_whose_sum_overflows_still_load(
+    tmp_path: Path, tiny_model: GPT, char_tok: CharTokenizer
+) -> None:
+    # the finiteness check sums each tensor; 65 x 32 values of 60000 sum past float16's range (65504), yet
+    # every value is finite: the element-by-element look that follows must let it through
+    with torch.no_grad():
+        tiny_model.transformer.wte.weight.fill_(60000.0)
+    directory = save_checkpoint(tmp_path / "half", tiny_model, char_tok, dtype=torch.float16)
+    assert torch.isinf(load_checkpoint(directory).model.transformer.wte.weight.sum())  # the sum did overflow
+    assert load_checkpoint(directory).model.transformer.wte.weight.eq(60000.0).all()
+
+
+@pytest.fixture
+def nothing_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a GPT module is built, even on the meta device: huge configs must be refused first."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        pytest.fail("a GPT was built before the config was checked against the weights")
+
+    monkeypatch.setattr(GPT, "__init__", refuse)
+
+
+def _sizes(directory: Path) -> tuple[int, int]:
+    """(parameters the config implies, parameters the weights file holds), without building a model."""
+    config = GPTConfig.from_dict(json.loads((directory / "config.json").read_text())["model"])
+    return config.num_params(), sum(t.numel() for t in load_file(directory / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("memory", [1 << 40, 1 << 30])  # 1 TiB: past the memory check; 1 GiB: stopped by it
+def test_a_config_with_far_more_layers_is_refused_before_building(
+    saved: Path, nothing_is_built: None, monkeypatch: pytest.MonkeyPatch, memory: int
+) -> None:
+    monkeypatch.setattr(checkpoint, "machine_memory", lambda: memory)
+    _edit_config(saved, lambda m: m["model"].update(n_layer=100_000))
+    implied, held = _sizes(saved)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(saved)
+    message = str(e.value)
+    assert f"n_layer 100000 ({si(implied)} parameters)" in message or f"has {si(implied)} parameters" in message
+    assert f"model.safetensors holds {si(held)} parameters in 2 layers" in message
+    assert ("more than this machine's 1.07GB of memory" in message) == (memory == 1 << 30), message
+
+
+def test_a_config_with_a_huge_width_is_refused_before_building(saved: Path, nothing_is_built: None) -> None:
+    _edit_config(saved, lambda m: m["model"].update(n_embd=10**9, n_head=1))
+    implied, held = _sizes(saved)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(saved)
+    message = str(e.value)
+    assert f"n_embd 1000000000, vocab_size 65, block_size 32) has {si(implied)} parameters" in message
+    assert f"loading it needs at least {si(implied * 4)}B, more than this machine's" in message
+    assert f"model.safetensors holds {si(held)} parameters in 2 layers" in message
 
 
 def test_unknown_tokenizer_kind(saved: Path) -> None:

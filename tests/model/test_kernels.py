@@ -4,7 +4,6 @@ SDPA path, and the fallbacks that must hand work back to torch untouched."""
 from __future__ import annotations
 
 import contextlib
-import platform
 import subprocess
 import sys
 import threading
@@ -21,14 +20,6 @@ from model.gpt import GPT, KVCache
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
     """`code` in a fresh interpreter (a fresh kernel pool), from the repository root."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd)
-
-
-@pytest.fixture(scope="module")
-def built() -> None:
-    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() not in (
-            "AVX2", "AVX512"):
-        pytest.skip(f"the CPU kernels need x86-64 with AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})")
-    assert kernels.load(), f"the CPU kernels should build on this machine: {kernels.status()}"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32, 64])
@@ -52,28 +43,29 @@ def test_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bia
 def test_packed_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bias: bool) -> None:
     """Weights packed in panels of 16 outputs (a partial last panel; any input width) give F.linear's result."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out)
-    layer = torch.nn.Linear(n_in, n_out, bias=bias)
+    model = torch.nn.Sequential(torch.nn.Linear(n_in, n_out, bias=bias))
     with torch.no_grad():
-        layer.weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in**0.5)
-    assert kernels.pack_weights(layer) == -(-n_out // 16) * 16 * n_in * 4
-    assert kernels._packed(layer.weight) is not None
+        model[0].weight.copy_(torch.randn(n_out, n_in, generator=g) / n_in**0.5)
+    assert kernels.install(model).packed_bytes == -(-n_out // 16) * 16 * n_in * 4
+    layer = model[0]
+    assert isinstance(layer, kernels.KernelLinear) and layer.current_packed() is not None
     x = torch.randn(rows, n_in, generator=g)
     with torch.inference_mode():
-        got = kernels.linear(x, layer.weight, layer.bias)
+        got = layer(x)
         ref = F.linear(x.double(), layer.weight.double(), None if not bias else layer.bias.double()).float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_copy_is_not_used_once_the_weight_changes(built: None) -> None:
-    layer = torch.nn.Linear(64, 40)
-    kernels.pack_weights(layer)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 40))
+    kernels.install(model)
+    layer = model[0]
     x = torch.randn(8, 64)
     with torch.no_grad():
         layer.weight.mul_(-2.0)  # in place: the packed copy is now stale
-    assert kernels._packed(layer.weight) is None
+    assert layer.current_packed() is None
     with torch.inference_mode():
-        torch.testing.assert_close(kernels.linear(x, layer.weight, layer.bias),
-                                   F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_serial_torch_ops_is_per_thread_and_restores(built: None) -> None:
@@ -129,8 +121,7 @@ def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: in
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
-    if packed:
-        assert kernels.pack_weights(model) > 0
+    assert (kernels.install(model, pack=packed).packed_bytes > 0) == packed
     B, start, steps = 5, torch.tensor([3, 11, 1, 7, 30]), 12
     idx = torch.randint(0, cfg.vocab_size, (B, int(start.max()) + steps))
     rows = torch.tensor([5, 0, 2, 1, 4])
@@ -165,8 +156,7 @@ def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool) -> No
     torch.manual_seed(1)
     cfg = GPTConfig(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, bias=True)
     model = GPT(cfg).eval()
-    if packed:
-        kernels.pack_weights(model)
+    kernels.install(model, pack=packed)
     B, first, second = 3, 7, 9
     assert B * (first + second) > B * second and B * max(first, second) <= kernels.FUSED_MAX_TOKENS
     idx = torch.randint(0, cfg.vocab_size, (B, first + second))
@@ -191,7 +181,7 @@ def test_decode_block_with_many_rows(built: None) -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=16, vocab_size=50, n_layer=1, n_head=8, n_embd=512, bias=True)
     model = GPT(cfg).eval()
-    kernels.pack_weights(model)
+    kernels.install(model)
     B = 40
     idx = torch.randint(0, cfg.vocab_size, (B, 6))
     with torch.inference_mode():
@@ -223,7 +213,7 @@ def test_decode_attention_refuses_bad_rows(built: None) -> None:
 def test_built_library_is_reused(built: None, repo) -> None:  # noqa: ANN001
     """A second process finds the built library and imports it without compiling (no compiler needed)."""
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO); from model import kernels; "
-            "import torch.utils.cpp_extension as c; c.load_inline = None; "  # compiling would now fail
+            "import torch.utils.cpp_extension as c; c.load = None; "  # compiling would now fail
             "sys.exit(0 if kernels.load() else 1)")
     r = run_python(code, repo)
     assert r.returncode == 0, r.stderr
@@ -251,7 +241,7 @@ def test_pool_serves_a_first_call_from_a_new_thread(built: None, repo) -> None: 
         "    for _ in range(200):\n"
         "        check()\n"
         "t = threading.Thread(target=run); t.start(); t.join()\n"
-        "print('pool threads', kernels._ext.pool_threads())\n"
+        "print('pool threads', kernels.library().pool_threads())\n"
     )
     r = run_python(code, repo)
     assert r.returncode == 0 and "pool threads 2" in r.stdout, r.stderr

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
-from model.stopping import EOS_TOKEN, LENGTH, TextStream, check_stop_token
+from model import stopping
+from model.stopping import (
+    EOS_TOKEN,
+    LENGTH,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    StopMatcher,
+    TextStream,
+    check_stop_token,
+)
 from model.tokenizer import BPETokenizer, CharTokenizer
 
 # --- check_stop_token ------------------------------------------------------------------------------------------
@@ -221,3 +231,82 @@ def test_stream_char_cases(text: str, stop: tuple[str, ...], want: str) -> None:
     tok = CharTokenizer.from_text(text)
     deltas, stream = _stream(tok, tok.encode(text), stop)
     assert "".join(deltas) == want
+
+
+def test_stream_property_many_overlapping_stop_strings() -> None:
+    """Up to 16 stop strings over a two-letter alphabet: they overlap, nest and share prefixes and suffixes, which is
+    what the matcher's failure links are for."""
+    rng = random.Random(11)
+    tok = CharTokenizer.from_text("ab")
+    cases = []
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(1, 40)))
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(3, 9))) for _ in range(rng.randint(1, 16)))
+        cases.append((text, stops))
+    stopped = _check_property(tok, cases)
+    assert 0.2 * len(cases) < stopped < 0.9 * len(cases)
+
+
+# --- the cost of stop strings: work per token does not grow with their number or length ---------------------------
+
+ALPHABET = [chr(c) for c in range(32, 127)]
+
+
+def _lines_run(stop: tuple[str, ...], text: str) -> tuple[int, TextStream]:
+    """Push `text` one character a token; the number of lines of model/stopping.py executed by the pushes (not by
+    building the stream), counted with a trace function: a measure of work that does not depend on timing."""
+    tok = CharTokenizer(ALPHABET)
+    stream = TextStream(tok, stop)
+    ids = tok.encode(text)
+    lines = 0
+
+    def local(frame, event: str, arg):  # noqa: ANN001, ANN202
+        nonlocal lines
+        lines += event == "line"
+        return local
+
+    def on_call(frame, event: str, arg):  # noqa: ANN001, ANN202
+        return local if frame.f_code.co_filename == stopping.__file__ else None
+
+    previous = sys.gettrace()  # a coverage tool's, say
+    sys.settrace(on_call)
+    try:
+        for i in ids:
+            stream.push(i)
+    finally:
+        sys.settrace(previous)
+    assert stream.stopped_by is None  # none of these stop strings occurs: every token is matched against all
+    return lines, stream
+
+
+def _long_stop_cases() -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """(text, one short stop string, MAX_STOP_STRINGS stop strings of MAX_STOP_CHARS characters): random ones, and
+    ones the text keeps matching up to their last character (the most text held back, the most to re-check)."""
+    rng = random.Random(5)
+    text = "".join(rng.choice(ALPHABET) for _ in range(600))
+    random_stops = tuple("".join(rng.choice(ALPHABET) for _ in range(MAX_STOP_CHARS)) for _ in range(MAX_STOP_STRINGS))
+    deep = tuple("a" * (MAX_STOP_CHARS - 1 - k) + "b" for k in range(MAX_STOP_STRINGS))
+    periodic = tuple(("ab" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 1 - k] + "#" for k in range(MAX_STOP_STRINGS))
+    return [(text, ("~#",), random_stops), ("a" * 600, ("b#",), deep), ("ab" * 300, ("a#",), periodic)]
+
+
+@pytest.mark.parametrize("case", range(3), ids=["random", "one letter", "periodic"])
+def test_stop_matching_work_per_token_does_not_grow_with_the_stop_strings(case: int) -> None:
+    """16 stop strings of the maximum length cost at most a small constant factor more work per token than one
+    stop string of two characters (the old matcher, which re-checked every stop string against the held-back
+    text on every token, did 16 x 128 times more)."""
+    text, short, long = _long_stop_cases()[case]
+    lines_short, _ = _lines_run(short, text)
+    lines_long, stream = _lines_run(long, text)
+    assert lines_long <= 1.5 * lines_short, (lines_long, lines_short)
+    # the automaton: at most two transitions per character (each failure step gives back depth one forward
+    # step added), however many and however long the stop strings
+    assert stream.matcher is not None and stream.matcher.steps <= 2 * len(text)
+
+
+def test_stop_matcher_holds_back_exactly_the_longest_possible_start() -> None:
+    matcher = StopMatcher(("abcab", "bcx", "cabd"))
+    state, start, k = matcher.scan(0, "zzabca", 0)
+    assert (start, k) == (-1, -1) and matcher.depth[state] == 4  # "abca": a prefix of "abcab"
+    state, start, k = matcher.scan(state, "bd", 6)
+    assert (start, matcher.stop[k]) == (2, "abcab")  # "abcab" (from 2) ends before "cabd" (from 4) could

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-# tiny Shakespeare lives beside the repository, never inside it
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TEXT_BYTES = 20_000
 
 
@@ -24,11 +21,12 @@ def _fallback_text(n_bytes: int) -> str:
 
 
 @pytest.fixture(scope="session")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def text_file(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     """The first 20 KB of tiny Shakespeare (or generated text where it is missing), in a temp directory."""
     path = tmp_path_factory.mktemp("text") / "input.txt"
-    if SHAKESPEARE.is_file():
-        path.write_text(SHAKESPEARE.read_bytes()[:TEXT_BYTES].decode("utf-8", errors="ignore"), encoding="utf-8")
+    shakespeare = data_dir / "tinyshakespeare" / "input.txt"
+    if shakespeare.is_file():
+        path.write_text(shakespeare.read_bytes()[:TEXT_BYTES].decode("utf-8", errors="ignore"), encoding="utf-8")
     else:
         path.write_text(_fallback_text(TEXT_BYTES), encoding="utf-8")
     return path

@@ -140,6 +140,32 @@ def test_cli_error_is_exit_code_2_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_loss_png_is_redrawn_at_every_evaluation(
+    text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-run, after each evaluation, `loss.png` is a complete PNG with that evaluation on it: seen from inside
+    the run, at every training step, by wrapping `Trainer.train_step`."""
+    from PIL import Image
+
+    out, seen = tmp_path / "run", {}
+    real_step = Trainer.train_step
+
+    def train_step(self: Trainer, lr: float) -> float:
+        png = out / "loss.png"
+        if png.exists():
+            with Image.open(png) as image:
+                image.verify()  # a whole, valid PNG (never a half-written one)
+            seen[self.step] = hashlib.sha256(png.read_bytes()).hexdigest()
+        return real_step(self, lr)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    train(tiny_argv(text_file, out, max_iters=25))  # evaluations at steps 10, 20 and 25 (the final one)
+    assert sorted(seen) == list(range(10, 25))  # from the first evaluation on, not only at the end
+    assert len({seen[s] for s in range(10, 20)}) == 1 and seen[20] != seen[10]  # redrawn at step 20's evaluation
+    assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC
+    assert hashlib.sha256((out / "loss.png").read_bytes()).hexdigest() != seen[20]  # and at the final one
+
+
 # -- exact resume -------------------------------------------------------------------------------------
 
 
@@ -219,6 +245,15 @@ BAD_INPUT = {
         "max_iters must be of type int"),
     "resume without last/": (
         lambda d, text: ["--resume", "--out", str(d / "empty-run")], "cannot resume"),
+    "not a device": (lambda d, text: ["--device", "gpu0"], "--device gpu0: not a device name; use auto, cpu, cuda"),
+    "more threads than cores": (lambda d, text: ["--threads", str((os.cpu_count() or 1) + 1)],
+                                "--threads must be between 0 (all cores)"),
+    "NaN learning rate": (lambda d, text: ["--learning-rate", "nan"], "--learning-rate must be a finite number"),
+    # refused from the config's arithmetic, before a layer is built or a batch drawn (either would take hours)
+    "a model larger than memory": (
+        lambda d, text: ["--n-layer", "1000000000"], "n_layer 1000000000, n_embd 32"),
+    "a batch larger than memory": (
+        lambda d, text: ["--batch-size", "10000000000"], "the logits of a 10000000000x32 batch, in float32) needs"),
 }
 
 
@@ -249,6 +284,65 @@ def test_unknown_preset_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--preset" in err and "gpt5" in err and "shakespeare-char" in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, not a usage dump
+
+
+def test_gpt2_tokenizer_offline_without_bpe_dir_is_one_error_line(
+    text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import requests
+
+    from model import tokenizer
+
+    def offline(**kwargs: Any) -> None:  # what tiktoken's download does on a machine without network
+        raise requests.exceptions.ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+
+    monkeypatch.delenv("FOLIO_GPT2_BPE_DIR", raising=False)
+    monkeypatch.setattr(tokenizer, "data_gym_to_mergeable_bpe_ranks", offline)
+    assert main(tiny_argv(text_file, tmp_path / "out", "--tokenizer", "gpt2")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot download GPT-2's BPE files") and err.count("\n") == 1, err
+    assert "(ConnectionError)" in err and "--bpe-dir" in err and "FOLIO_GPT2_BPE_DIR" in err
+
+
+# -- a run already in --out --------------------------------------------------------------------------------
+
+
+def test_a_run_in_out_is_never_overwritten_unasked(
+    text_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    train(tiny_argv(text_file, out, max_iters=10))
+    before = {name: (out / name).read_bytes() for name in ("model.safetensors", "config.json", "metrics.jsonl")}
+    capsys.readouterr()
+
+    assert main(tiny_argv(text_file, out, "--seed", "7", max_iters=10)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} already holds a run (config.json, model.safetensors, metrics.jsonl, "
+                          "loss.png, last): continue it with --resume, or delete it and start afresh with "
+                          "--overwrite"), err
+    assert {name: (out / name).read_bytes() for name in before} == before  # untouched
+
+    assert main(["--resume", "--overwrite", "--out", str(out)]) == 2
+    assert "--resume continues the run in --out and --overwrite deletes it: pass one of them" in capsys.readouterr().err
+
+    # --overwrite: the old run goes as a whole, so its metrics do not mix with the new run's
+    train(tiny_argv(text_file, out, "--seed", "7", "--overwrite", max_iters=10))
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    steps = [r["step"] for r in metrics(out) if "loss" in r]
+    assert steps == [5, 10]  # one run's rows, not two runs' appended
+    assert read_config(out)["training"]["train_config"]["seed"] == 7
+    # and a resume of that run does not delete it again
+    cfg, resume = resolve_config(["--resume", "--out", str(out)])
+    assert resume and not cfg.overwrite
+
+
+def test_a_directory_with_only_unrelated_files_is_not_a_run(text_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    train(tiny_argv(text_file, out, max_iters=5))
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
 
 
 # -- configuration: preset < --config < flags ----------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Building the C++ in `csrc/` into a library Python imports: once per variant, source and torch version.
+
+The sources are compiled with `torch.utils.cpp_extension.load` (g++ and ninja) into `FOLIO_KERNEL_DIR/<name>`
+(default ~/.cache/folio/kernels), where the name carries the variant and a hash of every source file, the
+compiler flags, torch's version and the machine: a changed source or flag builds anew beside the old, and a
+process that finds its library built imports it without a compiler (the Docker image ships it prebuilt:
+`python -m model.kernels`).
+
+A variant is one instruction set's build of the same sources: its compiler flags and the CPU flags it needs to
+run. `best_variant` picks the most capable one this CPU runs. The limits below are defined here once and reach
+the C++ as `-D` defines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Up to this many rows (a step's tokens) the kernels do a product, where they beat MKL's GEMV and GEMM; from about
+# twice as many, MKL's blocked GEMM is faster. A prompt goes to MKL.
+MAX_ROWS = 64
+# from this many rows a weight's packed copy is used: below, the dot products are as fast
+PACKED_MIN_ROWS = 4
+# a cached forward of up to this many tokens (rows x chunk) runs its blocks fused, each token a row: where the
+# kernels do its products (a short prompt gains the most: torch's path makes a call per op); a longer chunk is
+# faster through torch's attention
+FUSED_MAX_TOKENS = MAX_ROWS
+
+CSRC = Path(__file__).with_name("csrc")
+X86_64 = ("x86_64", "AMD64")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One instruction set's build of the sources in `csrc/`."""
+
+    name: str
+    cflags: tuple[str, ...]  # what the compiler may use
+    cpu_flags: frozenset[str]  # what the CPU must have to run it, as Linux's /proc/cpuinfo names them
+
+
+# from the least to the most capable; every variant builds from the same sources
+VARIANTS = (Variant("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux names them; elsewhere those that torch's detected capability implies."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    return frozenset({"avx2", "fma"}) if capability in ("AVX2", "AVX512") else frozenset()
+
+
+def best_variant(flags: frozenset[str] | None = None) -> Variant | None:
+    """The most capable variant a CPU with `flags` (default: this one) runs; None if it runs none."""
+    if platform.machine() not in X86_64:
+        return None
+    flags = cpu_flags() if flags is None else flags
+    runnable = [v for v in VARIANTS if v.cpu_flags <= flags]
+    return runnable[-1] if runnable else None
+
+
+def cflags(variant: Variant) -> list[str]:
+    return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}"]
+
+
+def sources() -> list[Path]:
+    """Every C++ source and header (the headers count for the hash, the .cpp files are compiled)."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def library_name(variant: Variant) -> str:
+    key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    key.update(" ".join([*cflags(variant), torch.__version__, platform.machine()]).encode())
+    return f"folio_kernels_{variant.name}_{key.hexdigest()[:12]}"
+
+
+def build_directory(variant: Variant) -> Path:
+    default = Path.home() / ".cache" / "folio" / "kernels"
+    return Path(os.environ.get("FOLIO_KERNEL_DIR") or default) / library_name(variant)
+
+
+def import_built(variant: Variant) -> ModuleType | None:
+    """The library an earlier `build` made, without invoking the compiler (or needing one); None if none."""
+    name = library_name(variant)
+    built = build_directory(variant) / f"{name}.so"
+    if not built.is_file():
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(name, str(built))
+    spec = importlib.util.spec_from_file_location(name, built, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def build(variant: Variant) -> ModuleType:
+    """The variant's library, imported: built before, or compiled now (about a minute). Raises where it cannot be
+    compiled (no compiler, no ninja, a read-only cache). The CPU must run the variant: importing runs its code."""
+    module = import_built(variant)
+    if module is not None:
+        return module
+    from torch.utils.cpp_extension import load  # only when compiling: a built library needs none of it
+
+    directory = build_directory(variant)
+    directory.mkdir(parents=True, exist_ok=True)
+    log.info("building the CPU decode kernels (%s) once into %s (about a minute)", variant.name, directory)
+    return load(library_name(variant), [str(p) for p in sources() if p.suffix == ".cpp"],
+                extra_cflags=cflags(variant), build_directory=str(directory), verbose=False)

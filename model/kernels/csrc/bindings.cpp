@@ -1,0 +1,16 @@
+// The Python module: every kernel releases the GIL while it runs, so other Python threads (the server's event
+// loop) run meanwhile. TORCH_EXTENSION_NAME is the library's name, set by the build (model/kernels/build.py).
+#include <torch/extension.h>
+
+#include "ops.h"
+#include "pool.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_block", &folio::decode_block, release_gil());
+  m.def("linear", &folio::linear, release_gil());
+  m.def("decode_attention", &folio::decode_attention, release_gil());
+  m.def("pack", &folio::pack, release_gil());
+  m.def("pool_threads", &folio::pool_threads);
+  m.def("set_torch_threads", &folio::set_torch_threads);
+}

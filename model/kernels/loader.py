@@ -1,0 +1,77 @@
+"""The one kernel library a process uses: loaded once (the best variant this CPU runs), or why it is not.
+
+Where the kernels cannot be used (no compiler for a first build, a CPU without AVX2, FOLIO_CPU_KERNELS=0),
+`load()` logs why and torch's own ops serve everywhere: slower, same results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from model.kernels import build
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_library: ModuleType | None = None
+_variant: build.Variant | None = None
+_why_not: str | None = None
+_disabled = False
+
+
+def load() -> bool:
+    """Build (once per source, variant and torch version) and load the kernels; True when they will be used."""
+    global _library, _variant, _why_not
+    with _lock:
+        if _library is not None or _why_not is not None:
+            return _library is not None
+        variant = build.best_variant()
+        if os.environ.get("FOLIO_CPU_KERNELS", "1") == "0":
+            _why_not = "turned off (FOLIO_CPU_KERNELS=0)"
+        elif variant is None:
+            _why_not = f"needs an x86-64 CPU with AVX2 (this one: {platform.machine()}, "
+            _why_not += f"{torch.backends.cpu.get_cpu_capability()})"
+        else:
+            try:
+                _library, _variant = build.build(variant), variant
+            except Exception as e:  # no compiler, no ninja, a read-only cache: serve with torch's ops
+                _why_not = f"could not be built: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        if _why_not is not None:
+            log.warning("CPU decode kernels %s; using torch's ops (slower on CPU, same results)", _why_not)
+        else:
+            log.info("CPU decode kernels loaded (%s)", variant.name)
+        return _library is not None
+
+
+def library() -> ModuleType | None:
+    """The loaded library; None when it is not loaded (or cannot be) and within `disabled()`."""
+    return None if _disabled else _library
+
+
+def variant() -> build.Variant | None:
+    """The variant loaded (None when none is)."""
+    return _variant if library() is not None else None
+
+
+def status() -> str:
+    """'loaded', 'not loaded' or why the kernels cannot be used (for /info and logs)."""
+    return "loaded" if library() is not None else (_why_not or "not loaded")
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every kernel-backed module and function uses torch's own ops (references, benchmarks)."""
+    global _disabled
+    saved, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = saved

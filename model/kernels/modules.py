@@ -1,0 +1,147 @@
+"""The fast path as module swaps: `install(model)` puts kernel-backed modules in place of a GPT's own.
+
+`model/gpt.py` is plain torch. Like gpt-fast's quantization, the kernels replace modules rather than branch
+inside `forward`:
+- each fp32 CPU `nn.Linear` becomes a `KernelLinear`: the same parameters (the LM head stays tied to the token
+  embedding), computed by `ops.linear`, with a packed copy of its weight as a buffer that is not saved;
+- each `Block` (head size a multiple of 8) becomes a `FusedBlock`: a cached forward of up to `FUSED_MAX_TOKENS`
+  tokens at inference runs the whole block in one kernel call; anything else runs `Block.forward`.
+Parameter names and the state dict are unchanged. Within `kernels.disabled()` both serve torch's ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model.gpt import Block, CacheStep
+from model.kernels import ops
+from model.kernels.build import FUSED_MAX_TOKENS
+from model.kernels.loader import library
+
+
+def _version(weight: torch.Tensor) -> int:
+    # an inference tensor has no version counter (and can only change within inference mode)
+    return -1 if weight.is_inference() else weight._version
+
+
+class KernelLinear(nn.Linear):
+    """`nn.Linear` over the same parameters, computed by `ops.linear`: at inference on CPU a few rows go through
+    the kernels, from `PACKED_MIN_ROWS` rows on through `packed`, the weight in panels of 16 outputs (as much
+    memory again as the weight; a non-persistent buffer). The copy is used only while the weight is the one it
+    was made from: an in-place change bumps the weight's version, and the product then reads the weight itself."""
+
+    packed: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: tying and training unchanged
+        self.training = linear.training
+        self.register_buffer("packed", None, persistent=False)
+        self.packed_version: int | None = None  # the weight's version the copy was made from
+
+    def pack(self) -> None:
+        """Make the packed copy, unless a current one exists."""
+        if self.current_packed() is None:
+            self.packed = ops.pack(self.weight)
+            self.packed_version = _version(self.weight)
+
+    def current_packed(self) -> torch.Tensor | None:
+        """The packed copy if it was made from the weight as it is now, else None."""
+        fresh = self.packed is not None and self.packed_version == _version(self.weight)
+        return self.packed if fresh else None
+
+    @property
+    def packed_bytes(self) -> int:
+        """The current packed copy's memory (0 without one)."""
+        packed = self.current_packed()
+        return 0 if packed is None else packed.numel() * packed.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, self.current_packed())
+
+
+class FusedBlock(Block):
+    """A `Block` (the same submodules) whose cached forwards at inference run in one kernel call: the B x T new
+    tokens as rows, each attending to its own cache row up to its position, as `Block.forward` computes it.
+    Where the kernel does not apply (no cache, training, autograd, more than FUSED_MAX_TOKENS tokens, not fp32
+    on CPU, the kernels disabled) it is `Block.forward`."""
+
+    def __init__(self, block: Block) -> None:
+        nn.Module.__init__(self)
+        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
+        self.training = block.training
+
+    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
+        lib = library()
+        B, T, C = x.size()
+        if (lib is None or cache is None or self.training or torch.is_grad_enabled() or B * T > FUSED_MAX_TOKENS
+                or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype != torch.float32):
+            return super().forward(x, cache)
+        k_cache, v_cache = cache.layer(self.attn.layer)
+        attn, mlp = self.attn, self.mlp
+        y = lib.decode_block(
+            x.reshape(B * T, C).contiguous(), self.ln_1.weight, self.ln_1.bias, attn.c_attn.weight, attn.c_attn.bias,
+            attn.c_proj.weight, attn.c_proj.bias, self.ln_2.weight, self.ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias,
+            mlp.c_proj.weight, mlp.c_proj.bias, k_cache, v_cache, cache.token_rows, cache.token_pos, attn.n_head,
+            [linear.current_packed() for linear in _linears(self)])
+        return y.view(B, T, C)
+
+
+@dataclass(frozen=True)
+class InstallReport:
+    """What runs on the kernels after `install`."""
+
+    linears: int  # KernelLinear layers
+    blocks: int  # FusedBlocks
+    packed_bytes: int  # the current packed weight copies' memory
+
+
+def _on_cpu_in_fp32(module: nn.Module) -> bool:
+    return all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
+
+
+def _swap(model: nn.Module, replace: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Put `replace(child)` in place of every child of every module of `model` for which it is not None."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            new = replace(child)
+            if new is not None:
+                setattr(parent, name, new)
+
+
+def _kernel_linear(module: nn.Module) -> KernelLinear | None:
+    fits = type(module) is nn.Linear and _on_cpu_in_fp32(module)
+    return KernelLinear(module) if fits else None
+
+
+def _linears(block: Block) -> tuple[nn.Module, ...]:
+    """A block's four products, in the order `decode_block` takes them."""
+    return block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj
+
+
+def _fused_block(module: nn.Module) -> FusedBlock | None:
+    if type(module) is not Block or module.attn.n_embd // module.attn.n_head % 8 != 0:
+        return None
+    fits = all(isinstance(linear, KernelLinear) for linear in _linears(module)) and _on_cpu_in_fp32(module)
+    return FusedBlock(module) if fits else None
+
+
+def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
+    """Swap `model`'s fp32 CPU `nn.Linear` layers for `KernelLinear`s and then its `Block`s for `FusedBlock`s, in
+    place, and (with `pack`) give every kernel-backed linear a current packed copy of its weight. Nothing happens
+    while the kernels are not loaded (`load()`): the model stays torch's. Call it with the model on its device and
+    dtype; a second call swaps what is new and repacks weights changed since. The report covers the whole model."""
+    if library() is None:
+        return InstallReport(linears=0, blocks=0, packed_bytes=0)
+    _swap(model, _kernel_linear)
+    _swap(model, _fused_block)  # after the linears: a fused block reads their packed copies
+    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    if pack:
+        for linear in linears:
+            linear.pack()
+    blocks = sum(isinstance(m, FusedBlock) for m in model.modules())
+    return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(m.packed_bytes for m in linears))

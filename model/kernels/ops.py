@@ -1,0 +1,63 @@
+"""The kernels as functions on tensors, each handing work to torch's own op where the kernels do not apply."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.nn import functional as F
+
+from model.kernels.loader import library
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`. At inference with fp32 CPU tensors, up to `MAX_ROWS` rows (all leading dims
+    together) go through the kernels: from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from
+    `pack` when given, else dot products from the weight itself (when its width is a multiple of 8). Anything
+    else is `F.linear`. Equal to torch's result up to float summation order."""
+    lib = library()
+    if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
+            or weight.dtype != torch.float32):
+        return F.linear(x, weight, bias)
+    *lead, n_in = x.shape
+    # the library picks (its `linear`): a kernel for <= MAX_ROWS rows, else torch's linear
+    y = lib.linear(x.reshape(-1, n_in).contiguous(), weight.contiguous(), bias, packed)
+    return y.view(*lead, weight.shape[0])
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A 2-D fp32 weight (O, I) packed for `linear`: panels of 16 outputs, (ceil(O / 16), I, 16), the last one
+    zero-padded. As much memory again as the weight."""
+    lib = library()
+    assert lib is not None, "pack needs the kernels loaded"
+    with torch.no_grad():
+        return lib.pack(weight.detach())
+
+
+def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     pos: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Attention for B new tokens in one call: qkv (B, 3C) -> (B, C). Writes each token's key and value to slot
+    `pos[b]` of cache row `rows[b]` (caches: (rows, n_head, max_len, head_size)), then attends to slots 0..pos[b]
+    of that row: what the cached path of `CausalSelfAttention` computes with index_put, a mask and SDPA."""
+    lib = library()
+    assert lib is not None, "decode_attention needs the kernels loaded"
+    return lib.decode_attention(qkv.contiguous(), k_cache, v_cache, rows, pos, n_head)
+
+
+@contextlib.contextmanager
+def serial_torch_ops() -> Iterator[None]:
+    """Within the block, torch's own ops called from this thread run on it alone (OpenMP's per-thread count),
+    while the kernels still use their pool. For decode steps: an OpenMP team would spin on the cores after each
+    small op (layer norm, embedding, log-softmax) and compete with the kernels' workers. Other threads are
+    unaffected; a no-op without the kernels."""
+    lib = library()
+    if lib is None:
+        yield
+        return
+    previous = lib.set_torch_threads(1)
+    try:
+        yield
+    finally:
+        lib.set_torch_threads(previous)

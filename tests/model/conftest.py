@@ -1,0 +1,24 @@
+"""Model test fixtures: the CPU decode kernels, built and loaded once."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+from torch.utils.cpp_extension import get_cxx_compiler
+
+from model import kernels
+
+
+@pytest.fixture(scope="session")
+def built() -> None:
+    """The kernels loaded; a skip, saying why, on a CPU they cannot run on or a machine with no compiler."""
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() not in (
+            "AVX2", "AVX512"):
+        pytest.skip(f"the CPU kernels need x86-64 with AVX2 (this CPU: {torch.backends.cpu.get_cpu_capability()})")
+    if not kernels.load() and shutil.which(compiler := get_cxx_compiler()) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) to build the CPU kernels: apt-get install g++ (.ci/run installs "
+                    f"it); the server then serves with torch's ops")
+    assert kernels.load(), f"the CPU kernels should build on this machine: {kernels.status()}"

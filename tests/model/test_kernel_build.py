@@ -1,0 +1,49 @@
+"""Building the kernels: which variant a CPU gets, what the library's name (its cache key) follows, and that the
+C++ sources ship with the package."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+from model.kernels import build
+
+
+def test_the_best_variant_is_the_most_capable_one_the_cpu_runs() -> None:
+    avx2 = build.VARIANTS[0]
+    x86 = platform.machine() in build.X86_64
+    assert avx2.name == "avx2" and avx2.cpu_flags == {"avx2", "fma"}
+    assert build.best_variant(frozenset({"sse2", "avx", "avx2", "fma", "avx512f"})) == (avx2 if x86 else None)
+    assert build.best_variant(frozenset({"sse2", "avx", "avx2"})) is None  # no FMA
+    assert build.best_variant(frozenset()) is None
+
+
+def test_the_library_name_follows_every_source_and_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    variant = build.VARIANTS[0]
+    name = build.library_name(variant)
+    assert name.startswith("folio_kernels_avx2_") and build.library_name(variant) == name
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    monkeypatch.setattr(build, "CSRC", copy)
+    assert build.library_name(variant) == name
+    header = copy / "simd.h"  # a header counts too: a .cpp that includes it compiles differently
+    header.write_text(header.read_text() + "\n")
+    changed = build.library_name(variant)
+    assert changed != name
+    monkeypatch.setattr(build, "MAX_ROWS", build.MAX_ROWS // 2)  # a -D define
+    assert build.library_name(variant) not in (name, changed)
+    assert "-DFOLIO_MAX_ROWS=32" in build.cflags(variant)
+
+
+def test_the_sources_ship_with_the_package(repo: Path) -> None:
+    """pyproject's package data names every file of csrc/ (a wheel without them could not build the kernels)."""
+    config = tomllib.loads((repo / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["model.kernels"]
+    files = [p.relative_to(build.CSRC.parent).as_posix() for p in build.CSRC.iterdir()]
+    assert {p.suffix for p in build.sources()} == {".cpp", ".h"}
+    assert [f for f in files if not any(fnmatch(f, pattern) for pattern in patterns)] == []

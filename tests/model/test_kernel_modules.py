@@ -1,0 +1,97 @@
+"""`kernels.install`: the module swaps that put the kernels into a GPT, what they keep unchanged (parameters, the
+state dict, the tied LM head), where they hand work back to torch's modules, and the mask a fused step skips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import kernels
+from model.config import GPTConfig
+from model.gpt import GPT, Block, CacheStep, KVCache
+
+CONFIG = GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, bias=True)
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """What panels of 16 outputs of every linear weight take."""
+    shapes = [m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(-(-n_out // 16) * 16 * n_in * 4 for n_out, n_in in shapes)
+
+
+def test_install_swaps_modules_and_keeps_the_state_dict(built: None) -> None:
+    model = GPT(CONFIG).eval()
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = kernels.install(model)
+    assert report == kernels.InstallReport(linears=4 * 2 + 1, blocks=2, packed_bytes=packed_bytes(model))
+    assert all(isinstance(b, kernels.FusedBlock) for b in model.transformer.h)
+    assert not any(m.training for m in model.modules())  # still in eval mode: the swaps keep the mode
+    assert not [m for m in model.modules() if type(m) in (torch.nn.Linear, Block)]
+    # the same Parameter objects under the same names; the packed copies are not saved
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert kernels.install(model) == report  # a second install finds everything in place
+
+
+def test_install_leaves_what_the_kernels_cannot_run(built: None) -> None:
+    """Nothing while the kernels are off; fp64 stays torch's; a head size not a multiple of 8 keeps torch's
+    blocks (their linears still kernel-backed)."""
+    model = GPT(CONFIG).eval()
+    with kernels.disabled():
+        assert kernels.install(model) == kernels.InstallReport(linears=0, blocks=0, packed_bytes=0)
+    assert kernels.install(GPT(CONFIG).double()).linears == 0
+    odd = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=12)).eval()
+    assert kernels.install(odd, pack=False) == kernels.InstallReport(linears=9, blocks=0, packed_bytes=0)
+    assert all(type(b) is Block for b in odd.transformer.h)
+
+
+def test_a_stale_packed_copy_is_repacked_by_a_second_install(built: None) -> None:
+    model = GPT(CONFIG).eval()
+    kernels.install(model)
+    fc = model.transformer.h[0].mlp.c_fc
+    with torch.no_grad():
+        fc.weight.add_(1.0)
+    assert fc.current_packed() is None
+    kernels.install(model)
+    assert fc.current_packed() is not None
+    torch.testing.assert_close(fc.current_packed(), kernels.pack(fc.weight))
+
+
+def test_fused_blocks_fall_back_to_torchs_block(built: None) -> None:
+    """With autograd on (training), or without a cache, a fused block is `Block.forward`: same logits and
+    gradients as the model before install."""
+    torch.manual_seed(0)
+    plain = GPT(CONFIG)
+    fused = GPT(CONFIG)
+    fused.load_state_dict(plain.state_dict())
+    kernels.install(fused)
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 9))
+    want, got = plain.eval()(idx), fused.eval()(idx)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_fused_step_builds_no_attention_mask(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mask of torch's attention is built on first use, once per forward: never when every block is fused."""
+    masks: list[int] = []
+    build_mask = CacheStep.mask.func
+    monkeypatch.setattr(CacheStep, "mask", property(lambda step: masks.append(1) or build_mask(step)))
+    model = GPT(CONFIG).eval()
+    kernels.install(model)
+    idx = torch.randint(0, CONFIG.vocab_size, (3, 6))
+    with torch.inference_mode():
+        cache = KVCache(CONFIG, 3)
+        fused = model(idx, kv_cache=cache)
+        assert masks == []
+        with kernels.disabled():
+            unfused = model(idx, kv_cache=KVCache(CONFIG, 3))
+        assert masks  # torch's path reads it
+    torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
