@@ -28,7 +28,8 @@ from app.main import build_engine, create_app
 from app.protocol import protocol_class
 from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.cli import ArgumentParser, resolve_device
+from model.cli import ArgumentParser
+from model.devices import resolve_device
 
 FINAL_WRITES_S = 2  # after the drain: how long responses still being written may take before they are cut
 

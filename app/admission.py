@@ -29,8 +29,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.engine import Overloaded, Reservation
 from app.errors import Unavailable, error_response
+from model.engine import Overloaded, Reservation
 
 # the slot held for the request being handled (in the route's task: FastAPI runs async routes and streams in it)
 current_reservation: ContextVar[Reservation | None] = ContextVar("folio_reservation", default=None)

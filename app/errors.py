@@ -12,9 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.engine import EngineError, EngineStopped, GenerationError, Overloaded
 from app.responses import StrictJSONResponse
-from model.sampling import ValidationError, preview
+from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
-from model.tokenizer import TokenizerError
+from model.engine import Request
+from model.tokenizer import Tokenizer, TokenizerError
 
 FAULT_PREFILL = "<fault:prefill>"
 FAULT_DECODE = "<fault:decode>"
@@ -41,7 +41,7 @@ def _contains(seq: Sequence[int], sub: Sequence[int]) -> bool:
     return n > 0 and any(seq[i : i + n] == sub for i in range(len(seq) - n + 1))
 
 
-def fault_hook(tokenizer: Any) -> Callable[[list[Any]], None]:
+def fault_hook(tokenizer: Tokenizer) -> Callable[[list[Request]], None]:
     """The engine's `on_step` hook for the markers above, encoded with `tokenizer`."""
     def ids(marker: str) -> list[int]:
         try:
@@ -51,16 +51,15 @@ def fault_hook(tokenizer: Any) -> Callable[[list[Any]], None]:
 
     prefill_ids, decode_ids, stall_ids = ids(FAULT_PREFILL), ids(FAULT_DECODE), ids(FAULT_STALL)
 
-    def on_step(requests: list[Any]) -> None:
+    def on_step(requests: list[Request]) -> None:
         for req in requests:
             if _contains(req.prompt, stall_ids):
                 deadline = time.monotonic() + STALL_MAX_SECONDS
                 while not req.cancelled and time.monotonic() < deadline:
                     time.sleep(0.01)
-            prefilling = req.prefilled < len(req.prompt)
-            if prefilling and _contains(req.prompt, prefill_ids):
+            if req.prefilling and _contains(req.prompt, prefill_ids):
                 raise InjectedFault(f"injected fault in prefill ({FAULT_PREFILL} in the prompt)")
-            if not prefilling and len(req.output) >= DECODE_AFTER and _contains(req.prompt, decode_ids):
+            if not req.prefilling and len(req.output) >= DECODE_AFTER and _contains(req.prompt, decode_ids):
                 raise InjectedFault(f"injected fault in decode ({FAULT_DECODE} in the prompt)")
 
     return on_step

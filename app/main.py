@@ -15,7 +15,6 @@ from starlette.concurrency import run_in_threadpool
 
 from app import openai_api, system, tgi
 from app.admission import AdmissionMiddleware
-from app.engine import Engine
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
@@ -23,7 +22,8 @@ from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
-from model.cli import resolve_device
+from model.devices import resolve_device
+from model.engine import Engine
 
 log = logging.getLogger("folio")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

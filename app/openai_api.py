@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.deps import AuthDep, ServiceDep
-from app.engine import EngineError, Finished, GenerationStream, TokenEvent
 from app.errors import ERROR_TABLE, error_body
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import OPENAI, ClientGone, GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.sampling import preview
+from model.engine import EngineError, Finished, GenerationStream, TokenEvent
+from model.sampling_params import preview
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
-from model.sampling import preview
+from model.sampling_params import preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 MAX_SEED = 2**63 - 1

@@ -13,13 +13,13 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from app.admission import current_reservation
-from app.engine import Engine, Finished, GenerationStream, Result, TokenEvent
 from app.errors import Unavailable
 from app.metrics import Metrics
 from app.schemas import CompletionRequest, GenerateParameters
 from app.settings import Settings
 from model.checkpoint import Checkpoint
-from model.sampling import SamplingParams, ValidationError, preview
+from model.engine import Engine, Finished, GenerationStream, Result, TokenEvent
+from model.sampling_params import SamplingParams, ValidationError, preview
 
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
@@ -36,8 +36,8 @@ class Api:
         return self.renamed.get(name, self.prefix + name)
 
 
-TGI = Api({"inputs": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
-OPENAI = Api({"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
+TGI = Api({"prompt": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
+OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
 
 
 class ClientGone(Exception):
@@ -139,11 +139,11 @@ class GenerationService:
     async def prepare(self, text: str, params: SamplingParams, truncate: int | None, api: Api) -> Prepared:
         """Tokenise and check the prompt and parameters against the model (its context, its vocabulary); errors
         name this API's fields (`inputs`, `parameters.truncate` for TGI, `prompt`, `logprobs` for OpenAI)."""
-        prompt = await self.encode(text, api.field("inputs"))
+        prompt = await self.encode(text, api.field("prompt"))
         try:
-            prompt = self.engine.validate(prompt, params, truncate)
+            prompt = self.engine.validate(prompt, truncate, params)
         except ValidationError as e:
-            hint = api.truncate_hint if e.field == "inputs" and "context" in e.message else ""
+            hint = api.truncate_hint if e.field == "prompt" and "context" in e.message else ""
             raise ValidationError(api.field(e.field), e.message + hint) from None
         return Prepared(prompt, params, truncate)
 

@@ -11,7 +11,6 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import AuthDep, ServiceDep
-from app.engine import EngineError, GenerationStream, Result, TokenEvent
 from app.errors import ERROR_TABLE
 from app.responses import json_number
 from app.schemas import (
@@ -26,7 +25,8 @@ from app.schemas import (
 )
 from app.service import TGI, ClientGone, GenerationService, Prepared
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.sampling import ValidationError
+from model.engine import EngineError, GenerationStream, Result, TokenEvent
+from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["TGI"])

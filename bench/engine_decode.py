@@ -29,12 +29,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.engine import Engine  # noqa: E402
 from model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
-from model.generate import generate_naive  # noqa: E402
+from model.engine import Engine  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
+from model.reference import generate_naive  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
 from model.tokenizer import CharTokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

@@ -32,11 +32,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from app.engine import Engine  # noqa: E402
 from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
+from model.engine import Engine  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
 from model.tokenizer import gpt2_tokenizer  # noqa: E402
 
 PROMPTS = ["ROMEO:", "JULIET:\nO ", "First Citizen:\nWe are", "KING RICHARD III:\nNow is the winter",

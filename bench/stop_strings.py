@@ -24,11 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from app.engine import Engine  # noqa: E402
 from model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
 from model.config import GPTConfig  # noqa: E402
+from model.engine import Engine  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
+from model.sampling_params import SamplingParams  # noqa: E402
 from model.stopping import TextStream  # noqa: E402
 from model.tokenizer import CharTokenizer  # noqa: E402
 

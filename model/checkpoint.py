@@ -15,13 +15,9 @@ forward to it. Before that point the old pair is intact, after it the new one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import GPTConfig, machine_memory, si
+from model.files import atomic_path, atomic_write_json, fsync_dir, sha256_file
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, tokenizer_from_config
 
@@ -59,59 +56,6 @@ class Checkpoint:
         return self.meta.get("training", {})
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _make_readable(path: Path | str) -> None:
-    """mkstemp creates 0600 files; give a checkpoint file the mode any new file gets under the umask, so a
-    server running as another user (a container's non-root user) can read it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temp path beside `path` to write to; on success it is fsynced and renamed over `path`, so a
-    crash leaves either the old file or the new one, never half of one."""
-    path = Path(path)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        _make_readable(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def save_checkpoint(
     directory: str | os.PathLike[str],
     model: GPT,
@@ -136,34 +80,24 @@ def save_checkpoint(
         if k not in TIED_KEYS
     }
     weights, next_config = directory / WEIGHTS_FILE, directory / NEXT_CONFIG_FILE
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{WEIGHTS_FILE}.", suffix=".tmp")
-    os.close(fd)
-    weights_in_place = False
     try:
-        save_file(tensors, tmp, metadata={"format": "pt", "producer": "folio"})
-        _make_readable(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        tokenizer.save(directory)
-        config = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "model": raw.config.to_dict(),
-            "tokenizer": tokenizer.to_config(),
-            "weights_sha256": sha256_file(tmp),
-            "training": training or {},
-        }
-        atomic_write_json(next_config, config)
-        os.replace(tmp, weights)
-        weights_in_place = True
-        _fsync_dir(directory)  # the weights' rename reaches the disk before the config's
-        os.replace(next_config, directory / CONFIG_FILE)
-        _fsync_dir(directory)
+        with atomic_path(weights) as tmp:  # renamed into place (and the directory synced) when the block ends
+            save_file(tensors, tmp, metadata={"format": "pt", "producer": "folio"})
+            tokenizer.save(directory)
+            config = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "model": raw.config.to_dict(),
+                "tokenizer": tokenizer.to_config(),
+                "weights_sha256": sha256_file(tmp),
+                "training": training or {},
+            }
+            atomic_write_json(next_config, config)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        if not weights_in_place:  # the old pair is intact; the pending config would only mislead
-            next_config.unlink(missing_ok=True)
+        next_config.unlink(missing_ok=True)  # the old pair is intact; the pending config would only mislead
         raise
+    os.replace(next_config, directory / CONFIG_FILE)  # the weights' rename reached the disk first
+    fsync_dir(directory)
     return directory
 
 

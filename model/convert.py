@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model.checkpoint import CheckpointError, save_checkpoint, sha256_file
+from model.checkpoint import CheckpointError, save_checkpoint
 from model.config import GPTConfig
+from model.files import sha256_file
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, gpt2_tokenizer
 

@@ -12,8 +12,9 @@ import sys
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.generate import generate_naive
-from model.sampling import SamplingParams, ValidationError, new_generator
+from model.reference import generate_naive
+from model.sampler import new_generator
+from model.sampling_params import SamplingParams, ValidationError
 from model.stopping import TextStream
 from model.tokenizer import TokenizerError
 

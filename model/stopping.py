@@ -1,5 +1,7 @@
-"""Stopping and text streaming: small pieces the engine and the offline sampler share.
+"""Stopping and text streaming: small pieces the engine, the reference loop and the offline sampler share.
 
+- `StoppingCriteria`, one per request, owns every reason to stop (length, EOS, stop strings): called with each
+  generated token, it returns the text that token releases and the reason generation stops, if it does.
 - `check_stop_token` decides, per token, whether generation ends on length or EOS: `(stop, reason)`.
 - `StopMatcher` finds stop strings in a stream of text: an Aho-Corasick automaton built once per request, fed
   each new character once, so matching costs O(new text) per token whatever the number and length of the stop
@@ -19,6 +21,7 @@ from __future__ import annotations
 import codecs
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -34,10 +37,12 @@ MAX_STOP_CHARS = 128
 
 
 def check_stop_token(
-    token: int, n_generated: int, max_new_tokens: int, eos_id: int | None, stop_at_eos: bool = True
+    token: int, n_generated: int, max_new_tokens: int, eos_id: int | None, stop_at_eos: bool = True,
+    min_tokens: int = 0,
 ) -> tuple[bool, str | None]:
-    """After `token` (the n-th generated): EOS ends first, then the length limit."""
-    if stop_at_eos and eos_id is not None and token == eos_id:
+    """After `token` (the n-th generated): EOS ends first (once `min_tokens` were generated), then the length
+    limit."""
+    if stop_at_eos and eos_id is not None and token == eos_id and n_generated > min_tokens:
         return True, EOS_TOKEN
     if n_generated >= max_new_tokens:
         return True, LENGTH
@@ -127,6 +132,12 @@ class TextStream:
         self._held = ""  # text decoded but not handed out yet: at most the longest stop string
         self.stopped_by: str | None = None
 
+    def arm(self, stop: Sequence[str]) -> None:
+        """Match `stop` from now on, in the text of tokens pushed after this call only."""
+        self.stop = tuple(stop)
+        self.matcher = StopMatcher(self.stop) if self.stop else None
+        self._state = 0
+
     @property
     def text(self) -> str:
         """All text decoded so far (up to the stop string, once matched)."""
@@ -162,3 +173,43 @@ class TextStream:
             self._released.append(out)
             self._released_chars += len(out)
         return out
+
+
+@dataclass(frozen=True)
+class StopCheck:
+    """What one token did: the text it releases, and why generation stops (None: it goes on)."""
+
+    text: str
+    reason: str | None = None
+    stop_sequence: str | None = None  # the stop string matched, with reason STOP_SEQUENCE
+
+
+class StoppingCriteria:
+    """Every reason one request stops: EOS (unless `stop_at_eos` is off), `max_new_tokens`, and its stop strings
+    (matched across token boundaries in the decoded text, never part of the output; see `TextStream`). Before
+    `min_tokens` tokens neither EOS nor a stop string ends it: stop strings are matched in the text generated
+    from token `min_tokens + 1` on."""
+
+    def __init__(self, tokenizer: _Decodes, *, max_new_tokens: int, eos_id: int | None, stop: Sequence[str] = (),
+                 stop_at_eos: bool = True, min_tokens: int = 0) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.eos_id = eos_id
+        self.stop_at_eos = stop_at_eos
+        self.min_tokens = min_tokens
+        self.generated = 0
+        self.stream = TextStream(tokenizer, stop if min_tokens == 0 else (),
+                                 skip_ids=[eos_id] if eos_id is not None else [])
+        self._stop = tuple(stop)
+
+    def __call__(self, token: int) -> StopCheck:
+        self.generated += 1
+        if self.generated == self.min_tokens + 1 and self._stop and not self.stream.stop:
+            self.stream.arm(self._stop)  # stop strings count from here on
+        text = self.stream.push(token)
+        stop, reason = check_stop_token(token, self.generated, self.max_new_tokens, self.eos_id, self.stop_at_eos,
+                                        self.min_tokens)
+        if self.stream.stopped_by is not None:
+            reason = STOP_SEQUENCE
+        elif not stop:
+            return StopCheck(text)
+        return StopCheck(text + self.stream.finish(), reason, self.stream.stopped_by)

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
+from model.files import atomic_write_bytes
+
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_EOT = "<|endoftext|>"
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -143,9 +145,18 @@ class BPETokenizer:
         }
 
     def save(self, directory: Path) -> None:
-        from model.checkpoint import atomic_write_bytes
-
         atomic_write_bytes(Path(directory) / BPE_FILE, _dump_ranks(self.mergeable_ranks))
+
+
+def token_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[str, int, int]]:
+    """Each token's text and [start, stop) character offsets in the decoded text. A token that holds only part of
+    a character's bytes (byte-level BPE) shows U+FFFD and spans the characters that start inside it."""
+    spans, pos = [], 0
+    for i in ids:
+        chars = sum(1 for b in tokenizer.decode_bytes([i]) if b & 0xC0 != 0x80)  # bytes that start a character
+        spans.append((tokenizer.decode([i]), pos, pos + chars))
+        pos += chars
+    return spans
 
 
 def _dump_ranks(ranks: dict[bytes, int]) -> bytes:

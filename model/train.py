@@ -48,9 +48,10 @@ from model.checkpoint import (
     read_config,
     save_checkpoint,
 )
-from model.cli import ArgumentParser, check_threads, resolve_device
+from model.cli import ArgumentParser, check_threads
 from model.config import GPTConfig, machine_memory
 from model.data import DataError, Dataset, get_batch, prepare
+from model.devices import resolve_device
 from model.distributed import DistEnv, DistributedError, dist_env
 from model.gpt import GPT
 from model.tokenizer import BPE_FILE

@@ -31,9 +31,10 @@ from app.schemas import StreamResponse
 from app.settings import Settings
 from app.system import VERSION
 from model import kernels
-from model.checkpoint import WEIGHTS_FILE, load_checkpoint, sha256_file
-from model.generate import generate_naive
-from model.sampling import SamplingParams
+from model.checkpoint import WEIGHTS_FILE, load_checkpoint
+from model.files import sha256_file
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
 
 LIMIT = 256  # max_new_tokens_limit of the test apps
 BODY_LIMIT = 16 * 1024
@@ -168,16 +169,16 @@ def test_info_shows_no_absolute_path(client: TestClient) -> None:
     """/info is open to anyone: the checkpoint is named by its directory, a path in the provenance by its last part,
     a path inside a message (the kernels' build error) likewise."""
     service = client.app.state.service
-    meta, status = service.checkpoint.meta, service.engine.cpu_kernels
+    meta, status = service.checkpoint.meta, service.engine.runner.cpu_kernels
     training = {"dataset": "input.txt", "source": "/home/someone/models/gpt2", "train_config": {
         "data": "/work/shared/data/tinyshakespeare/input.txt", "out": "/srv/folio/weights/run-7/", "bpe_dir": "",
         "resume_from": "C:\\Users\\someone\\ckpt", "tokenizer": "char", "lr": 0.002}}
     service.checkpoint.meta = {**meta, "training": training}
-    service.engine.cpu_kernels = "could not be built: /root/.cache/torch_extensions/folio/main.cpp:3: error"
+    service.engine.runner.cpu_kernels = "could not be built: /root/.cache/torch_extensions/folio/main.cpp:3: error"
     try:
         info = client.get("/info").json()
     finally:
-        service.checkpoint.meta, service.engine.cpu_kernels = meta, status
+        service.checkpoint.meta, service.engine.runner.cpu_kernels = meta, status
 
     def strings(v: Any) -> Iterator[str]:
         if isinstance(v, dict | list):
@@ -361,9 +362,9 @@ def test_plain_token_events_are_exactly_the_documented_schema(client: TestClient
 @pytest.mark.parametrize("text", ["a", "", '"', "\\", "\n\t", "é€😀", "\u2028</script>", "\x00\x1f"])
 @pytest.mark.parametrize("logprob", [-0.0, -1.5e-08, -12.345678901234567, float("-inf")])
 def test_fast_token_event_bytes_equal_the_dict_path(text: str, logprob: float) -> None:
-    from app.engine import TokenEvent
     from app.sse import sse
     from app.tgi import _stream_event, _token_sse
+    from model.engine import TokenEvent
 
     for special in (False, True):
         ev = TokenEvent(id=7, text=text, logprob=logprob, special=special, index=3)

@@ -25,11 +25,11 @@ import yaml
 from dockerfile import DOCKERFILE, runtime_env, stages
 from promql import metric_names
 
-from app.engine import Engine
 from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import read_config
 from model.config import GPTConfig
+from model.engine import Engine
 from model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from app.engine import Engine
 from model.checkpoint import Checkpoint
 from model.config import GPTConfig
+from model.engine import Engine
 from model.gpt import GPT
 from model.tokenizer import CharTokenizer
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from app.engine import Engine
 from model.checkpoint import Checkpoint
-from model.generate import generate_naive
-from model.sampling import SamplingParams
+from model.engine import Engine
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,8 +10,9 @@ import time
 import pytest
 import torch
 
-from app import engine as engine_module
-from app.engine import (
+from model import sampler as sampler_module
+from model.checkpoint import Checkpoint
+from model.engine import (
     Engine,
     EngineStopped,
     Finished,
@@ -21,9 +22,9 @@ from app.engine import (
     Result,
     TokenEvent,
 )
-from model.checkpoint import Checkpoint
-from model.generate import generate_naive
-from model.sampling import SamplingParams, ValidationError, choose_token, mask_unusable, new_generator
+from model.reference import generate_naive
+from model.sampler import choose_token, mask_unusable, new_generator
+from model.sampling_params import SamplingParams, ValidationError
 
 TIMEOUT = 30.0  # seconds any single async test body may take before it counts as hung
 
@@ -236,11 +237,11 @@ def test_prompt_longer_than_the_window_is_refused(make_checkpoint, make_engine) 
     engine = make_engine(ck)
     with pytest.raises(ValidationError) as e:
         engine.generate(list(range(33)), SamplingParams())
-    assert e.value.field == "inputs"
+    assert e.value.field == "prompt"
     assert "33" in e.value.message and "32" in e.value.message and "truncate" in e.value.message
     with pytest.raises(ValidationError) as e:
         engine.generate([], SamplingParams())
-    assert e.value.field == "inputs"
+    assert e.value.field == "prompt"
     for bad in (0, -1, 33):
         with pytest.raises(ValidationError) as e:
             engine.generate(list(range(10)), SamplingParams(), truncate=bad)
@@ -456,7 +457,7 @@ def test_reserved_slots_count_as_taken_until_submitted_or_released(make_engine) 
         a.release()  # consumed by submit: nothing to give back
         with pytest.raises(Overloaded):
             engine.submit([3], params)
-        assert engine.busy == 2 and engine._reserved == 0
+        assert engine.busy == 2 and engine.scheduler.reserved == 0
         engine.start()
         return await asyncio.gather(first.collect(), second.collect())
 
@@ -597,14 +598,14 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, max_batch_size=4, start=False)
     params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
-    real_choose = engine_module.choose_token
+    real_sample = sampler_module.sample_row
 
-    def choose(logits, p, **kwargs):
-        if p is victim:
+    def sample(masked, row):
+        if row.params is victim:
             raise RuntimeError("injected fault")
-        return real_choose(logits, p, **kwargs)
+        return real_sample(masked, row)
 
-    monkeypatch.setattr(engine_module, "choose_token", choose)
+    monkeypatch.setattr(sampler_module, "sample_row", sample)
     prompts = [[1, 2, 3], [4, 5], [10]]
 
     async def main():
@@ -833,3 +834,100 @@ def test_stream_type_and_prompt_tokens(make_engine) -> None:
         return await stream.collect()
 
     assert run(main()).finished.prompt_tokens == 4
+
+
+# --- OpenAI's controls through the engine ----------------------------------------------------------------------
+
+
+def test_openai_controls_are_the_same_alone_batched_and_in_the_reference_loop(make_checkpoint, make_engine) -> None:
+    ck = make_checkpoint(block_size=32, eos_id=5)
+    engine = make_engine(ck, window_shift=1, max_batch_size=8)
+    rng = random.Random(9)
+    jobs = []
+    for i in range(8):
+        params = SamplingParams(
+            max_new_tokens=rng.randint(8, 40), seed=2000 + i, do_sample=i % 4 != 3,
+            temperature=rng.choice([0.7, 1.0, 1.3]), min_p=rng.choice([None, 0.05, 0.2]),
+            presence_penalty=rng.choice([0.0, 0.8, -0.5]), frequency_penalty=rng.choice([0.0, 0.4, 1.5]),
+            logit_bias=rng.choice([{}, {5: 3.0, 7: -100.0}, {2: 1.5}]), min_tokens=rng.choice([0, 6]),
+        )
+        jobs.append((random_prompt(rng, rng.randint(1, 30), ck.tokenizer.n_vocab), params))
+
+    async def batched():
+        streams = [engine.submit(p, params) for p, params in jobs]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    together = run(batched())
+    for (prompt, params), t in zip(jobs, together):
+        want, logits = naive(ck, prompt, params)
+        assert t.token_ids == engine.generate(prompt, params).token_ids == want
+        assert_logprobs_match(ck, t, logits)
+        if (7, -100.0) in params.logit_bias:
+            assert 7 not in t.token_ids
+        assert 5 not in t.token_ids[: params.min_tokens]  # EOS never comes before min_tokens
+
+
+def test_min_tokens_holds_off_eos_and_stop_strings(make_checkpoint, make_engine) -> None:
+    params = dict(max_new_tokens=30, repetition_penalty=1.2)
+    free = make_engine(make_checkpoint(block_size=32)).generate([7, 8, 9], SamplingParams(**params))
+    eos = free.token_ids[3]  # the same weights with this id as EOS: the unconstrained output ends at token 4
+    engine = make_engine(make_checkpoint(block_size=32, eos_id=eos))
+    assert engine.generate([7, 8, 9], SamplingParams(**params)).finished.finish_reason == "eos_token"
+    # ignore_eos (stop_at_eos off): the same ids as without an EOS, through EOS to max_new_tokens
+    through = engine.generate([7, 8, 9], SamplingParams(**params, stop_at_eos=False))
+    assert through.token_ids == free.token_ids and through.finished.finish_reason == "length"
+    held = engine.generate([7, 8, 9], SamplingParams(**params, min_tokens=10))
+    assert eos not in held.token_ids[:10] and held.finished.generated_tokens > 10
+    # a stop string is matched only in the text generated after min_tokens tokens (EOS makes no text)
+    text = engine.generate([7, 8, 9], SamplingParams(**params, min_tokens=10, stop_at_eos=False)).text
+    stop = text[1:3]
+    later = text.find(stop, 10)
+    cut = engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), min_tokens=10, stop_at_eos=False))
+    assert text.find(stop) == 1 and cut.text == (text[:later] if later >= 0 else text)
+    assert engine.generate([7, 8, 9], SamplingParams(**params, stop=(stop,), stop_at_eos=False)).text == text[:1]
+
+
+# --- prompt log-probabilities ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefill_chunk", [512, 5])
+def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(make_checkpoint, make_engine, prefill_chunk) -> None:
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, prefill_chunk=prefill_chunk, max_batch_size=4)
+    rng = random.Random(3)
+    prompts = [random_prompt(rng, n, ck.tokenizer.n_vocab) for n in (1, 7, 19, 32)]
+    params = [SamplingParams(max_new_tokens=0, prompt_logprobs=3), SamplingParams(max_new_tokens=4, prompt_logprobs=0),
+              SamplingParams(max_new_tokens=0, prompt_logprobs=5), SamplingParams(max_new_tokens=2)]
+
+    async def batched():
+        streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    results = run(batched())
+    for prompt, q, result in zip(prompts, params, results):
+        fin = result.finished
+        assert len(result.tokens) == q.max_new_tokens == fin.generated_tokens
+        if q.prompt_logprobs is None:
+            assert fin.prompt_logprobs is None
+            continue
+        with torch.no_grad():
+            want = model_logprobs(ck, ck.model(torch.tensor([prompt]))[0])  # (T, vocab): row t predicts t + 1
+        scored = fin.prompt_logprobs
+        assert [t.id for t in scored] == prompt and scored[0].logprob is None and scored[0].top_tokens == ()
+        for t in range(1, len(prompt)):
+            assert scored[t].logprob == pytest.approx(want[t - 1, prompt[t]].item(), abs=1e-4)
+            top = torch.topk(want[t - 1], q.prompt_logprobs)
+            assert [a.id for a in scored[t].top_tokens] == top.indices.tolist()
+            assert [a.logprob for a in scored[t].top_tokens] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert scored[t].text == ck.tokenizer.decode([prompt[t]])
+        if result.tokens:  # the first token event carries them too
+            assert result.tokens[0].prompt_logprobs == scored and result.tokens[1].prompt_logprobs is None
+        assert result.token_ids == naive(ck, prompt, SamplingParams(max_new_tokens=q.max_new_tokens or 1))[0][
+            : q.max_new_tokens]
+    assert engine.busy == 0
+
+
+def test_zero_new_tokens_needs_prompt_logprobs() -> None:
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(max_new_tokens=0)
+    assert e.value.field == "max_new_tokens" and "[1, 1000000]" in e.value.message

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from model import checkpoint
-from model.checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from model.config import GPTConfig, si
+from model.files import atomic_write_bytes
 from model.gpt import GPT
 from model.tokenizer import BPE_FILE, BPETokenizer, CharTokenizer
 

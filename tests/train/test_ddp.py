@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 from model.checkpoint import load_checkpoint
 from model.data import get_batch
 from model.distributed import DistEnv, dist_env
-from model.generate import generate_naive
-from model.sampling import SamplingParams
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
 from model.train import Trainer, TrainError, main, resolve_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """The naive reference loop: nanoGPT's `generate`, kept as the oracle the fast engine is tested against.
 
 Every step runs a full forward over the context cropped to the last `block_size` tokens (no KV cache),
-then picks the next token with `model.sampling.choose_token`. Slow and obviously right.
+then picks the next token with `model.sampler.choose_token`. Slow and obviously right.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import torch
 
 from model.gpt import GPT
-from model.sampling import SamplingParams, choose_token, new_generator
+from model.sampler import choose_token, new_generator
+from model.sampling_params import SamplingParams
 from model.stopping import check_stop_token
 
 
@@ -35,9 +36,10 @@ def generate_naive(
     block = model.config.block_size
     for n in range(1, params.max_new_tokens + 1):
         logits = model(idx[:, -block:], last_only=True)[0, -1]
-        token = choose_token(logits, params, n_vocab=n_vocab, context=idx[0], generator=generator)
+        token = choose_token(logits, params, n_vocab=n_vocab, context=idx[0], generator=generator,
+                             output=idx[0, len(prompt_ids):].tolist(), eos_id=eos_id)
         yield token, logits
         idx = torch.cat([idx, torch.tensor([[token]], device=device)], dim=1)
-        stop, _ = check_stop_token(token, n, params.max_new_tokens, eos_id, params.stop_at_eos)
+        stop, _ = check_stop_token(token, n, params.max_new_tokens, eos_id, params.stop_at_eos, params.min_tokens)
         if stop:
             return

@@ -1,0 +1,36 @@
+"""Device and dtype choices, in one place: what `auto` means and what a device runs in by default."""
+
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str | torch.device | None = "auto", kinds: tuple[str, ...] = ("cpu", "cuda")) -> torch.device:
+    """`auto` (CUDA where there is one, else the CPU) or a device of one of `kinds` (`cpu`, `cuda`, `cuda:N`,
+    `mps`) that this machine has; a ValueError naming `--device` and saying why otherwise. None means `auto`."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = ["auto", *(n for k in kinds for n in ((k, f"{k}:N") if k == "cuda" else (k,)))]
+    usage = f"use {', '.join(names[:-1])} or {names[-1]}"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device name; {usage}") from None
+    if device.type not in kinds:
+        raise ValueError(f"--device {name}: not supported here; {usage}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine")
+    return device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What inference runs in unless told otherwise: bf16 on CUDA, fp32 on the CPU (where the kernels are)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32

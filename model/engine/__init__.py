@@ -1,0 +1,31 @@
+"""The inference engine: continuous batching over a preallocated KV cache, on its own thread.
+
+- `engine.Engine`: the public API (submit / reserve / generate / cancel);
+- `scheduler.Scheduler`: the queues, the capacity rule and the engine thread's loop (prefill, decode, emit);
+- `events`: what it hands back (token events, the final result) and its domain errors;
+- `stream`: the hand-off to asyncio (an event stream per request, a mailbox per event loop, reservations);
+- `request`, `batch`, `prefill`: one request's state, the running batch and its cache rows, prefill packing;
+- `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes.
+"""
+
+from model.engine.engine import Engine
+from model.engine.events import (
+    EngineError,
+    EngineStopped,
+    Event,
+    Finished,
+    GenerationError,
+    Overloaded,
+    PromptToken,
+    Result,
+    TokenEvent,
+    TopToken,
+)
+from model.engine.request import Request
+from model.engine.scheduler import EngineStats
+from model.engine.stream import GenerationStream, Reservation
+
+__all__ = [
+    "Engine", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
+    "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
+]

@@ -1,0 +1,290 @@
+"""The engine's public face: submit token ids with validated `SamplingParams`, get back a stream of events.
+
+`Engine` owns the model (through its `ModelRunner`), the tokenizer and the `Scheduler`, whose loop runs every
+model step on the engine thread, never on an asyncio event loop; events reach each event loop once per step
+(`stream.Mailbox`). Callers use `submit` (async streams), `generate` (blocking, for scripts and tests),
+`reserve` (hold a slot before a request is parsed) and `cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from model.checkpoint import Checkpoint
+from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
+from model.engine.jobs import Job, JobHandle
+from model.engine.request import Request
+from model.engine.runner import ModelRunner
+from model.engine.scheduler import EngineStats, Scheduler
+from model.engine.stream import GenerationStream, Mailbox, Reservation
+from model.inspect import InspectOptions, Inspector
+from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
+
+# seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
+# the reported seed exactly and can send it back
+DRAWN_SEED_LIMIT = min(2**53, MAX_SEED + 1)
+
+
+class Engine:
+    """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`."""
+
+    def __init__(self, checkpoint: Checkpoint, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, max_batch_size: int = 16, max_waiting: int = 64,
+                 prefill_chunk: int = 512, window_shift: int | None = None, threads: int | None = None,
+                 prefix_cache: bool = True) -> None:
+        if max_batch_size < 1 or max_waiting < 0 or prefill_chunk < 1:
+            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
+        self.config, self.tokenizer = checkpoint.config, checkpoint.tokenizer
+        self.block_size = self.config.block_size
+        self.window_shift = window_shift or max(1, self.block_size // 8)
+        if not 1 <= self.window_shift < self.block_size:
+            raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
+        self.runner = ModelRunner(checkpoint, max_batch_size, device=device, dtype=dtype, threads=threads)
+        self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id
+        self.max_batch_size, self.max_waiting, self.prefill_chunk = max_batch_size, max_waiting, prefill_chunk
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_size=max_batch_size,
+                                   max_waiting=max_waiting, prefill_chunk=prefill_chunk,
+                                   window_shift=self.window_shift, prefix_cache=prefix_cache)
+        self.scheduler.flush = self._flush
+        self._lock = self.scheduler.lock
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        # per event loop that submitted: its events of the current step (a loop that is gone drops its mailbox)
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+
+    # the model side, as the runner set it up
+    model = property(lambda self: self.runner.model)
+    device = property(lambda self: self.runner.device)
+    dtype = property(lambda self: self.runner.dtype)
+    cpu_kernels = property(lambda self: self.runner.cpu_kernels)
+    packed_bytes = property(lambda self: self.runner.packed_bytes)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
+
+    @property
+    def on_step(self) -> Callable[[list[Request]], None] | None:
+        """A hook called with each request before its model step (fault injection); raising fails that request."""
+        return self.scheduler.on_step
+
+    @on_step.setter
+    def on_step(self, hook: Callable[[list[Request]], None] | None) -> None:
+        self.scheduler.on_step = hook
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.scheduler.run, name="folio-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail whatever is still queued or running with `EngineStopped`, then join the thread."""
+        with self._lock:
+            self.scheduler.stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        else:  # never started: no loop will fail what is queued, so fail it here
+            with self._lock:
+                self.scheduler.fail_all(EngineStopped("the engine stopped before this request started"))
+
+    def drain(self, timeout: float) -> bool:
+        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish for up to `timeout`
+        seconds, then stop. True if everything finished."""
+        with self._lock:
+            self.scheduler.closing = True
+        deadline = time.monotonic() + timeout
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = not self.busy
+        self.stop()
+        return finished
+
+    def liveness(self, stall_after: float) -> tuple[bool, str]:
+        """Whether the engine thread is alive and stepping: started, not dead, and idle or within `stall_after`
+        seconds of its current step's start. With a reason."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return False, "the engine thread is not running"
+        started = self.scheduler.step_started
+        if started is not None and (age := time.monotonic() - started) > stall_after:
+            return False, f"the engine's current step began {age:.1f} s ago (limit {stall_after:g} s)"
+        return True, "idle" if started is None else "stepping"
+
+    @property
+    def busy(self) -> int:
+        """Requests submitted and not finished: waiting, prefilling or decoding."""
+        with self._lock:
+            return self.scheduler.in_flight()
+
+    def warmup(self) -> None:
+        """One short generation so the first real request pays no first-call costs."""
+        self.generate([0] * min(8, self.block_size - 1), SamplingParams(max_new_tokens=4, seed=0))
+
+    # -- submission -----------------------------------------------------------------------------------
+    def validate(self, prompt: list[int], truncate: int | None = None,
+                 params: SamplingParams | None = None) -> list[int]:
+        """The prompt the model will see; `ValidationError` (field `prompt` or `truncate`) for an empty or too
+        long prompt or a truncation outside the context, and (field `top_n_tokens` or `prompt_logprobs`) for
+        more alternatives per token than the model's vocabulary holds."""
+        if params is not None:
+            for name in ("top_n_tokens", "prompt_logprobs"):
+                if (n := getattr(params, name)) is not None and n > self.n_vocab:
+                    raise ValidationError(name, f"must be at most the model's vocabulary size, {self.n_vocab}, "
+                                                f"got {n}")
+        if truncate is not None:
+            if not 1 <= truncate <= self.block_size:
+                raise ValidationError("truncate", f"must be an integer in [1, {self.block_size}], "
+                                                  f"got {preview(truncate)}")
+            prompt = prompt[-truncate:]
+        if not prompt:
+            raise ValidationError("prompt", "the prompt must hold at least one token, got 0")
+        if len(prompt) > self.block_size:
+            raise ValidationError(
+                "prompt",
+                f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
+                f"shorten it or truncate it to at most {self.block_size} tokens",
+            )
+        return prompt
+
+    @property
+    def reserved(self) -> int:
+        """Slots held by `reserve` for requests not yet submitted (or for work that never is: /tokenize)."""
+        return self.scheduler.reserved
+
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` (counted as a rejection) where `reserve` would, holding nothing: the admission check
+        made before a request's body is read, so that a full server reads no body."""
+        with self._lock:
+            self.scheduler.refuse_if_full()
+
+    def reserve(self) -> Reservation:
+        """Hold a slot for a request that is about to be parsed, validated and submitted, or raise `Overloaded`
+        (counted as a rejection) at once. A burst is then refused as it arrives: without the hold, every request
+        of a burst would pass a capacity check made before any of them was submitted, and each would be parsed
+        and tokenised before being refused. Pass the reservation to `submit`, or `release()` it."""
+        with self._lock:
+            self.scheduler.refuse_if_full()
+            self.scheduler.reserved += 1
+        held = [True]
+
+        def give_back() -> bool:
+            with self._lock:
+                if not held[0]:
+                    return False
+                held[0] = False
+                self.scheduler.reserved -= 1
+                return True
+
+        return Reservation(give_back)
+
+    def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
+               reservation: Reservation | None = None) -> GenerationStream:
+        """From the event loop: enqueue and return the request's async stream (raises Overloaded at once unless
+        `reservation` holds a slot for it)."""
+        mailbox = self._mailbox(asyncio.get_running_loop())
+        events: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            if not mailbox.post(events, ev):  # the caller's event loop is closed: nobody is listening any more
+                req.cancelled = True
+            elif threading.current_thread() is not self._thread:
+                mailbox.flush()  # not from a step, which flushes at its end (see `_flush`)
+
+        req = self._enqueue(prompt, params, sink, truncate, reservation)
+        return GenerationStream(events, lambda: self.cancel(req), seed=req.seed, prompt_tokens=len(req.prompt))
+
+    def generate(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
+                 timeout: float | None = None) -> Result:
+        """Blocking convenience for scripts and tests (not for the event loop)."""
+        events: queue.Queue[Event] = queue.Queue()
+        req = self._enqueue(prompt, params, events.put, truncate)
+        self.start()
+        tokens: list[TokenEvent] = []
+        while True:
+            try:
+                ev = events.get(timeout=timeout)
+            except queue.Empty:
+                self.cancel(req)
+                raise GenerationError("generation timed out") from None
+            if isinstance(ev, EngineError):
+                raise ev
+            if isinstance(ev, Finished):
+                return Result(tokens, ev)
+            tokens.append(ev)
+
+    def submit_job(self, steps: Iterator[Any], result: Callable[[], Any], *,
+                   reservation: Reservation | None = None) -> JobHandle:
+        """Run `steps` on the engine thread, one step between two engine steps; the handle gives `result()` once
+        they are done (raises Overloaded at once unless `reservation` holds a slot for it)."""
+        try:
+            future = asyncio.get_running_loop().create_future()
+        except RuntimeError:  # from a plain thread: wait() on the handle
+            future = None
+        holder: list[Job] = []
+        handle = JobHandle(lambda: self.cancel(holder[0]), future)
+        job = Job(next(self._ids), steps, result, handle.settle)
+        holder.append(job)
+        with self._lock:
+            self._admit(reservation)
+            self.scheduler.add_job(job)
+        return handle
+
+    def inspect(self, ids: list[int], options: InspectOptions, *,
+                reservation: Reservation | None = None) -> JobHandle:
+        """Look inside the model for `ids` (`model.inspect`), one layer per engine step; the handle's result is an
+        `Inspection`. Raises `InspectError` at once for options outside the limits."""
+        inspector = Inspector(self.runner.model, self.tokenizer, ids, options)
+        return self.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)
+
+    def cancel(self, req: Request | Job) -> None:
+        """Thread-safe; the request leaves the batch before the next model step."""
+        with self._lock:
+            self.scheduler.cancel(req)
+
+    def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
+                 truncate: int | None, reservation: Reservation | None = None) -> Request:
+        seen = self.validate(prompt, truncate, params)
+        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(DRAWN_SEED_LIMIT)
+        req = Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
+        with self._lock:
+            self._admit(reservation)
+            self.scheduler.enqueue(req)
+        return req
+
+    def _admit(self, reservation: Reservation | None) -> None:
+        """Under the lock: refuse when stopping, else take the reservation's slot or check there is one free."""
+        if self.scheduler.stopping or self.scheduler.closing:
+            if reservation is not None:
+                reservation.release()
+            raise EngineStopped("the engine is shutting down")
+        # a held reservation's slot becomes this request's (the lock is reentrant)
+        if reservation is None or not reservation.release():
+            self.scheduler.refuse_if_full()
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        with self._lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = Mailbox(loop)
+            return mailbox
+
+    def _flush(self) -> None:
+        """Hand every event loop the events of the step just done."""
+        with self._lock:
+            mailboxes = list(self._mailboxes.values())
+        for mailbox in mailboxes:
+            mailbox.flush()

@@ -1,0 +1,70 @@
+"""What the engine hands back: one `TokenEvent` per generated token, then a `Finished`, or an `EngineError`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from model.scoring import PromptToken, TopToken
+
+
+class EngineError(Exception):
+    """Base of the engine's domain errors (each API maps them to its own status codes)."""
+
+
+class Overloaded(EngineError):
+    """The running batch and the waiting queue are both full."""
+
+
+class GenerationError(EngineError):
+    """Generation failed for this request (the engine keeps serving the others)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is shutting down or stopped."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "length", "eos_token", "stop_sequence"
+    generated_text: str
+    generated_tokens: int
+    seed: int
+    prompt_tokens: int
+    prefill: tuple[int, ...]  # the prompt's token ids as the model saw them (after truncation)
+    stop_sequence: str | None = None
+    window_slides: int = 0
+    truncated_prompt_tokens: int = 0
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # with `SamplingParams.prompt_logprobs`
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    id: int
+    text: str  # the text this token releases: UTF-8 safe, stop strings held back
+    logprob: float
+    special: bool
+    index: int  # 1-based count of generated tokens
+    top_tokens: tuple[TopToken, ...] = ()
+    finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # on the first token, with `prompt_logprobs`
+    created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
+
+
+@dataclass
+class Result:
+    """A whole generation, gathered from a stream (what the non-streaming routes return)."""
+
+    tokens: list[TokenEvent]
+    finished: Finished
+
+    @property
+    def text(self) -> str:
+        return self.finished.generated_text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.id for t in self.tokens]
+
+
+Event = TokenEvent | Finished | EngineError

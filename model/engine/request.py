@@ -1,0 +1,51 @@
+"""One request's state inside the engine: its prompt, parameters, cache row, window and output so far."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model.engine.events import Event, PromptToken
+from model.sampler import SampleRow
+from model.sampling_params import SamplingParams
+from model.scoring import PromptScorer
+from model.stopping import StoppingCriteria
+
+
+@dataclass(eq=False)  # compared by identity: two requests are never the same request
+class Request:
+    id: int
+    prompt: list[int]  # the prompt the model sees (after truncation)
+    params: SamplingParams
+    seed: int
+    sink: Callable[[Event], None]  # where its events go (thread-safe)
+    truncated: int = 0  # prompt tokens cut from the left by `truncate`
+    context: list[int] = field(default_factory=list)  # tokens the model sees (the window)
+    output: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # what each token released
+    prefilled: int = 0  # prompt tokens already in the cache
+    pos: int = 0  # position of the next token fed to the model
+    row: int = -1  # its cache row, from its first prefill step until it leaves
+    slides: int = 0
+    cancelled: bool = False
+    generator: torch.Generator | None = None
+    stopping: StoppingCriteria | None = None
+    scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is not all in the cache yet."""
+        return self.prefilled < len(self.prompt)
+
+    def prompt_scores(self) -> tuple[PromptToken, ...] | None:
+        return None if self.scorer is None else tuple(self.scorer.tokens)
+
+    def sample_row(self) -> SampleRow:
+        p = self.params
+        # the repetition penalty sees every id so far (prompt and output): `context` is only the window once slid
+        history = self.prompt + self.output if p.repetition_penalty not in (None, 1.0) else ()
+        return SampleRow(p, self.generator, history, self.output if p.penalises_output else ())

@@ -1,0 +1,87 @@
+"""The model side of the engine: the model on its device, the KV cache, and the two kinds of forward a step
+makes (prompt chunks into their rows; one token for every running row). Ids and positions in, logits out."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+from model import kernels
+from model.checkpoint import Checkpoint
+from model.devices import default_dtype, resolve_device
+from model.engine.prefix_cache import RowContents
+from model.gpt import KVCache
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, threads: int | None = None) -> None:
+        self.device = resolve_device(device)
+        self.dtype = dtype or default_dtype(self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(threads or os.cpu_count() or 1)
+        # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
+        self.cpu_kernels = "not used on this device"
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels.load()
+            self.cpu_kernels = kernels.status()
+        self.model = checkpoint.model.to(device=self.device, dtype=self.dtype).eval()
+        # the kernels' modules in place of torch's, with packed weights for batched decode steps (as much memory
+        # again as the weights); nothing where the kernels are not used
+        self.packed_bytes = kernels.install(self.model).packed_bytes
+        self.block_size = checkpoint.config.block_size
+        # a cache row per batch slot, and which tokens each row holds (prefix reuse)
+        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.dtype)
+        self.contents = RowContents(rows)
+
+    def decode_context(self) -> contextlib.AbstractContextManager[None]:
+        """Around a decode step: torch's small ops on this thread alone (the kernels use their own pool)."""
+        return kernels.serial_torch_ops()
+
+    def forward_chunks(self, rows: list[int], chunks: list[list[int]], starts: list[int], *,
+                       every_position: bool = False) -> torch.Tensor:
+        """Forward each chunk at positions start.. in its own cache row, right-padded to the longest; the logits of
+        each chunk's last token, (len(rows), vocab), or with `every_position` of every token, (len(rows), width,
+        vocab) (a padded chunk's rows past its length are meaningless)."""
+        width = max(len(c) for c in chunks)
+        last = self.block_size - 1
+        idx = [c + [0] * (width - len(c)) for c in chunks]
+        pos = [[min(start + t, last) for t in range(width)] for start in starts]
+        take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        with self._recording(rows, starts, chunks):
+            logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
+                                kv_len=min(self.block_size, max(starts) + width), take=take)
+        return logits if every_position else logits[:, 0]
+
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""
+        # rows 0..n-1 in order need no index (cheaper without the kernels)
+        row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
+        with self._recording(rows, positions, [[t] for t in tokens]):
+            logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
+                                kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
+        return logits[:, -1]
+
+    def copy_prefix(self, source: int, row: int, length: int) -> None:
+        """Row `row` gets the keys and values of positions 0..length-1 of row `source` (and their tokens)."""
+        for cache in (self.cache.k, self.cache.v):  # (n_layer, rows, n_head, max_len, head_size)
+            cache[:, row, :, :length] = cache[:, source, :, :length]
+        self.contents.wrote(row, 0, self.contents.tokens[source][:length])
+
+    @contextlib.contextmanager
+    def _recording(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> Iterator[None]:
+        """Record what a forward wrote into each row once it completed; a failed one leaves its rows unknown."""
+        try:
+            yield
+        except BaseException:
+            for row in rows:
+                self.contents.forget(row)
+            raise
+        for row, start, chunk in zip(rows, starts, chunks):
+            self.contents.wrote(row, start, chunk)
+
+    def _ids(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,116 @@
+"""The hand-off between the engine thread and asyncio: a request's event stream, the per-loop mailbox that
+delivers events once per engine step, and the slot reservation an admission check holds.
+
+Neither the stream nor the reservation knows the engine: each is given the one callback it needs (cancel the
+request; give the slot back), so callers never reach into the engine's lock or counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from model.engine.events import EngineError, Event, Finished, GenerationError, Result, TokenEvent
+
+
+class Mailbox:
+    """Events bound for the streams of one event loop, handed over in one callback per engine step instead of one
+    `call_soon_threadsafe` per token (each of those takes the loop's lock and writes its wake-up pipe while the
+    engine thread holds the GIL, and wakes the loop once per token). The engine thread posts during a step and
+    flushes at its end; a post from any other thread flushes at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.closed = False  # the loop is closed: nobody is listening any more
+        self._pending: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._scheduled = False
+        self._lock = threading.Lock()
+
+    def post(self, events: asyncio.Queue[Event], ev: Event) -> bool:
+        """Queue `ev` for `events`; False when the loop is closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._pending.append((events, ev))
+        return True
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._scheduled or not self._pending or self.closed:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self.closed = True
+                self._pending.clear()
+
+    def _deliver(self) -> None:  # on the loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for events, ev in pending:
+            events.put_nowait(ev)
+
+
+class GenerationStream:
+    """What `Engine.submit` returns: an async iterator of events; `cancel()` when the client is gone."""
+
+    def __init__(self, events: asyncio.Queue[Event], cancel: Callable[[], None], *, seed: int,
+                 prompt_tokens: int) -> None:
+        self._events = events
+        self._cancel = cancel
+        self.seed = seed
+        self.prompt_tokens = prompt_tokens
+
+    def cancel(self) -> None:
+        """Thread-safe and idempotent; the request leaves the batch before the next model step."""
+        self._cancel()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent | Finished]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[TokenEvent | Finished]:
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent | Finished]]:
+        """The events in arrival order, each item every event that has arrived by then (at least one): a stream
+        the event loop is behind on is written in one piece, not one write per token. Ends after `Finished`;
+        an engine error is raised after the events before it."""
+        try:
+            while True:
+                batch = [await self._events.get()]
+                while not self._events.empty() and not isinstance(batch[-1], (Finished, EngineError)):
+                    batch.append(self._events.get_nowait())
+                if isinstance(batch[-1], EngineError):
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise batch[-1]
+                yield batch
+                if isinstance(batch[-1], Finished):
+                    return
+        finally:
+            self.cancel()  # no-op once finished; frees the slot if the consumer stopped early
+
+    async def collect(self) -> Result:
+        tokens: list[TokenEvent] = []
+        async for ev in self:
+            if isinstance(ev, Finished):
+                return Result(tokens, ev)
+            tokens.append(ev)
+        raise GenerationError("stream ended without a result")
+
+
+class Reservation:
+    """A slot held for a request between its admission and its submission (`Engine.reserve`)."""
+
+    def __init__(self, give_back: Callable[[], bool]) -> None:
+        self._give_back = give_back  # frees the slot once; True if it was still held
+
+    def release(self) -> bool:
+        """Give the slot back if the request was never submitted (idempotent); True if it was still held."""
+        return self._give_back()

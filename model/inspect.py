@@ -1,0 +1,303 @@
+"""Looking inside the model for one text: attention maps, the logit lens, and each token's probability and
+alternatives. Offline: `inspect(checkpoint, ids)`; the engine runs the same `Inspector` one layer per step between
+its decode steps; `python -m model.inspect` draws the maps as PNG.
+
+- attention: for the chosen layers and heads, each query position's weights over positions 0..query, computed
+  from the queries and keys of the forward itself (a hook on each block's `c_attn`, whatever computes it: torch,
+  the CPU kernels, quantized weights) as softmax(q k^T / sqrt(head_size)) with the causal mask. Dense (every
+  weight) up to `dense_max_tokens` tokens, else sparse: per query the `sparse_top` largest weights of at least
+  `sparse_threshold` (stated in the result).
+- logit lens: the residual stream after the embeddings (layer 0) and after each block (1..n_layer), put through
+  the final LayerNorm and the LM head: the `lens_top` most likely next tokens and their probabilities at each
+  position. At the last layer that is exactly the model's own next-token distribution.
+- next tokens: each token's log-probability given those before it and its `top_n` alternatives (`PromptScorer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from model.gpt import GPT
+from model.sampler import mask_unusable
+from model.scoring import PromptScorer, PromptToken, TopToken
+from model.tokenizer import Tokenizer, token_spans
+
+# what one inspection may ask for, so that a client cannot make the server compute or send without bound
+MAX_ATTENTION_ROWS = 200_000  # (layer, head, query) rows of attention in one answer
+MAX_LENS_LOGITS = 400_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
+MAX_TOP = 20
+
+
+class InspectError(ValueError):
+    """An inspection outside the limits; `field` names the option, the message the limit and the value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    layers: tuple[int, ...] | None = None  # attention of these layers (0-based); None: all
+    heads: tuple[int, ...] | None = None  # and these heads; None: all
+    attention: bool = True
+    dense_max_tokens: int = 128  # dense attention up to this many tokens, sparse beyond
+    sparse_threshold: float = 0.02
+    sparse_top: int = 8
+    lens: bool = True
+    lens_layers: tuple[int, ...] | None = None  # 0 (embeddings) .. n_layer; None: all
+    lens_top: int = 5
+    top_n: int = 5  # alternatives of each actual next token
+
+
+@dataclass
+class HeadAttention:
+    layer: int
+    head: int
+    weights: list[list[float]]  # per query position: dense, weights over keys 0..query; sparse: the kept weights
+    keys: list[list[int]] | None = None  # sparse only: the key positions of `weights`
+
+
+@dataclass
+class LensLayer:
+    layer: int  # 0: the embeddings; l: after block l
+    top: list[list[tuple[int, float]]]  # per position: (id, probability), most likely first
+
+
+@dataclass
+class Inspection:
+    tokens: list[int]
+    spans: list[tuple[str, int, int]]  # each token's text and character offsets
+    dense: bool
+    sparse_threshold: float | None
+    attention: list[HeadAttention] = field(default_factory=list)
+    lens: list[LensLayer] = field(default_factory=list)
+    next_tokens: list[PromptToken] = field(default_factory=list)
+
+
+def check_options(options: InspectOptions, n_tokens: int, model: GPT, n_vocab: int) -> None:
+    """Refuse an inspection outside the limits before any work (`InspectError` naming the option)."""
+    cfg = model.config
+    if not 1 <= n_tokens <= cfg.block_size:
+        raise InspectError("text", f"must be 1 to {cfg.block_size} tokens (the model's context), got {n_tokens}")
+    for name, values, limit in (("layers", options.layers, cfg.n_layer), ("heads", options.heads, cfg.n_head),
+                                ("lens_layers", options.lens_layers, cfg.n_layer + 1)):
+        bad = [v for v in values or () if not 0 <= v < limit]
+        if bad:
+            raise InspectError(name, f"must be in [0, {limit - 1}], got {bad[:5]}")
+    for name, value in (("lens_top", options.lens_top), ("top_n", options.top_n), ("sparse_top", options.sparse_top)):
+        if not 0 <= value <= MAX_TOP:
+            raise InspectError(name, f"must be in [0, {MAX_TOP}], got {value}")
+    rows = len(options.layers or range(cfg.n_layer)) * len(options.heads or range(cfg.n_head)) * n_tokens
+    if options.attention and rows > MAX_ATTENTION_ROWS:
+        raise InspectError("layers", f"layers x heads x tokens is {rows}, more than {MAX_ATTENTION_ROWS}: choose "
+                                     "fewer layers or heads, or a shorter text")
+    lens_rows = len(options.lens_layers or range(cfg.n_layer + 1)) * n_tokens
+    if options.lens and lens_rows * n_vocab > MAX_LENS_LOGITS:
+        raise InspectError("lens_layers", f"lens layers x tokens x vocabulary is {lens_rows * n_vocab}, more than "
+                                          f"{MAX_LENS_LOGITS}: choose fewer lens layers or a shorter text")
+
+
+class Inspector:
+    """One inspection as steps: `steps()` does the embeddings, then one block per step, then the final scores, and
+    ends with the result (`result`). The engine runs one step between two of its decode steps."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions) -> None:
+        check_options(options, len(ids), model, tokenizer.n_vocab)
+        self.model, self.tokenizer, self.ids, self.options = model, tokenizer, ids, options
+        cfg = model.config
+        self.layers = set(options.layers if options.layers is not None else range(cfg.n_layer))
+        self.heads = list(options.heads if options.heads is not None else range(cfg.n_head))
+        self.lens_layers = set(options.lens_layers if options.lens_layers is not None else range(cfg.n_layer + 1))
+        dense = len(ids) <= options.dense_max_tokens
+        self.result = Inspection(ids, token_spans(tokenizer, ids), dense, None if dense else options.sparse_threshold)
+
+    def steps(self) -> Iterator[None]:
+        device = self.model.transformer.wte.weight.device
+        idx = torch.tensor([self.ids], device=device)
+        with torch.inference_mode():
+            tr = self.model.transformer
+            x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(len(self.ids), device=device)))
+            self._lens(0, x)
+            yield
+            for layer, block in enumerate(tr.h):
+                x = self._block(layer, block, x)
+                self._lens(layer + 1, x)
+                yield
+            self._next_tokens(self.model.lm_head(tr.ln_f(x))[0])
+
+    def run(self) -> Inspection:
+        for _ in self.steps():
+            pass
+        return self.result
+
+    def _block(self, layer: int, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not (self.options.attention and layer in self.layers):
+            return block(x, None)
+        captured: list[torch.Tensor] = []
+        handle = block.attn.c_attn.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        try:
+            y = block(x, None)
+        finally:
+            handle.remove()
+        q, k, _ = captured[0][0].split(self.model.config.n_embd, dim=-1)  # (T, C) each
+        hs = self.model.config.head_size
+        for head in self.heads:
+            qh, kh = q[:, head * hs : (head + 1) * hs].float(), k[:, head * hs : (head + 1) * hs].float()
+            scores = (qh @ kh.T) / math.sqrt(hs)  # (T, T): query x key
+            causal = torch.ones_like(scores, dtype=torch.bool).tril()
+            self.result.attention.append(self._head(layer, head, scores.masked_fill(~causal, float("-inf"))))
+        return y
+
+    def _head(self, layer: int, head: int, scores: torch.Tensor) -> HeadAttention:
+        weights = torch.softmax(scores, dim=-1)
+        if self.result.dense:
+            rows = weights.tolist()
+            return HeadAttention(layer, head, [row[: q + 1] for q, row in enumerate(rows)])
+        top = torch.topk(weights, min(self.options.sparse_top, weights.size(-1)), dim=-1)
+        keys, kept = [], []
+        for values, positions in zip(top.values.tolist(), top.indices.tolist()):
+            pairs = [(p, v) for p, v in zip(positions, values) if v >= self.options.sparse_threshold]
+            keys.append([p for p, _ in pairs])
+            kept.append([v for _, v in pairs])
+        return HeadAttention(layer, head, kept, keys)
+
+    def _lens(self, layer: int, x: torch.Tensor) -> None:
+        if not (self.options.lens and layer in self.lens_layers):
+            return
+        logits = self.model.lm_head(self.model.transformer.ln_f(x))[0]
+        probs = torch.softmax(mask_unusable(logits.float(), self.tokenizer.n_vocab), dim=-1)
+        top = torch.topk(probs, self.options.lens_top, dim=-1)
+        self.result.lens.append(LensLayer(layer, [list(zip(i, p)) for i, p in
+                                                  zip(top.indices.tolist(), top.values.tolist())]))
+
+    def _next_tokens(self, logits: torch.Tensor) -> None:
+        def describe(token: int) -> TopToken:
+            return TopToken(token, self.tokenizer.decode([token]), 0.0, token == self.tokenizer.eos_id)
+
+        scorer = PromptScorer(self.ids, self.options.top_n, self.tokenizer.n_vocab, describe)
+        scorer.add(0, logits)
+        self.result.next_tokens = scorer.tokens
+
+
+def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions | None = None) -> Inspection:
+    """The whole inspection at once (offline use; the engine steps an `Inspector` itself)."""
+    return Inspector(model, tokenizer, ids, options or InspectOptions()).run()
+
+
+def reference_attention(model: GPT, ids: list[int], layer: int) -> torch.Tensor:
+    """An independent reference for tests: the layer's attention weights (n_head, T, T) from a plain forward
+    written out with F.linear and softmax(q k^T / sqrt(d)), no hooks."""
+    cfg, tr = model.config, model.transformer
+    with torch.inference_mode():
+        x = tr.wte(torch.tensor([ids])) + tr.wpe(torch.arange(len(ids)))
+        for n, block in enumerate(tr.h):
+            h = F.layer_norm(x, (cfg.n_embd,), block.ln_1.weight, block.ln_1.bias, 1e-5)
+            qkv = F.linear(h, block.attn.c_attn.weight, block.attn.c_attn.bias)
+            q, k, v = (t.view(1, len(ids), cfg.n_head, cfg.head_size).transpose(1, 2)
+                       for t in qkv.split(cfg.n_embd, dim=2))
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_size)
+            att = att.masked_fill(~torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            if n == layer:
+                return att[0]
+            y = (att @ v).transpose(1, 2).reshape(1, len(ids), cfg.n_embd)
+            x = x + F.linear(y, block.attn.c_proj.weight, block.attn.c_proj.bias)
+            h = F.layer_norm(x, (cfg.n_embd,), block.ln_2.weight, block.ln_2.bias, 1e-5)
+            h = F.gelu(F.linear(h, block.mlp.c_fc.weight, block.mlp.c_fc.bias), approximate="tanh")
+            x = x + F.linear(h, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+    raise ValueError(f"layer {layer} is not in [0, {cfg.n_layer})")
+
+
+def save_heatmaps(result: Inspection, out: Path, decode: Callable[[int], str]) -> list[Path]:
+    """One PNG per (layer, head) attention map (query x key) and one for the logit lens (its cells labelled with
+    `decode(id)`); the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [text for text, _, _ in result.spans]
+    n = len(result.tokens)
+    written = []
+    for head in result.attention:
+        grid = torch.zeros(n, n)
+        for q, row in enumerate(head.weights):
+            keys = head.keys[q] if head.keys is not None else range(len(row))
+            for kpos, w in zip(keys, row):
+                grid[q, kpos] = w
+        fig, ax = plt.subplots(figsize=(6, 5.5))
+        im = ax.imshow(grid.numpy(), cmap="viridis", vmin=0, vmax=1)
+        ax.set(title=f"layer {head.layer} head {head.head}", xlabel="key", ylabel="query")
+        if n <= 48:
+            ax.set_xticks(range(n), [repr(t)[1:-1] for t in labels], rotation=90, fontsize=7)
+            ax.set_yticks(range(n), [repr(t)[1:-1] for t in labels], fontsize=7)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.tight_layout()
+        path = out / f"attention-L{head.layer}-H{head.head}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    if result.lens:
+        written.append(_save_lens(result, labels, out, plt, decode))
+    return written
+
+
+def _save_lens(result: Inspection, labels: list[str], out: Path, plt, decode: Callable[[int], str]) -> Path:  # noqa: ANN001
+    n = len(result.tokens)
+    probs = torch.tensor([[pos[0][1] for pos in layer.top] for layer in result.lens])
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * n), 0.5 * len(result.lens) + 1.5))
+    ax.imshow(probs.numpy(), cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    for r, layer in enumerate(result.lens):
+        for c, pos in enumerate(layer.top):
+            if n <= 64:
+                colour = "white" if pos[0][1] > 0.55 else "black"
+                ax.text(c, r, repr(decode(pos[0][0]))[1:-1], ha="center", va="center", fontsize=6, color=colour)
+    ax.set(title="logit lens: top next token per layer and position", xlabel="position", ylabel="layer")
+    ax.set_yticks(range(len(result.lens)), [str(layer.layer) for layer in result.lens])
+    if n <= 64:
+        ax.set_xticks(range(n), [repr(t)[1:-1] for t in labels], rotation=90, fontsize=7)
+    fig.tight_layout()
+    path = out / "logit-lens.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from model.checkpoint import CheckpointError, load_checkpoint
+    from model.tokenizer import TokenizerError
+
+    p = argparse.ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
+                                "logit lens as PNG files.")
+    p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
+    p.add_argument("--text", required=True, help="the text to look into")
+    p.add_argument("--out", required=True, type=Path, help="directory for the PNG files")
+    p.add_argument("--layers", type=int, nargs="*", help="layers whose attention to draw (default: all)")
+    p.add_argument("--heads", type=int, nargs="*", help="heads to draw (default: all)")
+    args = p.parse_args(argv)
+    try:
+        ck = load_checkpoint(args.checkpoint)
+        ids = ck.tokenizer.encode(args.text)
+        opts = InspectOptions(layers=tuple(args.layers) if args.layers else None,
+                              heads=tuple(args.heads) if args.heads else None, dense_max_tokens=10**6)
+        result = inspect(ck.model, ck.tokenizer, ids, opts)
+    except (CheckpointError, TokenizerError, InspectError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in save_heatmaps(result, args.out, lambda t: ck.tokenizer.decode([t])):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

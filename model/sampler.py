@@ -1,0 +1,227 @@
+"""Sampling: validated parameters, pure functions over logits plus an explicit generator, and the batched
+`Sampler` the engine and the reference loop both use.
+
+Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
+
+1. ids the tokenizer cannot decode (a padded vocabulary, e.g. 50257..50303) get -inf;
+2. logit bias: each (id, bias) of `logit_bias` is added (OpenAI: -100 bans an id, 100 all but forces it);
+3. min_tokens: while fewer than `min_tokens` tokens were generated, EOS gets -inf;
+4. repetition penalty (CTRL / Hugging Face): for every id already in the context (prompt and output), a
+   positive logit is divided by the penalty and a negative one multiplied by it;
+5. presence and frequency penalties (OpenAI): for every id generated so far, `presence_penalty` once and
+   `frequency_penalty` times its count are subtracted (the prompt does not count);
+6. greedy decoding (see `SamplingParams.is_greedy`) takes the argmax here, and stops;
+7. temperature divides the logits;
+8. top-k keeps the k largest logits (ties at the k-th value are kept);
+9. top-p keeps the smallest set of most likely tokens whose probability reaches p (at least one);
+10. min-p keeps the tokens at least `min_p` times as likely as the most likely one;
+11. softmax over what is left, one draw from the request's own `torch.Generator`.
+
+Reported log-probabilities are the model's own: log-softmax of the logits after step 1 only, so they do
+not depend on the repetition penalty, temperature, top-k or top-p; a row's top-n alternatives are the n
+largest of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from model.sampling_params import SamplingParams
+
+
+def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def mask_unusable(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """Step 1: ids >= n_vocab (a padded vocabulary) can never be chosen."""
+    if logits.size(-1) > n_vocab:
+        logits = logits.clone()
+        logits[..., n_vocab:] = float("-inf")
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
+    """Step 4, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output). The result stays
+    finite: a tiny penalty (which favours repetition) divides a positive logit towards the largest float."""
+    if penalty == 1.0 or context.numel() == 0:
+        return logits
+    logits = logits.clone()
+    ids = context.unique()
+    picked = logits[ids]
+    biggest = torch.finfo(logits.dtype).max
+    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-biggest, biggest)
+    return logits
+
+
+def apply_presence_frequency(logits: torch.Tensor, output: Sequence[int], presence: float,
+                             frequency: float) -> torch.Tensor:
+    """Step 5, on a 1-D logits vector: OpenAI's penalties over the ids generated so far (`output`)."""
+    if not output or not (presence or frequency):
+        return logits
+    counts = torch.bincount(torch.tensor(list(output), device=logits.device), minlength=logits.size(-1))
+    counts = counts[: logits.size(-1)].to(logits.dtype)
+    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Step 8: keep logits >= the k-th largest; the rest become -inf."""
+    if not k or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Step 9: keep the smallest most-likely set whose probability mass reaches p (always >= 1 token)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # a token is dropped when the mass strictly before it already reaches p; the most likely one never is (a p
+    # below float32's smallest positive number compares as 0, and the mass before the first token is 0)
+    drop_sorted = (probs.cumsum(-1) - probs) >= p
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Step 10: keep the tokens whose probability is at least `p` times the largest (always >= 1 token)."""
+    if not p:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
+def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Steps 7-11 up to the softmax: the exact distribution a sampled token is drawn from."""
+    temperature = params.temperature if params.temperature is not None else 1.0
+    # shifted by the maximum first (softmax does that anyway), so that dividing by a tiny temperature takes
+    # logits towards -inf, never to +inf (inf - inf would make the softmax NaN); a temperature below the dtype's
+    # smallest normal number would round to 0 in the division and is taken as that number
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = top_k_filter(logits, params.top_k or 0)
+    logits = top_p_filter(logits, params.top_p if params.top_p is not None else 1.0)
+    logits = min_p_filter(logits, params.min_p or 0.0)
+    return torch.softmax(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """What the sampler needs of one row besides its logits."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # the request's own, for sampled rows
+    history: Sequence[int] = ()  # every id seen so far (prompt and output), for the repetition penalty
+    output: Sequence[int] = ()  # the ids generated so far, for min_tokens and the presence/frequency penalties
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the chosen id, its log-probability, the top-n alternatives [(id, logprob)], or the error that
+    row's choice raised (its token is then -1; the other rows are unaffected)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+class Sampler:
+    """One batched pass over the logits of every row: ids, their log-probabilities and top-n alternatives out.
+
+    Greedy rows choose together (one argmax over all of them, the repetition penalty applied first to the rows
+    that have one); sampled rows draw one at a time from their own generator, so a seeded request draws the same
+    tokens alone or in any batch.
+    """
+
+    def __init__(self, n_vocab: int, eos_id: int | None = None) -> None:
+        self.n_vocab = n_vocab
+        self.eos_id = eos_id
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+        masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
+        logprobs = torch.log_softmax(masked, dim=-1)
+        tokens, errors = self._choose(masked, rows)
+        chosen = torch.tensor([max(t, 0) for t in tokens], device=logprobs.device)
+        out = SamplerOutput(tokens, logprobs.gather(1, chosen[:, None])[:, 0].tolist(), [[] for _ in rows], errors)
+        for n in {r.params.top_n_tokens for r in rows} - {0}:  # one topk per distinct n (usually one)
+            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == n]
+            values, ids = torch.topk(logprobs[which], n)
+            for i, v, t in zip(which, values.tolist(), ids.tolist()):
+                out.top[i] = list(zip(t, v))
+        return out
+
+    def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], dict[int, Exception]]:
+        tokens = [-1] * len(rows)
+        errors: dict[int, Exception] = {}
+        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+        if greedy:
+            picked = masked[greedy] if len(greedy) < len(rows) else masked
+            adjusted = [(k, i) for k, i in enumerate(greedy) if _adjusts(rows[i], self.eos_id)]
+            if adjusted:
+                picked = picked.clone()
+                for k, i in adjusted:
+                    picked[k] = adjust(picked[k], rows[i], self.eos_id)
+            for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
+                tokens[i] = t
+        for i, row in enumerate(rows):
+            if not row.params.is_greedy:
+                try:
+                    tokens[i] = sample_row(adjust(masked[i], row, self.eos_id), row)
+                except Exception as e:  # this row's own failure: it alone fails
+                    errors[i] = e
+        return tokens, errors
+
+
+def _adjusts(row: SampleRow, eos_id: int | None) -> bool:
+    p = row.params
+    return bool(p.logit_bias or (p.repetition_penalty not in (None, 1.0) and row.history)
+                or ((p.presence_penalty or p.frequency_penalty) and row.output)
+                or (eos_id is not None and len(row.output) < p.min_tokens))
+
+
+def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Tensor:
+    """Steps 2-5 for one row's masked logits (the same tensor when none applies)."""
+    if not _adjusts(row, eos_id):
+        return logits
+    p = row.params
+    logits = logits.clone()
+    for token, bias in p.logit_bias:
+        if token < logits.size(-1):
+            logits[token] += bias
+    if eos_id is not None and len(row.output) < p.min_tokens:
+        logits[eos_id] = float("-inf")
+    if p.repetition_penalty not in (None, 1.0) and row.history:
+        context = torch.tensor(list(row.history), device=logits.device)
+        logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
+    return apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
+
+
+def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
+    """Steps 7-11 for one sampled row, from its logits after steps 1-5."""
+    return int(torch.multinomial(sampling_distribution(logits, row.params), 1, generator=row.generator))
+
+
+def choose_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    n_vocab: int,
+    context: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    output: Sequence[int] = (),
+    eos_id: int | None = None,
+) -> int:
+    """The next token id from a 1-D logits vector (steps 1-11): `Sampler` for one row. `context` holds every id
+    seen so far (prompt and output), `output` the generated ones."""
+    history = () if context is None else context.tolist()
+    out = Sampler(n_vocab, eos_id)(logits[None], [SampleRow(params, generator, history, output)])
+    if out.errors:
+        raise out.errors[0]
+    return out.tokens[0]

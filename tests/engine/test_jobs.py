@@ -1,0 +1,111 @@
+"""Jobs on the engine thread: an inspection runs one layer per engine step between decode steps, gives what the
+offline function gives, counts toward capacity, and can be cancelled or failed alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from model.engine import EngineStopped, GenerationError, Overloaded
+from model.inspect import InspectError, InspectOptions, Inspector, inspect
+from model.sampling_params import SamplingParams
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30.0))
+
+
+def test_an_inspection_interleaves_with_decoding_and_equals_the_offline_one(make_checkpoint, make_engine) -> None:
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    order: list[str] = []
+    engine.on_step = lambda reqs: order.append("decode")
+
+    def job_steps(inner):
+        for step in inner:
+            order.append("job")
+            yield step
+
+    async def main():
+        stream = engine.submit([7, 8], SamplingParams(max_new_tokens=12))
+        inspector = Inspector(engine.model, engine.tokenizer, ids, InspectOptions())
+        handle = engine.submit_job(job_steps(inspector.steps()), lambda: inspector.result)
+        result, gen = await asyncio.gather(handle.result(), stream.collect())
+        return result, gen
+
+    result, gen = run(main())
+    offline = inspect(ck.model, ck.tokenizer, ids)
+    assert [(a.layer, a.head, a.weights) for a in result.attention] == [
+        (a.layer, a.head, a.weights) for a in offline.attention]
+    assert [layer.top for layer in result.lens] == [layer.top for layer in offline.lens]
+    assert len(gen.tokens) == 12
+    # the job's steps (embeddings, 2 blocks, the scores) took turns with decode steps, never all in a row
+    first, last = order.index("job"), len(order) - order[::-1].index("job")
+    assert "decode" in order[first:last] and order.count("job") == ck.config.n_layer + 1
+
+
+def test_engine_inspect_refuses_bad_options_and_counts_toward_capacity(make_checkpoint, make_engine) -> None:
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, max_batch_size=1, max_waiting=0, start=False)
+    with pytest.raises(InspectError):
+        engine.inspect([1, 2], InspectOptions(layers=(9,)))
+    handle = engine.inspect([1, 2, 3], InspectOptions())
+    with pytest.raises(Overloaded):  # the job holds the only slot
+        engine.generate([1], SamplingParams(max_new_tokens=1))
+    engine.start()
+    assert handle.wait(10).tokens == [1, 2, 3]
+    assert engine.generate([1], SamplingParams(max_new_tokens=1)).finished.generated_tokens == 1
+
+
+def test_a_failing_job_fails_alone_and_stop_fails_pending_jobs(make_checkpoint, make_engine) -> None:
+    engine = make_engine(make_checkpoint(block_size=32))
+
+    def broken():
+        yield
+        raise RuntimeError("injected fault in a job")
+
+    with pytest.raises(GenerationError, match="injected fault"):
+        engine.submit_job(broken(), lambda: None).wait(10)
+    assert engine.generate([1, 2], SamplingParams(max_new_tokens=3)).finished.generated_tokens == 3
+    idle = make_engine(make_checkpoint(block_size=32), start=False)
+    handle = idle.submit_job(iter(()), lambda: "never")
+    idle.stop()
+    with pytest.raises(EngineStopped):
+        handle.wait(5)
+
+
+def test_a_cancelled_job_leaves(make_checkpoint, make_engine) -> None:
+    engine = make_engine(make_checkpoint(block_size=32), start=False)
+    handle = engine.submit_job(iter(()), lambda: "done")
+    handle.cancel()
+    engine.start()
+    assert engine.generate([1], SamplingParams(max_new_tokens=1)).finished.generated_tokens == 1
+    assert engine.busy == 0 and engine.stats.cancelled_total == 1
+
+
+def test_liveness_says_when_the_engine_stalls_and_drain_finishes_what_runs(make_checkpoint, make_engine) -> None:
+    engine = make_engine(make_checkpoint(block_size=32), start=False)
+    assert engine.liveness(1.0) == (False, "the engine thread is not running")
+    engine.start()
+    assert engine.generate([1], SamplingParams(max_new_tokens=2)).finished.generated_tokens == 2
+    assert engine.liveness(1.0) == (True, "idle")
+    release = threading.Event()
+
+    async def main():
+        stream = engine.submit([1, 2], SamplingParams(max_new_tokens=5))
+        await asyncio.sleep(0.3)
+        alive, why = engine.liveness(0.1)
+        assert not alive and "limit 0.1 s" in why
+        assert engine.liveness(30.0) == (True, "stepping")
+        release.set()
+        drained = await asyncio.to_thread(engine.drain, 10.0)
+        return drained, await stream.collect()
+
+    engine.on_step = lambda reqs: release.wait(10)  # a step that hangs until released
+    drained, result = run(main())
+    assert drained and result.finished.generated_tokens == 5
+    with pytest.raises(EngineStopped):
+        engine.generate([1], SamplingParams(max_new_tokens=1))

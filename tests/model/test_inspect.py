@@ -1,0 +1,123 @@
+"""`model.inspect`: attention weights against an independent softmax(q k^T / sqrt(d)) reference, the logit lens at
+the last layer against the model's own distribution, next-token scores, limits, and the PNG command."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from model import kernels
+from model.checkpoint import load_checkpoint
+from model.config import GPTConfig
+from model.gpt import GPT
+from model.inspect import (
+    MAX_ATTENTION_ROWS,
+    InspectError,
+    InspectOptions,
+    check_options,
+    inspect,
+    main,
+    reference_attention,
+)
+from model.sampler import mask_unusable
+from model.tokenizer import CharTokenizer
+
+
+@pytest.fixture(scope="module")
+def bundled(repo):
+    return load_checkpoint(repo / "weights" / "shakespeare-char")
+
+
+@pytest.fixture(scope="module")
+def gpt2_shape():
+    """GPT-2 small's widths (12 heads of 64, vocabulary 50304) with two layers, over a character tokenizer."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=2, n_head=12, n_embd=768)).eval()
+    return model, CharTokenizer([chr(c) for c in range(32, 127)])
+
+
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_attention_equals_the_reference_on_the_bundled_model(bundled, path) -> None:
+    ids = bundled.tokenizer.encode("ROMEO:\nWherefore art thou Romeo?")
+    if path == "kernels":  # the queries and keys then come from the kernels' linear (31 rows: their range)
+        assert kernels.load(), kernels.status()
+    with contextlib.nullcontext() if path == "kernels" else kernels.disabled():
+        result = inspect(bundled.model, bundled.tokenizer, ids)
+    cfg = bundled.config
+    assert result.dense and len(result.attention) == cfg.n_layer * cfg.n_head
+    for layer in range(cfg.n_layer):
+        want = reference_attention(bundled.model, ids, layer)
+        for head in range(cfg.n_head):
+            got = next(a for a in result.attention if (a.layer, a.head) == (layer, head))
+            assert [len(row) for row in got.weights] == list(range(1, len(ids) + 1))  # causal: keys 0..query
+            for q, row in enumerate(got.weights):
+                torch.testing.assert_close(torch.tensor(row), want[head, q, : q + 1], rtol=0, atol=1e-5)
+
+
+def test_attention_equals_the_reference_on_a_gpt2_shape_sparse(gpt2_shape) -> None:
+    model, tok = gpt2_shape
+    ids = tok.encode("It was the best of times, it was the worst of times.")
+    opts = InspectOptions(layers=(1,), heads=(0, 7, 11), dense_max_tokens=8, sparse_threshold=0.05, sparse_top=4)
+    result = inspect(model, tok, ids, opts)
+    assert not result.dense and result.sparse_threshold == 0.05
+    want = reference_attention(model, ids, 1)
+    for got in result.attention:
+        for q, (keys, weights) in enumerate(zip(got.keys, got.weights)):
+            ref = want[got.head, q, : q + 1]
+            top = torch.topk(ref, min(4, q + 1))
+            expect = [(k, w) for k, w in zip(top.indices.tolist(), top.values.tolist()) if w >= 0.05]
+            assert keys == [k for k, _ in expect]
+            assert weights == pytest.approx([w for _, w in expect], abs=1e-5)
+
+
+def test_logit_lens_last_layer_is_the_models_distribution_and_scores_match(bundled) -> None:
+    ids = bundled.tokenizer.encode("KING HENRY:\nOnce more unto the breach")
+    result = inspect(bundled.model, bundled.tokenizer, ids, InspectOptions(attention=False, lens_top=3, top_n=4))
+    assert [layer.layer for layer in result.lens] == list(range(bundled.config.n_layer + 1))
+    with torch.no_grad():
+        logits = mask_unusable(bundled.model(torch.tensor([ids]))[0].float(), bundled.tokenizer.n_vocab)
+    probs, logprobs = logits.softmax(-1), logits.log_softmax(-1)
+    last = result.lens[-1]
+    for pos, top in enumerate(last.top):
+        want = torch.topk(probs[pos], 3)
+        assert [i for i, _ in top] == want.indices.tolist()
+        assert [p for _, p in top] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert result.next_tokens[0].logprob is None and [t.id for t in result.next_tokens] == ids
+    for pos in range(1, len(ids)):
+        assert result.next_tokens[pos].logprob == pytest.approx(logprobs[pos - 1, ids[pos]].item(), abs=1e-5)
+        assert [a.id for a in result.next_tokens[pos].top_tokens] == torch.topk(logprobs[pos - 1], 4).indices.tolist()
+    assert [text for text, _, _ in result.spans] == list("KING HENRY:\nOnce more unto the breach")
+
+
+def test_limits_are_refused_before_any_work(bundled, gpt2_shape) -> None:
+    model, tok = gpt2_shape
+    cases = [(InspectOptions(layers=(6,)), "layers", "[0, 5]"), (InspectOptions(heads=(-1,)), "heads", "[0, 5]"),
+             (InspectOptions(lens_top=21), "lens_top", "[0, 20]")]
+    for opts, field, part in cases:
+        with pytest.raises(InspectError) as e:
+            inspect(bundled.model, bundled.tokenizer, [1, 2, 3], opts)
+        assert e.value.field == field and part in e.value.message
+    with pytest.raises(InspectError) as e:
+        inspect(bundled.model, bundled.tokenizer, [1] * 129)
+    assert e.value.field == "text" and "128" in e.value.message
+    with pytest.raises(InspectError) as e:  # the budget of attention rows: layers x heads x tokens
+        big = GPT(GPTConfig(block_size=1024, vocab_size=65, n_layer=20, n_head=12, n_embd=24))
+        check_options(InspectOptions(lens=False), 1024, big, 65)
+    assert e.value.field == "layers" and str(MAX_ATTENTION_ROWS) in e.value.message
+    with pytest.raises(InspectError) as e:  # the lens budget: lens layers x tokens x vocabulary
+        check_options(InspectOptions(attention=False), 1024, GPT(GPTConfig(block_size=1024, vocab_size=50304,
+                      n_layer=12, n_head=2, n_embd=8)), 50304)
+    assert e.value.field == "lens_layers"
+
+
+def test_the_command_writes_the_heatmaps(repo, tmp_path) -> None:
+    out = tmp_path / "maps"
+    assert main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--text", "To be, or not",
+                 "--out", str(out), "--layers", "0", "--heads", "1"]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["attention-L0-H1.png", "logit-lens.png"]
+    assert all((out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
+    assert main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--text", "\u00e9\u00e9",
+                 "--out", str(out)]) == 2  # characters the model does not know: one error line
