@@ -12,8 +12,8 @@ import torch
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, gpt2_tokenizer
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 # the data the tests read lives beside the repository, never inside it: gpt2-bpe/{vocab.bpe,encoder.json} and
 # tinyshakespeare/input.txt under ../shared/data, or under the directory FOLIO_TEST_DATA names (README: Tests)
 DATA_DIR = Path(os.environ.get("FOLIO_TEST_DATA") or REPO.parent / "shared" / "data")

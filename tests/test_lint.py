@@ -5,9 +5,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests import REPO
 
 
 def test_ruff_is_clean() -> None:

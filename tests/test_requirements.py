@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 
 
 def commands(script: str) -> list[str]:

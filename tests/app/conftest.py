@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from checkpoints import make_bpe_checkpoint, make_char_checkpoint
-from server_process import serving
 
+from app.testing import serving
+from model.testing import make_bpe_checkpoint, make_char_checkpoint
 from model.tokenizer import BPETokenizer
 
 
@@ -27,5 +27,5 @@ def bpe_checkpoint(tmp_path_factory: pytest.TempPathFactory, gpt2_tok: BPETokeni
 @pytest.fixture(scope="session")
 def server(char_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of one `python -m app` on 127.0.0.1 serving the char checkpoint, started once per session."""
-    with serving(char_checkpoint, tmp_path_factory.mktemp("server") / "server.log") as base:
+    with serving(char_checkpoint, tmp_path_factory.mktemp("server") / "server.log") as (base, _):
         yield base

@@ -21,20 +21,20 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoints import CHARS, EMOJI_CJK, TRAINING, make_char_checkpoint
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from wire import assert_openai_error, assert_tgi_error, metric, parse_sse, strict_json
 
 from app.main import create_app
 from app.schemas import StreamResponse
 from app.settings import Settings
 from app.system import VERSION
+from app.testing import assert_openai_error, assert_tgi_error, metric, parse_sse, strict_json
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.files import sha256_file
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
+from model.testing import CHARS, EMOJI_CJK, TRAINING, make_char_checkpoint
 
 LIMIT = 256  # max_new_tokens_limit of the test apps
 BODY_LIMIT = 16 * 1024

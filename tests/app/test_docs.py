@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
 pytestmark = needs_chromium
 ROUTES = {"/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/models"}

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
-from server_process import serving
+
+from app.testing import serving
+from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
 
 pytestmark = needs_chromium
 API_KEY = "pl4yground-k3y"
@@ -46,7 +47,8 @@ def page(browser) -> Iterator[object]:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def keyed_server(char_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A second `python -m app`, started with `--api-key`."""
-    with serving(char_checkpoint, tmp_path_factory.mktemp("keyed-server") / "server.log", "--api-key", API_KEY) as base:
+    log = tmp_path_factory.mktemp("keyed-server") / "server.log"
+    with serving(char_checkpoint, log, "--api-key", API_KEY) as (base, _):
         yield base
 
 

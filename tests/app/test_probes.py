@@ -17,10 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from server_process import REFUSED, free_port, probe, spawn, stop
-from wire import metric
 
 from app.faults import FAULT_STALL
+from app.testing import REFUSED, free_port, metric, probe, spawn, stop
 
 LONG = {"max_new_tokens": 4096}  # many seconds with the test servers' --window-shift 1
 

@@ -18,9 +18,8 @@ import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
-from server_process import REFUSED, free_port, probe, spawn, stop, wait_healthy
-from wire import metric, parse_sse
 
+from app.testing import REFUSED, free_port, metric, parse_sse, probe, spawn, stop, wait_healthy
 from model.checkpoint import WEIGHTS_FILE
 
 PROMPT = "Hello there"

@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 from app.__main__ import main, parse_args
 from app.main import create_app
 from app.settings import OTHER_VARIABLES, Settings
-
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
 
 
 @pytest.fixture(autouse=True)

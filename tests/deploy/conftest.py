@@ -3,16 +3,13 @@ model (the one the image and the Kubernetes manifests serve)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.main import create_app
 from app.settings import Settings
-
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-DOCKERFILE = Path(__file__).resolve().parents[2] / "docker" / "Dockerfile"
+from tests import REPO
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
 
 
 def instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:

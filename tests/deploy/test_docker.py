@@ -28,9 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dockerfile import instructions, stages
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+from tests.deploy.dockerfile import instructions, stages
+
 DOCKER = REPO / "docker"
 
 

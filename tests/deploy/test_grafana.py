@@ -4,12 +4,12 @@ only metrics that exist: Folio's own, scraped from /metrics, or the vLLM-compati
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from promql import metric_names
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import REPO
+from tests.deploy.promql import metric_names
+
 DASHBOARD = REPO / "deploy" / "grafana" / "folio-dashboard.json"
 
 # the vLLM-compatible set (issue 17), by kind: a histogram is read through its _bucket/_sum/_count samples

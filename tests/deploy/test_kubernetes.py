@@ -22,8 +22,6 @@ import kubernetes_validate
 import pytest
 import torch
 import yaml
-from dockerfile import DOCKERFILE, runtime_env, stages
-from promql import metric_names
 
 from app.main import create_app
 from app.settings import Settings
@@ -31,8 +29,10 @@ from model.checkpoint import read_config
 from model.config import GPTConfig
 from model.engine import Engine
 from model.gpt import GPT
+from tests import REPO
+from tests.deploy.dockerfile import DOCKERFILE, runtime_env, stages
+from tests.deploy.promql import metric_names
 
-REPO = Path(__file__).resolve().parents[2]
 KUBE = REPO / "deploy" / "kubernetes"
 OVERLAY = KUBE / "overlays" / "weights-pvc"
 ADAPTER = KUBE / "prometheus-adapter" / "values.yaml"

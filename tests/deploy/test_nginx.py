@@ -34,8 +34,8 @@ from model.checkpoint import save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.tokenizer import CharTokenizer
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 NGINX_CONF = REPO / "docker" / "nginx.conf"
 BEGIN, END = "# BEGIN upstream servers", "# END upstream servers"
 SHIPPED_LISTEN = "listen 8080;"

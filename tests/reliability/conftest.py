@@ -1,18 +1,16 @@
-"""Fixtures for the reliability suite: bench/reliability.py on the import path, the tiny character checkpoint,
-and one `python -m app` on 127.0.0.1 shared by the checks that do not need a server of their own."""
+"""Fixtures for the reliability suite: the tiny character checkpoint, and one `python -m app` on 127.0.0.1 (the
+bench's main server) shared by the checks that do not need a server of their own."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
-
-import reliability  # noqa: E402
+from app.testing import serving
+from bench.reliability.harness import MAIN_ARGS
+from model.testing import make_char_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +21,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(workdir: Path) -> Path:
-    return reliability.make_char_checkpoint(workdir / "tiny-char")
+    return make_char_checkpoint(workdir / "tiny-char")
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, workdir: Path) -> Iterator[tuple[str, int]]:
     """(base URL, pid) of the main server: capacity 48 (16 running, 32 waiting), max_new_tokens up to 512."""
-    with reliability.serve(checkpoint, workdir / "main.log", *reliability.MAIN_ARGS) as (base, proc):
+    with serving(checkpoint, workdir / "main.log", *MAIN_ARGS) as (base, proc):
         yield base, proc.pid

@@ -1,4 +1,4 @@
-"""The reliability suite, reduced to CI sizes (`reliability.QUICK`): the same functions as bench/reliability.py,
+"""The reliability suite, reduced to CI sizes (`QUICK`): the same functions as `python -m bench.reliability`,
 which runs the full sizes and writes the figures. Each check returns its figures and a list of `problems`, the
 requirements that did not hold; a test asserts that list is empty, then a few figures.
 
@@ -13,8 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import reliability
-from reliability import QUICK
+
+from bench.reliability import (
+    bad_inputs,
+    checkpoints,
+    disconnects,
+    faults,
+    fuzz,
+    load,
+    overload,
+    oversized,
+    shutdown,
+    slow_clients,
+    training,
+)
+from bench.reliability.harness import QUICK
 
 pytestmark = pytest.mark.slow
 SEED = 1234
@@ -25,7 +38,7 @@ def no_problems(result: dict) -> None:
 
 
 def test_fuzzing_every_operation_finds_no_5xx_and_no_undocumented_answer(server: tuple[str, int]) -> None:
-    result = reliability.fuzz(server[0], QUICK.fuzz_examples, SEED)
+    result = fuzz.run(server[0], QUICK.fuzz_examples, SEED)
     no_problems(result)
     assert result["server_errors"] == 0
     generation = [op for op in result["per_operation"] if op.startswith("POST")]
@@ -35,22 +48,22 @@ def test_fuzzing_every_operation_finds_no_5xx_and_no_undocumented_answer(server:
 
 
 def test_bad_input_table_on_every_generation_route(server: tuple[str, int]) -> None:
-    result = reliability.bad_inputs(server[0])
+    result = bad_inputs.run(server[0])
     no_problems(result)
     assert result["server_errors"] == 0
-    assert result["cases"] == len(reliability.bad_input_table()) >= 60
+    assert result["cases"] == len(bad_inputs.bad_input_table()) >= 60
 
 
 def test_load_every_accepted_request_completes_with_its_tokens(server: tuple[str, int]) -> None:
     base, pid = server
-    result = reliability.load(base, pid, QUICK.load_requests, QUICK.load_clients, QUICK.load_warmup, SEED)
+    result = load.run(base, pid, QUICK.load_requests, QUICK.load_clients, QUICK.load_warmup, SEED)
     no_problems(result)  # includes: RSS after the run within 10% of after the warm-up
     assert result["completed"] == QUICK.load_requests
     assert result["streamed"] > 0 and result["with_stop_strings"] > 0
 
 
 def test_disconnect_storm_frees_every_slot(server: tuple[str, int]) -> None:
-    result = reliability.disconnects(server[0], QUICK.disconnect_streams, QUICK.disconnect_wave, SEED)
+    result = disconnects.run(server[0], QUICK.disconnect_streams, QUICK.disconnect_wave, SEED)
     no_problems(result)  # includes: slots free within 1 s of each wave's last cut, same greedy output after
     assert sum(result["cut"].values()) == QUICK.disconnect_streams + result["whole_requests"]
     assert result["cancelled_by_server"] > 0 and result["completed_after"] == 24
@@ -58,7 +71,7 @@ def test_disconnect_storm_frees_every_slot(server: tuple[str, int]) -> None:
 
 def test_a_fault_in_the_model_step_fails_only_its_request(checkpoint: Path, workdir: Path,
                                                           server: tuple[str, int]) -> None:
-    result = reliability.faults(checkpoint, workdir, server[0], QUICK.fault_good, QUICK.fault_bad, SEED)
+    result = faults.run(checkpoint, workdir, server[0], QUICK.fault_good, QUICK.fault_bad, SEED)
     no_problems(result)
     assert result["faulty_failed_alone"] == QUICK.fault_bad
     assert result["good_matching_reference"] == QUICK.fault_good
@@ -66,9 +79,8 @@ def test_a_fault_in_the_model_step_fails_only_its_request(checkpoint: Path, work
 
 
 def test_overload_refuses_the_excess_at_once(checkpoint: Path, workdir: Path) -> None:
-    result = reliability.overload(checkpoint, workdir, QUICK.overload_batch, QUICK.overload_waiting,
-                                  QUICK.overload_factor, QUICK.overload_new_tokens, QUICK.overload_rounds,
-                                  timing=False)
+    result = overload.run(checkpoint, workdir, QUICK.overload_batch, QUICK.overload_waiting, QUICK.overload_factor,
+                          QUICK.overload_new_tokens, QUICK.overload_rounds, timing=False)
     no_problems(result)
     capacity = QUICK.overload_batch + QUICK.overload_waiting
     assert result["accepted_per_burst"] == [capacity] * QUICK.overload_rounds
@@ -79,7 +91,7 @@ def test_overload_refuses_the_excess_at_once(checkpoint: Path, workdir: Path) ->
 
 
 def test_sigterm_drains_active_streams_and_exits_0(checkpoint: Path, workdir: Path) -> None:
-    result = reliability.shutdown(checkpoint, workdir, QUICK.shutdown_streams, QUICK.drain_timeout, SEED)
+    result = shutdown.run(checkpoint, workdir, QUICK.shutdown_streams, QUICK.drain_timeout, SEED)
     no_problems(result)  # includes: exit within the drain timeout + 3 s, every stream ended by a final event
     assert result["exit_code"] == 0
     assert sum(result["ended"].values()) == QUICK.shutdown_streams
@@ -87,8 +99,8 @@ def test_sigterm_drains_active_streams_and_exits_0(checkpoint: Path, workdir: Pa
 
 
 def test_slow_clients_hold_no_slot_and_are_closed_at_their_deadlines(checkpoint: Path, workdir: Path) -> None:
-    result = reliability.slow_clients(checkpoint, workdir, QUICK.slow_batch, QUICK.slow_waiting,
-                                      QUICK.slow_connections, QUICK.slow_requests, QUICK.slow_timeout)
+    result = slow_clients.run(checkpoint, workdir, QUICK.slow_batch, QUICK.slow_waiting, QUICK.slow_connections,
+                              QUICK.slow_requests, QUICK.slow_timeout)
     no_problems(result)  # includes: every ordinary request 200, nothing running, queued or reserved after
     assert result["ordinary_statuses"] == {"200": QUICK.slow_requests}
     assert result["slow_connections"] > QUICK.slow_batch + QUICK.slow_waiting
@@ -99,7 +111,7 @@ def test_slow_clients_hold_no_slot_and_are_closed_at_their_deadlines(checkpoint:
 
 def test_oversized_work_is_refused_or_done_off_the_event_loop(server: tuple[str, int]) -> None:
     base, pid = server
-    result = reliability.oversized(base, pid, QUICK.stop_new_tokens, QUICK.stop_batch)
+    result = oversized.run(base, pid, QUICK.stop_new_tokens, QUICK.stop_batch)
     no_problems(result)  # includes: /health answered during the largest /tokenize (if it took over 0.1 s)
     tokenize = result["tokenize"]
     assert tokenize["status"] == 200 and tokenize["over_the_limit"]["status"] == 422
@@ -107,13 +119,13 @@ def test_oversized_work_is_refused_or_done_off_the_event_loop(server: tuple[str,
 
 
 def test_damaged_checkpoints_are_refused_at_startup(checkpoint: Path, workdir: Path) -> None:
-    result = reliability.checkpoints(checkpoint, workdir)
+    result = checkpoints.run(checkpoint, workdir)
     no_problems(result)
     assert result["refused"] == len(result["cases"]) == 10
 
 
 def test_trainer_killed_at_random_resumes_to_the_same_weights(workdir: Path) -> None:
-    result = reliability.training(workdir, QUICK.training_kills, QUICK.training_iters, SEED)
+    result = training.run(workdir, QUICK.training_kills, QUICK.training_iters, SEED)
     no_problems(result)  # includes: every checkpoint on disk loads after every kill
     assert result["kills"] == QUICK.training_kills + 1  # the targeted kill, then the random ones
     assert result["final_weights_bitwise_equal"] and result["best_checkpoint_bitwise_equal"]

@@ -34,8 +34,8 @@ from model.distributed import DistEnv, dist_env
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.train import Trainer, TrainError, main, resolve_config
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 WORLD = 2
 STEPS = 20

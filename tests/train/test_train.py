@@ -26,8 +26,8 @@ from model.checkpoint import load_checkpoint, read_config
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.train import PRESETS, TrainConfig, Trainer, configure_optimizer, get_lr, main, resolve_config
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

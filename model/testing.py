@@ -1,13 +1,15 @@
-"""Checkpoints for the app tests, written with `save_checkpoint`.
+"""Tiny checkpoints for tests and benchmarks, written with `save_checkpoint` (shared by `tests/` and `bench/`, as
+`torch.testing` is by torch's own tests; `app/testing.py` holds the server-side aids).
 
-- `make_char_checkpoint` (fixture `char_checkpoint`): a seeded random GPT (block_size 64, 2 layers,
-  n_embd 32) over a character tokenizer of printable ASCII plus newline (or the characters given). Weights are
-  scaled up from GPT-2's init so that logits are spread out: greedy output must not hang on a near tie that the
-  KV-cache path and the naive loop could break differently.
-- `make_bpe_checkpoint` (fixture `bpe_checkpoint`): GPT-2's BPE (vocab_size 50304, n_embd 16, 1 layer) with
-  weights set by hand so that, whatever the prompt, greedy decoding cycles through single-byte tokens that
-  spell "😀中" (F0 9F 98 80 E4 B8 AD). Every character is split across tokens, which is what UTF-8-safe
-  streaming must handle; a random model would mostly emit byte soup where U+FFFD is the right answer.
+- `make_char_checkpoint`: a seeded random GPT (block_size 64, 2 layers, n_embd 32) over a character tokenizer of
+  printable ASCII plus newline (or the characters given). Weights are scaled up from GPT-2's init so that logits
+  are spread out: greedy output must not hang on a near tie that the KV-cache path and the naive loop could break
+  differently. A character model has no EOS: a request makes exactly its max_new_tokens unless a stop string
+  ends it, and one token is one character, so token counts can be checked from the text alone.
+- `make_bpe_checkpoint`: GPT-2's BPE (vocab_size 50304, n_embd 16, 1 layer) with weights set by hand so that,
+  whatever the prompt, greedy decoding cycles through single-byte tokens that spell "😀中" (F0 9F 98 80 E4 B8
+  AD). Every character is split across tokens, which is what UTF-8-safe streaming must handle; a random model
+  would mostly emit byte soup where U+FFFD is the right answer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EMOJI_CJK = "😀中"
 
 
 def make_char_checkpoint(directory: Path, *, seed: int = 1234, chars: list[str] = CHARS) -> Path:
+    """The seeded random character-level checkpoint, written to `directory` (returned)."""
     torch.manual_seed(seed)
     config = GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=32)
     model = GPT(config).eval()

@@ -1,0 +1,117 @@
+"""What a response must look like: the body shape of its API family (TGI `{"error", "error_type"}`, OpenAI
+`{"error": {"message", "type", "param", "code"}}`), each route's success shape, SSE framing and the final event
+of a stream. `check_response` lists what is wrong with one response; every section that reads responses uses it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.schemas import ErrorBody, GenerateResponse, OpenAIError, SimpleToken, StreamResponse
+from app.testing import parse_sse
+
+
+def _fits(model: Any, obj: Any) -> bool:
+    """`obj` validates against the pydantic model and holds no field it does not declare."""
+    try:
+        model.model_validate(obj)
+    except Exception:
+        return False
+    return isinstance(obj, dict) and set(obj) <= set(model.model_fields)
+
+
+def _openai_error(obj: Any, status: int | None = None) -> bool:
+    return (_fits(OpenAIError, obj) and set(obj["error"]) == {"message", "type", "param", "code"}
+            and (status is None or obj["error"]["code"] == status))
+
+
+def _openai_completion(obj: Any, chunk: bool) -> bool:
+    if not isinstance(obj, dict) or obj.get("object") != "text_completion":
+        return False
+    if not {"id", "created", "model", "choices"} <= set(obj):
+        return False
+    choices = obj["choices"]
+    if chunk and choices == [] and isinstance(obj.get("usage"), dict):  # the include_usage chunk
+        return True
+    return (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0].get("text"), str)
+            and choices[0].get("finish_reason") in (None, "length", "stop"))
+
+
+def check_response(path: str, streamed: bool, status: int, content_type: str, body: bytes,
+                   documented: set[int] | None = None) -> list[str]:
+    """Problems with one response: 5xx, a status outside `documented`, or a body that is not its API family's
+    shape (TGI `{"error", "error_type"}`, OpenAI `{"error": {"message", "type", "param", "code"}}`, the
+    success shapes of each route, SSE framing and the final event of a stream)."""
+    where = f"{path} -> {status}"
+    problems = []
+    if status >= 500:
+        problems.append(f"{where}: server error {body[:200]!r}")
+    if documented is not None and status not in documented:
+        problems.append(f"{where}: status not documented ({sorted(documented)})")
+    openai = path.startswith("/v1/")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return [*problems, f"{where}: body is not UTF-8"]
+    if path == "/metrics" and status == 200:
+        ok = content_type.startswith("text/plain") and "folio_requests_total" in text
+        return problems if ok else [*problems, f"{where}: not a Prometheus exposition ({content_type})"]
+    if status != 200:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return [*problems, f"{where}: error body is not JSON: {text[:200]!r}"]
+        ok = _openai_error(obj, status) if openai else _fits(ErrorBody, obj)
+        return problems if ok else [*problems, f"{where}: error body of the wrong shape: {text[:300]}"]
+    if streamed:
+        if not content_type.startswith("text/event-stream"):
+            return [*problems, f"{where}: stream answered as {content_type}"]
+        try:
+            events = parse_sse(text)
+        except (AssertionError, json.JSONDecodeError) as e:
+            return [*problems, f"{where}: bad SSE framing: {e}"]
+        return problems + [f"{where}: {p}" for p in _stream_problems(events, openai)]
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return [*problems, f"{where}: body is not JSON: {text[:200]!r}"]
+    if openai:
+        ok = path == "/v1/models" or _openai_completion(obj, chunk=False)
+    elif path == "/generate":
+        ok = _fits(GenerateResponse, obj)
+    elif path == "/":
+        ok = isinstance(obj, list) and len(obj) == 1 and _fits(GenerateResponse, obj[0])
+    elif path == "/tokenize":
+        ok = isinstance(obj, list) and all(_fits(SimpleToken, t) for t in obj)
+    else:
+        ok = True
+    return problems if ok else [*problems, f"{where}: body of the wrong shape: {text[:300]}"]
+
+
+def _stream_problems(events: list[Any], openai: bool) -> list[str]:
+    """A stream must end in a final event: TGI's last token (generated_text set) or error event; OpenAI's
+    [DONE], after a finish_reason or an error chunk."""
+    if not events:
+        return ["empty stream"]
+    if openai:
+        if events[-1] != "[DONE]":
+            return [f"stream does not end in [DONE]: {events[-1]!r}"]
+        body = events[:-1]
+        bad = [e for e in body if not (_openai_completion(e, chunk=True) or _openai_error(e))]
+        if bad:
+            return [f"chunk of the wrong shape: {bad[0]!r}"]
+        last = body[-1] if body else None
+        finished = any(c["choices"] and c["choices"][0]["finish_reason"] for c in body if "choices" in c)
+        if not (finished or (last is not None and "error" in last)):
+            return ["stream ends without a finish_reason or an error"]
+        return []
+    *tokens, last = events
+    bad = [e for e in tokens if not _fits(StreamResponse, e) or e.get("generated_text") is not None]
+    if bad:
+        return [f"token event of the wrong shape: {bad[0]!r}"]
+    if _fits(ErrorBody, last):
+        return []
+    if not (_fits(StreamResponse, last) and last.get("generated_text") is not None and last.get("details")):
+        return [f"stream ends without a final event: {last!r}"]
+    return []
+

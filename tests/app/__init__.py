@@ -1,0 +1,1 @@
+"""Tests of the HTTP app: in process through its ASGI app, and against real `python -m app` processes."""

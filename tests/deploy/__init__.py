@@ -1,0 +1,1 @@
+"""Tests of the container, nginx, Kubernetes and Grafana files under docker/ and deploy/."""

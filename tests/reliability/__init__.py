@@ -1,0 +1,1 @@
+"""The reliability suite at CI sizes: the same sections as `python -m bench.reliability`."""

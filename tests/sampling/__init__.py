@@ -1,0 +1,1 @@
+"""Tests of sampling and stopping: parameters, distributions, filters, stop strings."""

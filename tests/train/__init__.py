@@ -1,0 +1,1 @@
+"""Tests of training: the CLI, configuration, exact resume, crash safety, DDP."""
