@@ -1,6 +1,6 @@
 """Engine-only decode speed against Hugging Face `transformers` and the naive no-cache loop, same run.
 
-    python bench/engine_decode.py [--models default,gpt2-124m] [--new-tokens 128] [--concurrency 8,32]
+    python -m bench.engine_decode [--models default,gpt2-124m] [--new-tokens 128] [--concurrency 8,32]
 
 For each model (the bundled default and a random-init GPT-2 124M shape):
 - batch 1, greedy: Folio's engine vs `transformers` `generate` (KV cache on, same weights) vs the naive
@@ -18,26 +18,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from model.config import GPTConfig  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.reference import generate_naive  # noqa: E402
-from model.sampling_params import SamplingParams  # noqa: E402
-from model.tokenizer import CharTokenizer  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
+from bench import REPO, RESULTS
+from bench.models import gpt2_124m, to_hf
+from bench.report import pyplot, save_figure, write_json
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.engine import Engine
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
+from model.tokenizer import CharTokenizer
 
 
 def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -52,39 +48,13 @@ def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def to_hf(model: GPT):  # noqa: ANN201
-    """The same weights in `transformers`' GPT2LMHeadModel (Conv1D layouts, zero biases where Folio has none).
-    No EOS token: like Folio's runs here, generation always makes exactly max_new_tokens tokens (an EOS id with
-    min_new_tokens would instead forbid that id, and change the greedy tokens)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    c = model.config
-    hf_cfg = GPT2Config(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, n_positions=c.block_size,
-                        vocab_size=c.vocab_size, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None)
-    hf = GPT2LMHeadModel(hf_cfg).eval()
-    sd = {k: v for k, v in model.state_dict().items()}
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    with torch.no_grad():
-        for name, p in hf.state_dict().items():
-            if name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue
-            if name in sd:
-                src = sd[name]
-                p.copy_(src.t() if name.endswith(conv1d) else src)
-            else:
-                assert name.endswith(".bias"), name  # Folio built without biases: zero
-                p.zero_()
-    return hf
-
-
-def gpt2_124m() -> Checkpoint:
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
+def gpt2_124m_checkpoint() -> Checkpoint:
+    model = gpt2_124m().eval()
+    cfg = model.config
     # ids only: the text is not used, but the engine decodes it, so no surrogate code points
     tok = CharTokenizer([chr(c) for c in range(0x4E00, 0x4E00 + cfg.vocab_size + 2048) if not 0xD800 <= c < 0xE000][
         : cfg.vocab_size])
-    return Checkpoint(path=Path("gpt2-124m-random"), config=cfg, tokenizer=tok, model=GPT(cfg).eval())
+    return Checkpoint(path=Path("gpt2-124m-random"), config=cfg, tokenizer=tok, model=model)
 
 
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -180,7 +150,7 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.engine_decode", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="default,gpt2-124m")
     p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
     p.add_argument("--new-tokens", type=int, default=128)
@@ -196,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     "new_tokens": args.new_tokens, "models": {}}
     rows = []
     for name in args.models.split(","):
-        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m()
+        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m_checkpoint()
         hf = to_hf(ck.model)
         weight_bytes = ck.model.num_params() * 4
         ceiling = bandwidth / weight_bytes
@@ -221,19 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         cs = f"{ceil:8.1f}" if ceil == ceil else "       -"
         nvs = f"{nv:7.1f}" if nv == nv else "      -"
         print(f"{name:<12} {load:<14} {f:11.1f} {h:9.1f} {f / h:6.2f} {nvs} {xn} {cs} {pc}")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_decode.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "engine_decode.png")
+    write_json(Path(args.out_dir) / "engine_decode.json", report)
+    plot(report, Path(args.out_dir) / "engine_decode.png")
     return 0
 
 
-def plot(report: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], png: Path) -> None:
+    """Tokens/s per model: Folio's engine and `transformers` side by side, and the bandwidth ceiling."""
+    plt = pyplot()
     models = list(report["models"])
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
@@ -250,9 +215,7 @@ def plot(report: dict, png: Path) -> None:
         ax.set_yscale("log")
         ax.set_title(f"{name} ({e['params'] / 1e6:.1f}M params)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 if __name__ == "__main__":

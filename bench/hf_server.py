@@ -3,27 +3,20 @@
 A FastAPI endpoint that calls `transformers` `generate` once per request (a plain `def`, so FastAPI runs
 it in its thread pool), on the same weights as the Folio checkpoint it is given.
 
-    python bench/hf_server.py --checkpoint DIR --port 8010
+    python -m bench.hf_server --checkpoint DIR --port 8010
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from engine_decode import to_hf  # noqa: E402
-
-from model.checkpoint import load_checkpoint  # noqa: E402
+from bench.models import to_hf
+from model.checkpoint import load_checkpoint
 
 
 class Body(BaseModel):

@@ -1,6 +1,6 @@
 """The HTTP server under load, against the engine alone and against a FastAPI + `transformers` server.
 
-    python bench/server_load.py [--models default,gpt2-124m] [--concurrency 1,8,32,64] [--new-tokens 32]
+    python -m bench.server_load [--models default,gpt2-124m] [--concurrency 1,8,32,64] [--new-tokens 32]
 
 For each model, a real `python -m app` process on 127.0.0.1 is driven by C concurrent streaming clients
 (async httpx, `/generate_stream`, greedy), each sending `--requests-per-client` requests. Reported per C:
@@ -16,68 +16,42 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from model.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from model.config import GPTConfig  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.sampling_params import SamplingParams  # noqa: E402
-from model.tokenizer import gpt2_tokenizer  # noqa: E402
+from app.testing import free_port, launch, stop, wait_healthy
+from bench import REPO, RESULTS, SHARED_DATA
+from bench.models import gpt2_124m
+from bench.report import pct, pyplot, save_figure, write_json
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.engine import Engine
+from model.sampling_params import SamplingParams
+from model.tokenizer import gpt2_tokenizer
 
 PROMPTS = ["ROMEO:", "JULIET:\nO ", "First Citizen:\nWe are", "KING RICHARD III:\nNow is the winter",
            "HAMLET:\nTo be, or not", "MENENIUS:\nWhat", "LADY MACBETH:\nOut, damned", "BRUTUS:\nThe"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(cmd: list[str], port: int, timeout: float = 180) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd} exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{cmd} did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
+def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    """`cmd` (with "{port}" replaced by a free port) running and healthy: (process, port)."""
+    port = free_port()
+    proc = launch([c.replace("{port}", str(port)) for c in cmd], log, cwd=REPO)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+        wait_healthy(proc, f"http://127.0.0.1:{port}", log, timeout=180)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, port
 
 
 def process_cpu_s(pid: int) -> float:
@@ -86,8 +60,24 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _run_clients(port: int, clients: int, client: Callable[[int, httpx.AsyncClient], Awaitable[None]],
+                       server_pid: int | None) -> tuple[float, dict[str, float]]:
+    """`clients` copies of `client` at once on one connection pool: the wall time, and (with `server_pid`) the CPU
+    seconds this process and the server used meanwhile."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
+        cpu0, server0 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
+        t = time.perf_counter()
+        await asyncio.gather(*(client(i, http) for i in range(clients)))
+        wall = time.perf_counter() - t
+        cpu1, server1 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
+    # where the two cores went: the load generator shares them with the server
+    return wall, {"client_cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0} if server_pid else {}
+
+
 async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool,
                server_pid: int | None = None) -> dict:
+    """`clients` streaming (or whole-body) clients, `per_client` requests each: throughput, TTFT and ITL."""
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
@@ -123,19 +113,12 @@ async def load(port: int, clients: int, per_client: int, new_tokens: int, stream
             except httpx.HTTPError:
                 failures += 1
 
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
-        cpu0, server0 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
-        t = time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in range(clients)))
-        wall = time.perf_counter() - t
-        cpu1, server1 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
+    wall, cpu = await _run_clients(port, clients, client, server_pid)
     n = clients * per_client
-    # where the two cores went: the load generator shares them with the server
-    cpu = {"client_cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0} if server_pid else {}
     return {"clients": clients, "requests": n, "failures": failures, "wall_s": wall, "requests_per_s": n / wall,
-            "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99), "tokens": tokens, **cpu}
+            "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5, math.nan),
+            "ttft_p99_s": pct(ttft, 0.99, math.nan), "itl_p50_s": pct(itl, 0.5, math.nan),
+            "itl_p99_s": pct(itl, 0.99, math.nan), "tokens": tokens, **cpu}
 
 
 def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int) -> dict:
@@ -165,61 +148,46 @@ def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int,
 
 
 def gpt2_checkpoint(directory: Path, bpe_dir: str) -> str:
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768, bias=True)
-    save_checkpoint(directory, GPT(cfg), gpt2_tokenizer(bpe_dir), training={"note": "random init, for benchmarks"})
+    save_checkpoint(directory, gpt2_124m(), gpt2_tokenizer(bpe_dir), training={"note": "random init, for benchmarks"})
     return str(directory)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="default,gpt2-124m")
-    p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
-    p.add_argument("--bpe-dir", default=str(REPO.parent / "shared" / "data" / "gpt2-bpe"))
-    p.add_argument("--concurrency", default="1,8,32,64")
-    p.add_argument("--baseline-concurrency", default="32")
-    p.add_argument("--requests-per-client", type=int, default=6)
-    p.add_argument("--baseline-requests-per-client", type=int, default=2)  # transformers' server is slow
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
-    args = p.parse_args(argv)
+def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One checkpoint: Folio over HTTP at every concurrency level, the engine alone, and the `transformers` server."""
     levels = [int(x) for x in args.concurrency.split(",") if x]
     base_levels = [int(x) for x in args.baseline_concurrency.split(",") if x]
-    report: dict = {"new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "models": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
-            ck = args.checkpoint if name == "default" else gpt2_checkpoint(Path(tmp) / "gpt2-124m", args.bpe_dir)
-            port = free_port()
-            server = start([sys.executable, "-m", "app", "--checkpoint", ck, "--port", str(port),
-                            "--max-batch-size", str(args.max_batch_size), "--max-waiting", "1024",
-                            "--log-level", "warning"], port)
-            entry: dict = {"folio": {}, "engine_tok_s": {}, "transformers_server": {}}
-            try:
-                asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
-                for c in levels:
-                    asyncio.run(load(port, c, 1, args.new_tokens, True))  # a round at this level first, not counted
-                    entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
-                                                              server.pid))
-            finally:
-                stop(server)
-            for c in levels:
-                e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size)
-                entry["engine_tok_s"][str(c)] = e["tok_s"]
-                entry.setdefault("engine_cpu_ms_per_token", {})[str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
-            if base_levels:
-                port = free_port()
-                base = start([sys.executable, str(REPO / "bench" / "hf_server.py"), "--checkpoint", ck,
-                              "--port", str(port)], port)
-                try:
-                    asyncio.run(load(port, 1, 1, 8, False))
-                    for c in base_levels:
-                        entry["transformers_server"][str(c)] = asyncio.run(
-                            load(port, c, args.baseline_requests_per_client, args.new_tokens, False))
-                finally:
-                    stop(base)
-            report["models"][name] = entry
+    entry: dict[str, Any] = {"folio": {}, "engine_tok_s": {}, "transformers_server": {}}
+    server, port = start([sys.executable, "-m", "app", "--checkpoint", ck, "--port", "{port}", "--max-batch-size",
+                          str(args.max_batch_size), "--max-waiting", "1024", "--log-level", "warning"],
+                         tmp / "folio.log")
+    try:
+        asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
+        for c in levels:
+            asyncio.run(load(port, c, 1, args.new_tokens, True))  # a round at this level first, not counted
+            entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
+                                                      server.pid))
+    finally:
+        stop(server, grace=30)
+    for c in levels:
+        e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size)
+        entry["engine_tok_s"][str(c)] = e["tok_s"]
+        entry.setdefault("engine_cpu_ms_per_token", {})[str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
+    if base_levels:
+        base, port = start([sys.executable, "-m", "bench.hf_server", "--checkpoint", ck, "--port", "{port}"],
+                           tmp / "hf_server.log")
+        try:
+            asyncio.run(load(port, 1, 1, 8, False))
+            for c in base_levels:
+                entry["transformers_server"][str(c)] = asyncio.run(
+                    load(port, c, args.baseline_requests_per_client, args.new_tokens, False))
+        finally:
+            stop(base, grace=30)
+    return entry
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """A row per model and concurrency; the ratios to the engine alone and to the `transformers` server are added
+    to the report as they are printed."""
     print(f"{'model':<10} {'clients':>7} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'HTTP/engine':>11} {'x HF server':>11} {'fail':>4}   CPU ms/token: server engine client")
     for name, e in report["models"].items():
@@ -235,19 +203,36 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['itl_p99_s'] * 1e3:6.0f}ms {ratio:11.2f} {vs} {r['failures']:4d}   "
                   f"{1e3 * r['server_cpu_s'] / r['tokens']:6.3f} {e['engine_cpu_ms_per_token'][c]:6.3f} "
                   f"{1e3 * r['client_cpu_s'] / r['tokens']:6.3f}")
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "server_load.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "server_load.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.server_load", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="default,gpt2-124m")
+    p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
+    p.add_argument("--bpe-dir", default=str(SHARED_DATA / "gpt2-bpe"))
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--baseline-concurrency", default="32")
+    p.add_argument("--requests-per-client", type=int, default=6)
+    p.add_argument("--baseline-requests-per-client", type=int, default=2)  # transformers' server is slow
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    report: dict = {"new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
+                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            ck = args.checkpoint if name == "default" else gpt2_checkpoint(Path(tmp) / "gpt2-124m", args.bpe_dir)
+            report["models"][name] = measure_model(ck, args, Path(tmp))
+    print_table(report)
+    write_json(Path(args.out_dir) / "server_load.json", report)
+    plot(report, Path(args.out_dir) / "server_load.png")
     return 0
 
 
-def plot(report: dict, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(report: dict[str, Any], png: Path) -> None:
+    """Output tokens/s against concurrency (HTTP, engine alone, the `transformers` server), and TTFT and ITL."""
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, e in report["models"].items():
         cs = [int(c) for c in e["folio"]]
@@ -264,9 +249,7 @@ def plot(report: dict, png: Path) -> None:
     for a in (a1, a2):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 if __name__ == "__main__":

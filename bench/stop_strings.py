@@ -1,6 +1,6 @@
 """What stop strings cost: per token in `TextStream.push`, and for whole requests through the engine.
 
-    python bench/stop_strings.py [--length 128] [--tokens 200] [--batch 8] [--model tiny|bundled]
+    python -m bench.stop_strings [--length 128] [--tokens 200] [--batch 8] [--model tiny|bundled]
 
 1. `TextStream.push` per token, 4000 tokens of a character vocabulary, with 16 stop strings of `--length`
    characters vs none: random text with random stop strings (never matched), and a text of one repeated
@@ -16,21 +16,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from model.checkpoint import Checkpoint, load_checkpoint  # noqa: E402
-from model.config import GPTConfig  # noqa: E402
-from model.engine import Engine  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.sampling_params import SamplingParams  # noqa: E402
-from model.stopping import TextStream  # noqa: E402
-from model.tokenizer import CharTokenizer  # noqa: E402
+from bench import REPO
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.config import GPTConfig
+from model.engine import Engine
+from model.gpt import GPT
+from model.sampling_params import SamplingParams
+from model.stopping import TextStream
+from model.tokenizer import CharTokenizer
 
 N_STOPS = 16
 
@@ -97,7 +93,7 @@ def bench_engine(ck: Checkpoint, length: int, tokens: int, batch: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.stop_strings", description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=128, help="characters per stop string")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Training throughput and MFU on this machine: `python bench/train_throughput.py`.
+"""Training throughput and MFU on this machine: `python -m bench.train_throughput`.
 
 First measures the machine's fp32 matmul peak (square matmuls of each `--sizes`, best of `--repeats`, torch
 using `--threads` threads, all cores by default). Then, for each preset, builds the trainer on tiny
@@ -12,13 +12,12 @@ writes `train_throughput.json` and `train_throughput.png` (bar chart) into `--ou
 
 Run it on an otherwise idle machine, from the repository root:
 
-    python bench/train_throughput.py
+    python -m bench.train_throughput
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,12 +28,11 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
+from bench import RESULTS, SHARED_DATA
+from bench.report import pyplot, save_figure, write_json
+from model.train import PRESETS, TrainConfig, Trainer, flops_per_token, get_lr
 
-from model.train import PRESETS, TrainConfig, Trainer, flops_per_token, get_lr  # noqa: E402
-
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+DEFAULT_DATA = SHARED_DATA / "tinyshakespeare" / "input.txt"
 
 
 def sync(device: torch.device) -> None:
@@ -106,11 +104,8 @@ def cpu_name() -> str:
 
 
 def plot(results: dict[str, Any], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Tokens/s and MFU per preset."""
+    plt = pyplot()
     runs = results["runs"]
     names = [r["preset"] for r in runs]
     fig, (ax_tps, ax_mfu) = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -126,13 +121,29 @@ def plot(results: dict[str, Any], png: Path) -> None:
     m = results["machine"]
     fig.suptitle(f"{m['cpu']}, {m['threads']} threads, peak {results['peak_gflops']:.0f} GFLOP/s "
                  f"(torch {m['torch_version']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
+
+
+def print_peak(rows: list[dict[str, float]], device: torch.device) -> float:
+    """The matmul figures, and the peak (returned)."""
+    peak = max(r["gflops"] for r in rows)
+    print(f"fp32 matmul, {torch.get_num_threads()} threads on {device}:")
+    for r in rows:
+        print(f"  {r['n']:>5} x {r['n']:<5} {r['gflops']:10.1f} GFLOP/s")
+    print(f"  peak {peak:.1f} GFLOP/s\n")
+    return peak
+
+
+def print_runs(runs: list[dict[str, Any]]) -> None:
+    header = f"{'preset':<24}{'params':>9}{'tok/step':>10}{'ms/step':>10}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>8}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in runs:
+        print(f"{r['preset']:<24}{r['params_m']:>8.2f}M{r['tokens_per_step']:>10}{r['ms_per_step']:>10.1f}"
+              f"{r['tokens_per_s']:>11,.0f}{r['achieved_gflops']:>10.1f}{100 * r['mfu']:>7.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/train_throughput.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.train_throughput", description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["shakespeare-char-cpu", "shakespeare-char-small"],
                    choices=sorted(PRESETS), metavar="PRESET")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="training text (default: tiny Shakespeare)")
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="matmuls per size; the fastest counts")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: all cores)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if not args.data.is_file():
         print(f"error: training text not found: {args.data} (pass --data)", file=sys.stderr)
@@ -154,22 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     peak_rows = matmul_peak(args.sizes, args.repeats, device)
-    peak = max(r["gflops"] for r in peak_rows)
-    print(f"fp32 matmul, {torch.get_num_threads()} threads on {device}:")
-    for r in peak_rows:
-        print(f"  {r['n']:>5} x {r['n']:<5} {r['gflops']:10.1f} GFLOP/s")
-    print(f"  peak {peak:.1f} GFLOP/s\n")
+    peak = print_peak(peak_rows, device)
 
     runs = []
     for preset in args.presets:
         print(f"training {preset}: {args.warmup} warmup + {args.steps} timed steps ...", flush=True)
         runs.append(train_throughput(preset, args.data, args.steps, args.warmup, args.threads, args.device, peak))
 
-    header = f"{'preset':<24}{'params':>9}{'tok/step':>10}{'ms/step':>10}{'tokens/s':>11}{'GFLOP/s':>10}{'MFU':>8}"
-    print("\n" + header + "\n" + "-" * len(header))
-    for r in runs:
-        print(f"{r['preset']:<24}{r['params_m']:>8.2f}M{r['tokens_per_step']:>10}{r['ms_per_step']:>10.1f}"
-              f"{r['tokens_per_s']:>11,.0f}{r['achieved_gflops']:>10.1f}{100 * r['mfu']:>7.1f}%")
+    print_runs(runs)
 
     results = {
         "machine": {
@@ -181,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "matmul": peak_rows,
         "runs": runs,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "train_throughput.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.out_dir / "train_throughput.json", results)
     plot(results, args.out_dir / "train_throughput.png")
     print(f"\nwrote {args.out_dir / 'train_throughput.json'} and {args.out_dir / 'train_throughput.png'}")
     return 0
