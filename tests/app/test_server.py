@@ -19,7 +19,7 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from app.testing import REFUSED, free_port, metric, parse_sse, probe, spawn, stop, wait_healthy
+from app.testing import REFUSED, metric, parse_sse, probe, serving, spawn
 from model.checkpoint import WEIGHTS_FILE
 
 PROMPT = "Hello there"
@@ -203,39 +203,49 @@ def test_bad_checkpoint_exits_2_with_one_error_line(char_checkpoint: Path, tmp_p
         assert lines[0].startswith(f"error: cannot serve {cases[name][0]}") and cases[name][1] in lines[0], lines
 
 
+def start_streams(base: str, lengths: tuple[int, ...]) -> tuple[list[threading.Thread], dict[int, list]]:
+    """One sampled stream per length, each read in a thread of its own until it ends: the threads and, once each
+    has ended, its events. Returns once every stream has sent its first event."""
+    results: dict[int, list] = {}
+    streaming = [threading.Event() for _ in lengths]
+
+    def consume(i: int, max_new_tokens: int) -> None:
+        body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens, "do_sample": True, "seed": i}}
+        raw = b""
+        with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60) as r:
+            for chunk in r.iter_bytes():
+                raw += chunk
+                if b"\n\n" in raw:
+                    streaming[i].set()
+        results[i] = parse_sse(raw.decode())
+
+    threads = [threading.Thread(target=consume, args=(i, n)) for i, n in enumerate(lengths)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(30) for e in streaming), "streams did not start"
+    return threads, results
+
+
+def probes_until_refused(client: httpx.Client) -> list[tuple]:
+    """(/health, /health/ready, /health/startup) answers until the port closes (or 1000 rounds)."""
+    seen: list[tuple] = []
+    while (not seen or REFUSED not in seen[-1]) and len(seen) < 1000:
+        seen.append(tuple(probe(client, route) for route in ("/health", "/health/ready", "/health/startup")))
+    return seen
+
+
 def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Path) -> None:
     drain = 2.0
-    port, log = free_port(), tmp_path / "server.log"
-    base = f"http://127.0.0.1:{port}"
-    proc = spawn(char_checkpoint, log, "--drain-timeout", str(drain), port=port)
-    try:
-        wait_healthy(proc, base, log)
-        results: dict[int, list] = {}
-        streaming = [threading.Event() for _ in range(4)]
-
-        def consume(i: int, max_new_tokens: int) -> None:
-            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": max_new_tokens, "do_sample": True, "seed": i}}
-            raw = b""
-            with httpx.stream("POST", f"{base}/generate_stream", json=body, timeout=60) as r:
-                for chunk in r.iter_bytes():
-                    raw += chunk
-                    if b"\n\n" in raw:
-                        streaming[i].set()
-            results[i] = parse_sse(raw.decode())
-
+    log = tmp_path / "server.log"
+    with serving(char_checkpoint, log, "--drain-timeout", str(drain)) as (base, proc):
         lengths = (4096, 4096, 4096, 150)
-        threads = [threading.Thread(target=consume, args=(i, n)) for i, n in enumerate(lengths)]
-        for t in threads:
-            t.start()
-        assert all(e.wait(30) for e in streaming), "streams did not start"
+        threads, results = start_streams(base, lengths)
         with httpx.Client(base_url=base) as client:  # its keep-alive connection is open before the signal
             assert probe(client, "/health/ready")[0] == 200
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert_draining(base)  # the listener stays open during the drain
-            seen: list[tuple] = []  # (/health, /health/ready, /health/startup) until the port closes
-            while (not seen or REFUSED not in seen[-1]) and len(seen) < 1000:
-                seen.append(tuple(probe(client, route) for route in ("/health", "/health/ready", "/health/startup")))
+            seen = probes_until_refused(client)
         # the signal is handled within moments: from then on /health and readiness fail (503 "draining" while the
         # port is open, refused once uvicorn has closed it), while a started server stays started (and the
         # kubelet stops the startup and liveness probes of a deleted pod anyway)
@@ -258,8 +268,6 @@ def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Pa
             else:
                 assert last == {"error": "the engine stopped before this request finished", "error_type": "unavailable"}
         assert any("error" in results[i][-1] for i in range(3))  # 4096 slow tokens cannot finish in the drain
-    finally:
-        stop(proc)
 
 
 def assert_draining(base: str) -> None:
@@ -278,11 +286,8 @@ def test_sigterm_keeps_answering_503_while_a_stream_finishes_then_exits_0(char_c
     """The drain as a load balancer sees it: during the drain a new connection is answered (503 + Retry-After,
     /health 503), not refused; the running stream completes whole; the process exits 0 as soon as it has, long
     before the drain timeout."""
-    port, log = free_port(), tmp_path / "server.log"
-    base = f"http://127.0.0.1:{port}"
-    proc = spawn(char_checkpoint, log, "--drain-timeout", "600", port=port)
-    try:
-        wait_healthy(proc, base, log)
+    log = tmp_path / "server.log"
+    with serving(char_checkpoint, log, "--drain-timeout", "600") as (base, proc):
         raw, streaming = [b""], threading.Event()
 
         def consume() -> None:
@@ -304,5 +309,3 @@ def test_sigterm_keeps_answering_503_while_a_stream_finishes_then_exits_0(char_c
         assert "".join(e["token"]["text"] for e in tokens + [last]) == last["generated_text"]
         with pytest.raises(httpx.ConnectError):  # and only then is the listener closed
             httpx.get(f"{base}/health", timeout=10)
-    finally:
-        stop(proc)

@@ -30,6 +30,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.settings import Settings
+from app.testing import free_port, launch, stop, wait_healthy
 from model.checkpoint import save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
@@ -46,12 +47,6 @@ BODY = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 8, "do_sample": Tru
 def find_nginx() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
                                           if os.access(p, os.X_OK)), None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def render(conf: str, upstreams: list[str], port: int) -> str:
@@ -106,36 +101,23 @@ def rest_of_stream(lines: Iterator[str]) -> list[dict]:
 
 
 class Replica:
+    """`python -m app` configured by FOLIO_* variables alone, as the container runs it."""
+
     def __init__(self, checkpoint: Path, log: Path) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.addr = f"127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "FOLIO_CHECKPOINT": str(checkpoint), "FOLIO_HOST": "127.0.0.1",
+        env = {"OMP_NUM_THREADS": "1", "FOLIO_CHECKPOINT": str(checkpoint), "FOLIO_HOST": "127.0.0.1",
                "FOLIO_PORT": str(self.port), "FOLIO_THREADS": "1", "FOLIO_DRAIN_TIMEOUT": "1",
                "FOLIO_LOG_LEVEL": "warning"}
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=REPO, env=env, stdout=log.open("wb"),
-                                     stderr=subprocess.STDOUT)
+        self.proc = launch([sys.executable, "-m", "app"], log, env=env, cwd=REPO)
 
     def wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"replica exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"replica on {self.port} not healthy in {STARTUP_TIMEOUT}s: "
-                             f"{self.log.read_text()[-2000:]}")
+        wait_healthy(self.proc, self.base, self.log, timeout=max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 class Proxy:

@@ -1,0 +1,71 @@
+"""/v1/completions: the same generations as /generate, OpenAI's body, usage, finish reasons, logprobs, echo
+and streaming."""
+
+from __future__ import annotations
+
+import math
+
+from fastapi.testclient import TestClient
+
+from app.testing import assert_openai_error
+from tests.app.api.calls import PROMPT, completion, completion_stream, generate
+
+
+def test_completions_match_generate_greedy_and_seeded(client: TestClient) -> None:
+    greedy = generate(client, max_new_tokens=10)["generated_text"]
+    body = completion(client, max_tokens=10, temperature=0)
+    assert body["choices"][0]["text"] == greedy
+    sampled = generate(client, max_new_tokens=10, temperature=0.8, top_p=0.9, seed=11)["generated_text"]
+    assert completion(client, max_tokens=10, temperature=0.8, top_p=0.9, seed=11)["choices"][0]["text"] == sampled
+    # OpenAI samples at temperature 1 when none is given; TGI needs do_sample for that
+    sampled = generate(client, max_new_tokens=10, do_sample=True, seed=12)["generated_text"]
+    assert completion(client, max_tokens=10, seed=12)["choices"][0]["text"] == sampled
+
+
+def test_completion_body_usage_and_finish_reasons(client: TestClient) -> None:
+    body = completion(client, max_tokens=7, temperature=0, model="tiny-char")
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == "tiny-char" and isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert (choice["index"], choice["finish_reason"], choice["logprobs"]) == (0, "length", None)
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 7, "total_tokens": len(PROMPT) + 7}
+    text = choice["text"]
+    stopped = completion(client, max_tokens=7, temperature=0, stop=text[3:5])
+    assert stopped["choices"][0]["text"] == text[: text.index(text[3:5])]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_completion_logprobs_and_echo(client: TestClient) -> None:
+    body = completion(client, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    choice = body["choices"][0]
+    assert choice["text"].startswith(PROMPT) and len(choice["text"]) == len(PROMPT) + 5
+    lp = choice["logprobs"]
+    assert lp["tokens"] == list(choice["text"][len(PROMPT) :])
+    assert lp["text_offset"] == list(range(len(PROMPT), len(PROMPT) + 5))
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) == 2 and logprob <= 0
+        assert max(top, key=top.get) == token and math.isclose(top[token], logprob, rel_tol=1e-5)
+
+
+def test_completion_stream_equals_the_whole_completion(client: TestClient) -> None:
+    whole = completion(client, max_tokens=9, seed=21)["choices"][0]
+    chunks = completion_stream(client, max_tokens=9, seed=21)
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    echoed = completion_stream(client, max_tokens=9, seed=21, echo=True)
+    assert "".join(c["choices"][0]["text"] for c in echoed) == PROMPT + whole["text"]
+
+
+def test_completion_stream_include_usage_ends_with_a_usage_chunk(client: TestClient) -> None:
+    chunks = completion_stream(client, max_tokens=4, temperature=0, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 4,
+                                   "total_tokens": len(PROMPT) + 4}
+
+
+def test_completion_for_another_model_is_404(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "gpt-4"})
+    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4'", "'tiny-char'")

@@ -1,0 +1,268 @@
+"""Every bad input is a 422 naming the field, the bound and the value (a short preview of it), in the error body
+of its API family."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.testing import assert_openai_error, assert_tgi_error
+from model.testing import make_char_checkpoint
+from tests.app.api.calls import LIMIT, PROMPT, completion, generate, post_raw
+
+TGI_INVALID = [
+    ({"temperature": -1}, "parameters.temperature", "greater than or equal to 0", "got -1"),
+    ({"temperature": 101}, "parameters.temperature", "less than or equal to 100", "got 101"),
+    ({"top_p": 0}, "parameters.top_p", "greater than 0", "got 0"),
+    ({"top_p": 1.5}, "parameters.top_p", "less than or equal to 1", "got 1.5"),
+    ({"top_k": -1}, "parameters.top_k", "greater than or equal to 0", "got -1"),
+    ({"max_new_tokens": 0}, "parameters.max_new_tokens", "greater than or equal to 1", "got 0"),
+    ({"max_new_tokens": LIMIT + 1}, "parameters.max_new_tokens", f"[1, {LIMIT}]", f"got {LIMIT + 1}"),
+    ({"seed": -1}, "parameters.seed", "greater than or equal to 0", "got -1"),
+    ({"seed": 2**63}, "parameters.seed", f"less than or equal to {2**63 - 1}", f"got {2**63}"),
+    ({"repetition_penalty": 0}, "parameters.repetition_penalty", "greater than 0", "got 0"),
+    ({"top_n_tokens": 21}, "parameters.top_n_tokens", "less than or equal to 20", "got 21"),
+    ({"truncate": 0}, "parameters.truncate", "greater than or equal to 1", "got 0"),
+    ({"truncate": 65}, "parameters.truncate", "[1, 64]", "got 65"),
+    ({"best_of": 2}, "parameters.best_of", "less than or equal to 1", "got 2"),
+    ({"temperature": "hot"}, "parameters.temperature", "valid number", "'hot'"),
+    ({"max_new_tokens": 1.5}, "parameters.max_new_tokens", "valid integer", "1.5"),
+    ({"stop": "###"}, "parameters.stop", "valid list", "'###'"),
+    ({"details": "maybe"}, "parameters.details", "valid boolean", "'maybe'"),
+    ({"typical_p": 0.5}, "parameters.typical_p", "not supported", "0.5"),
+    ({"watermark": True}, "parameters.watermark", "not supported", "True"),
+    ({"frequency_penalty": 0.5}, "parameters.frequency_penalty", "not supported", "0.5"),
+    ({"stop": [""]}, "parameters.stop", "non-empty", "''"),
+    ({"stop": ["x"] * 17}, "parameters.stop", "at most 16"),
+    ({"stop": ["ok", "x" * 129]}, "parameters.stop", "at most 128 characters", "one of 129", "'xxxx"),
+    ({"no_such_knob": 1}, "parameters.no_such_knob", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/generate_stream", "/"])
+@pytest.mark.parametrize(("parameters", "field", "needles"), [(p, f, n) for p, f, *n in TGI_INVALID],
+                         ids=[f"{f}={json.dumps(p)[:30]}" for p, f, *_ in TGI_INVALID])
+def test_tgi_bad_parameter_is_422_naming_field_bound_and_value(
+    client: TestClient, route: str, parameters: dict, field: str, needles: list[str]
+) -> None:
+    r = client.post(route, json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, **parameters}})
+    assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
+
+
+RAW_BODIES = [
+    ('{"inputs": "ab", "parameters": {"temperature": NaN}}', "parameters.temperature", "finite number"),
+    ('{"inputs": "ab", "parameters": {"temperature": Infinity}}', "parameters.temperature", "finite number"),
+    ('{"inputs": "ab", "parameters": {"top_p": -Infinity}}', "parameters.top_p", "finite number"),
+    ('{"inputs": "ab", "parameters": {"max_new_tokens": 2,}}', "body", "not valid JSON"),
+    ('{"inputs": "ab"', "body", "not valid JSON"),
+    ('{"parameters": {}}', "inputs", "Field required"),
+    ('{"inputs": 5}', "inputs", "valid string", "got 5"),
+    ('{"inputs": "ab", "temperature": 0.5}', "temperature", "unknown field"),
+    ('{"inputs": ""}', "inputs", "at least one token", "got 0"),
+    ('{"inputs": "' + "a" * 65 + '"}', "inputs", "65 tokens", "context of 64", "truncate"),
+    ('{"inputs": "h\\u00e9llo \\u2603"}', "inputs", "2 character(s)", "'é'", "'☃'"),
+]
+
+
+@pytest.mark.parametrize(("raw", "field", "needles"), [(r, f, n) for r, f, *n in RAW_BODIES],
+                         ids=[r[:40] for r, *_ in RAW_BODIES])
+def test_tgi_bad_body_is_422(client: TestClient, raw: str, field: str, needles: list[str]) -> None:
+    for route in ("/generate", "/generate_stream"):
+        r = client.post(route, content=raw, headers={"content-type": "application/json"})
+        assert_tgi_error(r, 422, "validation", f"{field}:" if field != "body" else "body is", *needles)
+
+
+UNPARSEABLE = [
+    (b'{"inputs": "Hel\xfflo"}', "not UTF-8 (byte 0xff at offset 15)"),
+    (b"[" * 5000 + b"]" * 5000, "nests arrays or objects too deeply"),
+    (b'{"inputs": "ab", "parameters": {"seed": ' + b"9" * 5000 + b"}}", "Exceeds the limit (4300 digits)"),
+]
+
+
+@pytest.mark.parametrize("route", ["/generate", "/v1/completions"])
+@pytest.mark.parametrize(("raw", "needle"), UNPARSEABLE, ids=["invalid UTF-8", "deep nesting", "5000 digits"])
+def test_body_json_cannot_decode_is_422_not_400(client: TestClient, route: str, raw: bytes, needle: str) -> None:
+    """Where json.loads fails other than with a JSONDecodeError, FastAPI says 400 'There was an error parsing the
+    body'; it is malformed JSON like any other."""
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", "body", "body is not valid JSON", needle)
+    else:
+        assert_tgi_error(r, 422, "validation", "body is not valid JSON", needle)
+
+
+WRONG_TYPES = [
+    ("/generate", {"parameters": {"max_new_tokens": "4"}}, "parameters.max_new_tokens", "valid integer", "'4'"),
+    ("/generate", {"parameters": {"max_new_tokens": 4.0}}, "parameters.max_new_tokens", "valid integer", "4.0"),
+    ("/generate", {"parameters": {"seed": True}}, "parameters.seed", "valid integer", "True"),
+    ("/generate", {"stream": "yes"}, "stream", "valid boolean", "'yes'"),
+    ("/v1/completions", {"echo": 1}, "echo", "valid boolean", "got 1"),
+    ("/v1/completions", {"max_tokens": "4"}, "max_tokens", "valid integer", "'4'"),
+]
+
+
+@pytest.mark.parametrize(("route", "fields", "field", "needles"), [(r, f, p, n) for r, f, p, *n in WRONG_TYPES],
+                         ids=[f"{p}={json.dumps(f)[-12:]}" for _, f, p, *_ in WRONG_TYPES])
+def test_values_of_another_json_type_are_422(client: TestClient, route: str, fields: dict, field: str,
+                                             needles: list[str]) -> None:
+    """No coercion: "4" or 4.0 is not an integer, 1 or "yes" not a boolean (as TGI and OpenAI answer)."""
+    key = "prompt" if route.startswith("/v1") else "inputs"
+    r = client.post(route, json={key: PROMPT, **fields})
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", field, f"{field}:", *needles)
+    else:
+        assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
+
+
+def test_tokenize_rejects_unknown_characters(client: TestClient) -> None:
+    r = client.post("/tokenize", json={"inputs": "naïve"})
+    assert_tgi_error(r, 422, "validation", "inputs:", "'ï'")
+
+
+def test_tokenize_over_its_limit_is_422_naming_it(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(max_tokenize_chars=16)
+    assert len(client.post("/tokenize", json={"inputs": "a" * 16}).json()) == 16
+    r = client.post("/tokenize", json={"inputs": "a" * 17})
+    assert_tgi_error(r, 422, "validation", "inputs: must be at most 16 characters", "--max-tokenize-chars", "got 17")
+
+
+def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
+    """The list's length is checked before its items: a body of thousands of numbers is one 422 (before, pydantic
+    reported every item, twice: seconds of work on the event loop and a 20x larger answer for a large body)."""
+    r = client.post("/v1/completions", json={"prompt": [1] * 5000})
+    message = assert_openai_error(r, 422, "invalid_request_error", "prompt", "exactly one string, not a list of 5000")
+    assert message.count("prompt") == 1
+
+
+OPENAI_INVALID = [
+    ({"temperature": -1}, "temperature", "greater than or equal to 0", "got -1"),
+    ({"temperature": 2.5}, "temperature", "less than or equal to 2", "got 2.5"),
+    ({"top_p": 0}, "top_p", "greater than 0", "got 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1", "got 1.5"),
+    ({"top_k": -1}, "top_k", "greater than or equal to 0", "got -1"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1", "got 0"),
+    ({"max_tokens": LIMIT + 1}, "max_tokens", f"[1, {LIMIT}]", f"got {LIMIT + 1}"),
+    ({"seed": -1}, "seed", "greater than or equal to 0", "got -1"),
+    ({"n": 2}, "n", "less than or equal to 1", "got 2"),
+    ({"logprobs": 6}, "logprobs", "less than or equal to 5", "got 6"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0", "got 0.5"),
+    ({"max_tokens": "many"}, "max_tokens", "valid integer", "'many'"),
+    ({"stop": ""}, "stop", "non-empty", "''"),
+    ({"stop": ["a"] * 17}, "stop", "at most 16", "got 17"),
+    ({"stop": "x" * 129}, "stop", "at most 128 characters", "one of 129", "'xxxx"),
+    ({"stop": ["ok", "y" * 129]}, "stop", "at most 128 characters", "one of 129", "'yyyy"),
+    ({"prompt": ["a", "b"]}, "prompt", "exactly one string, not a list of 2", "got ['a', 'b']"),
+    ({"prompt": ""}, "prompt", "at least one token", "got 0"),
+    ({"prompt": "a" * 65}, "prompt", "65 tokens", "context of 64"),
+    ({"prompt": "naïve"}, "prompt", "'ï'"),
+    ({"typical_p": 0.5}, "typical_p", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("fields", "param", "needles"), [(b, p, n) for b, p, *n in OPENAI_INVALID],
+                         ids=[f"{p}={json.dumps(b)[:30]}" for b, p, *_ in OPENAI_INVALID])
+def test_openai_bad_parameter_is_422_with_param(
+    client: TestClient, streaming: bool, fields: dict, param: str, needles: list[str]
+) -> None:
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": streaming, **fields})
+    assert_openai_error(r, 422, "invalid_request_error", param, f"{param}:", *needles)
+
+
+def test_openai_raw_nan_missing_prompt_and_malformed_json_are_422(client: TestClient) -> None:
+    for raw, param, needle in [('{"prompt": "ab", "temperature": NaN}', "temperature", "finite number"),
+                               ('{"prompt": "ab", "top_p": Infinity}', "top_p", "finite number"),
+                               ('{"max_tokens": 3}', "prompt", "Field required"),
+                               ('{"prompt": "ab",', "body", "not valid JSON")]:
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert_openai_error(r, 422, "invalid_request_error", param, needle)
+
+
+
+LONE_SURROGATES = [
+    ("/generate", {"inputs": "hi \ud800", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["ok", "\udfff"]}}, "parameters.stop"),
+    ("/generate_stream", {"inputs": "\ud800 hi", "parameters": {"return_full_text": True}}, "inputs"),
+    ("/", {"inputs": "x\ud83d", "stream": True}, "inputs"),
+    ("/tokenize", {"inputs": "\udc00"}, "inputs"),
+    ("/v1/completions", {"prompt": "hi \ud800", "echo": True}, "prompt"),
+    ("/v1/completions", {"prompt": ["hi \ud800"], "echo": True, "stream": True}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "user": "\ud800"}, "user"),
+    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field"), LONE_SURROGATES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f) in enumerate(LONE_SURROGATES)])
+def test_a_lone_surrogate_in_any_string_is_422_naming_the_field(bpe_client: TestClient, route: str, body: dict,
+                                                                field: str) -> None:
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8 text can hold: on a BPE model it used to
+    give a plain-text 500 (echoing the prompt), a stream cut off mid-way, or tokens of U+FFFD."""
+    r = post_raw(bpe_client, route, body)
+    needles = (f"{field}:", "lone surrogate", "valid Unicode")
+    if route.startswith("/v1"):
+        assert_openai_error(r, 422, "invalid_request_error", field, *needles)
+    else:
+        assert_tgi_error(r, 422, "validation", *needles)
+
+
+def test_a_surrogate_pair_is_one_character(bpe_client: TestClient) -> None:
+    parameters = {"max_new_tokens": 7, "return_full_text": True}
+    r = post_raw(bpe_client, "/generate", {"inputs": "emoji \ud83d\ude00", "parameters": parameters})
+    assert r.status_code == 200
+    assert r.json() == generate(bpe_client, "emoji 😀", **parameters)
+    assert r.json()["generated_text"].startswith("emoji 😀")
+
+
+def test_top_n_tokens_beyond_the_vocabulary_is_422_naming_its_size(make_client: Callable[..., TestClient],
+                                                                  tmp_path: Path) -> None:
+    """A model of 4 characters has 4 alternatives to report, not 5 (torch's top-k failed: a 424)."""
+    client = make_client(make_char_checkpoint(tmp_path / "four-chars", chars=["\n", " ", "a", "b"]))
+    details = generate(client, "ab", max_new_tokens=3, details=True, top_n_tokens=4)["details"]
+    assert [len(top) for top in details["top_tokens"]] == [4, 4, 4]
+    for route in ("/generate", "/generate_stream", "/"):
+        r = client.post(route, json={"inputs": "ab", "parameters": {"top_n_tokens": 5}})
+        assert_tgi_error(r, 422, "validation", "parameters.top_n_tokens:", "vocabulary size, 4", "got 5")
+    for streaming in (False, True):
+        r = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 5, "stream": streaming})
+        assert_openai_error(r, 422, "invalid_request_error", "logprobs", "logprobs:", "vocabulary size, 4", "got 5")
+    logprobs = completion(client, prompt="ab", max_tokens=2, logprobs=4)["choices"][0]["logprobs"]
+    assert [len(top) for top in logprobs["top_logprobs"]] == [4, 4]
+
+
+LARGE_VALUES = [
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["x"] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/generate", {"inputs": ["a"] * 3000}, "inputs", "(3000 items)"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 10**4000}}, "parameters.max_new_tokens",
+     "(4001 digits)"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": [1] * 3000}}, "parameters.stop", "(3000 items)"),
+    ("/v1/completions", {"prompt": [1] * 3000}, "prompt", "(3000 items)"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1] * 3000}, "stop", "at most 16 stop strings, got 3000"),
+    ("/generate", {"inputs": "hi", "parameters": {"z" * 12000: 1}}, "parameters.zzzz", "unknown field"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["y" * 12000]}}, "parameters.stop", "(12000 characters)"),
+    ("/generate", {"inputs": "hi", "parameters": {"truncate": 10**4000}}, "parameters.truncate", "(4001 digits)"),
+    ("/tokenize", {"inputs": "".join(map(chr, range(256, 2256)))}, "inputs", "2000 character(s) outside"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1.0 for i in range(1000)}}, "logit_bias",
+     "(1000 items)"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**4000}, "max_tokens", "(4001 digits)"),
+    ("/v1/completions", {"prompt": "hi", "stop": "s" * 12000}, "stop", "(12000 characters)"),
+    ("/v1/completions", {"prompt": "hi", "model": "m" * 12000}, "model", "(12000 characters)"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "field", "needle"), LARGE_VALUES,
+                         ids=[f"{r}-{f}-{i}" for i, (r, _, f, _) in enumerate(LARGE_VALUES)])
+def test_errors_echo_a_short_preview_of_a_large_value(client: TestClient, route: str, body: dict, field: str,
+                                                      needle: str) -> None:
+    """An error names the field and shows a preview of the value (about 80 characters, saying how long it was),
+    never the value: a 5 MB list used to come back whole."""
+    r = post_raw(client, route, body)
+    assert r.status_code in (404, 422), r.text[:200]
+    assert len(r.content) < 700, r.text[:200]
+    message = r.json()["error"]["message"] if route.startswith("/v1") else r.json()["error"]
+    assert message.startswith(field) and needle in message, message
