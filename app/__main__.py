@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(settings, checkpoint=checkpoint, engine=engine)
     # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
-    # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability.py);
+    # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability/);
     # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
     closed = app.state.metrics.connections_closed
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,

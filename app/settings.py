@@ -31,8 +31,8 @@ OTHER_VARIABLES = {
     "FOLIO_GPU_PORT": "the CUDA service's host port in docker/compose.yaml",
     "FOLIO_PROXY_PORT": "nginx's host port in docker/compose.yaml",
     "FOLIO_HEALTH_TIMEOUT": "seconds docker/healthcheck.py waits for /health",
-    "FOLIO_PEERS_CACHE": "where bench/peers.py keeps the peer servers it sets up",
-    "FOLIO_PEERS_CONVERT_VENV": ("set: bench/peers.py converts models in a virtualenv of its own, even where the "
+    "FOLIO_PEERS_CACHE": "where bench/peers/ keeps the peer servers it sets up",
+    "FOLIO_PEERS_CONVERT_VENV": ("set: bench/peers/ converts models in a virtualenv of its own, even where the "
                                  "project's python could"),
     "FOLIO_TEST_DATA": "the test suite's data directory (tests/conftest.py), for a server the tests start",
 }

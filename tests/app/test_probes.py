@@ -5,7 +5,7 @@ is checked in the SIGTERM test of tests/app/test_server.py.
 
 A connection refused is what the kubelet counts as a failed probe too: `python -m app` opens its port only once
 the model is warm, and closes it moments after SIGTERM. The 503 bodies of those states are checked in process
-(tests/app/test_api.py)."""
+(tests/app/api/test_routes.py)."""
 
 from __future__ import annotations
 

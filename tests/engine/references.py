@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 
 import pytest
 import torch
 
 from model.checkpoint import Checkpoint
-from model.engine import Result
+from model.engine import Engine, Result
 from model.reference import generate_naive
 from model.sampler import choose_token, mask_unusable, new_generator
 from model.sampling_params import SamplingParams
@@ -77,3 +78,16 @@ async def wait_until(cond, timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.002)
+
+
+def hold_steps(engine: Engine) -> tuple[threading.Event, threading.Event]:
+    """Hold every step of `engine` in its model step until released (10 s at most): (`entered`, set once a step is
+    held; `release`, which lets it and every later step go)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(reqs: list) -> None:
+        entered.set()
+        release.wait(10)
+
+    engine.on_step = hold
+    return entered, release

@@ -12,7 +12,7 @@ import pytest
 from model import sampler as sampler_module
 from model.engine import Engine, EngineStopped, GenerationError, GenerationStream, Overloaded, Result
 from model.sampling_params import SamplingParams
-from tests.engine.references import assert_logprobs_match, naive, run, wait_until, windowed_reference
+from tests.engine.references import assert_logprobs_match, hold_steps, naive, run, wait_until, windowed_reference
 
 
 def test_overloaded_when_batch_and_queue_are_full_engine_not_started(make_engine) -> None:
@@ -64,13 +64,7 @@ def test_reserved_slots_count_as_taken_until_submitted_or_released(make_engine) 
 
 def test_overloaded_while_the_engine_is_busy(make_engine) -> None:
     engine = make_engine(max_batch_size=1, max_waiting=1)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold(reqs):
-        entered.set()
-        release.wait(10)
-
-    engine.on_step = hold
+    entered, release = hold_steps(engine)
     params = SamplingParams(max_new_tokens=4)
 
     async def main():
@@ -220,13 +214,7 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
 
 def test_stop_fails_running_and_waiting_requests(make_engine) -> None:
     engine = make_engine(max_batch_size=1, max_waiting=4, window_shift=4)
-    entered, release = threading.Event(), threading.Event()
-
-    def hold(reqs):
-        entered.set()
-        release.wait(10)
-
-    engine.on_step = hold
+    entered, release = hold_steps(engine)
     params = SamplingParams(max_new_tokens=100_000)
 
     async def main():
