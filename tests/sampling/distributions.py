@@ -1,0 +1,60 @@
+"""The exact distributions sampling must follow, written out in float64 independently of the implementation
+(the documented steps 4-7: temperature, top-k, softmax, top-p), and Pearson's chi-square test that sampled
+counts are drawn from them."""
+
+from __future__ import annotations
+
+import math
+
+LOGITS = [0.3, 2.1, -1.0, 1.4, 0.9, -0.2, 1.8, -2.5, 0.0, 1.1, -0.7, 0.5]
+
+# chi-square critical values at p = 0.001 by degrees of freedom (from any chi-square table), used when scipy
+# is not installed; a correct sampler fails this check once in a thousand seeds, and the seeds are fixed
+CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124,
+                      9: 27.877, 10: 29.588, 11: 31.264}
+
+
+def softmax(z: list[float]) -> list[float]:
+    m = max(v for v in z if v != -math.inf)
+    e = [0.0 if v == -math.inf else math.exp(v - m) for v in z]
+    return [x / sum(e) for x in e]
+
+
+def expected(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list[float]:
+    """The documented steps 4-7 written out in float64, independent of the implementation."""
+    z = [v / temperature for v in LOGITS]
+    if top_k:
+        kth = sorted(z, reverse=True)[top_k - 1]
+        z = [v if v >= kth else -math.inf for v in z]
+    probs = softmax(z)
+    keep, mass = [], 0.0
+    for i in sorted(range(len(z)), key=lambda i: -probs[i]):
+        if mass >= top_p:
+            break
+        keep.append(i)
+        mass += probs[i]
+    return softmax([z[i] if i in keep else -math.inf for i in range(len(z))])
+
+
+def chi_square_ok(counts: list[int], probs: list[float]) -> tuple[bool, str]:
+    """Pearson's test at p = 0.001; cells expected to hold fewer than 5 draws are pooled into one."""
+    n = sum(counts)
+    cells, pooled_obs, pooled_exp = [], 0, 0.0
+    for c, p in zip(counts, probs):
+        if p == 0:
+            continue
+        if n * p < 5:
+            pooled_obs, pooled_exp = pooled_obs + c, pooled_exp + n * p
+        else:
+            cells.append((c, n * p))
+    if pooled_exp:
+        cells.append((pooled_obs, pooled_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    try:
+        from scipy.stats import chi2
+
+        critical = float(chi2.isf(0.001, df))
+    except ImportError:
+        critical = CHI2_CRITICAL_P001[df]
+    return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} counts={counts}"

@@ -1,0 +1,139 @@
+"""The filters on hand-written tensors: top-k and top-p (ties, the smallest set reaching p, at least one
+token), extreme valid parameters, the repetition penalty, masking padded ids, reported log-probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.sampler import (
+    Sampler,
+    SampleRow,
+    apply_repetition_penalty,
+    choose_token,
+    mask_unusable,
+    new_generator,
+    top_k_filter,
+    top_p_filter,
+)
+from model.sampling_params import SamplingParams
+from tests.sampling.distributions import LOGITS, softmax
+
+# --- the filters on hand-written tensors -----------------------------------------------------------------------
+
+NEG = float("-inf")
+
+
+def test_top_k_keeps_ties_at_the_kth_value() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0, 3.0, 0.5, 2.0])
+    assert top_k_filter(logits, 1).tolist() == [NEG, 3.0, NEG, 3.0, NEG, NEG]
+    assert top_k_filter(logits, 3).tolist() == [NEG, 3.0, 2.0, 3.0, NEG, 2.0]
+    assert top_k_filter(logits, 0).tolist() == logits.tolist()  # off
+    assert top_k_filter(logits, 6).tolist() == logits.tolist()
+    assert top_k_filter(logits, 100).tolist() == logits.tolist()
+
+
+def test_top_k_ties_are_all_sampled() -> None:
+    logits = torch.tensor([0.0, 2.0, 2.0, 2.0, 1.0])
+    gen = new_generator(5)
+    drawn = {choose_token(logits, SamplingParams(top_k=1), n_vocab=5, generator=gen) for _ in range(300)}
+    assert drawn == {1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    logits = probs.log()
+    kept = lambda p: [i for i, v in enumerate(top_p_filter(logits, p).tolist()) if v != NEG]
+    assert kept(0.39) == [1]
+    assert kept(0.41) == [1, 2]
+    assert kept(0.69) == [1, 2]
+    assert kept(0.71) == [1, 2, 3]
+    assert kept(0.89) == [1, 2, 3]
+    assert kept(0.91) == [0, 1, 2, 3]
+    assert kept(1.0) == [0, 1, 2, 3]
+    # the kept logits keep their values
+    assert top_p_filter(logits, 0.7)[1:3].tolist() == logits[1:3].tolist()
+
+
+def test_top_p_always_keeps_at_least_one_token() -> None:
+    for logits in (torch.tensor([0.0, 5.0, 1.0]), torch.zeros(4), torch.tensor([-30.0, -31.0])):
+        out = top_p_filter(logits, 1e-9)
+        assert (out != NEG).sum().item() >= 1
+        assert out.argmax().item() == logits.argmax().item()
+        gen = new_generator(0)
+        params = SamplingParams(top_p=1e-9)
+        assert {choose_token(logits, params, n_vocab=logits.numel(), generator=gen) for _ in range(50)} == {
+            int(logits.argmax())
+        }
+
+
+EXTREME = [
+    # valid but extreme values that once made the softmax NaN (multinomial then raised): the limit is taken
+    ({"temperature": 5e-324}, {1}),  # rounds to 0 in float32
+    ({"temperature": 1e-40}, {1}),  # (l - max) / T overflowed to inf before the shift by the maximum
+    ({"top_p": 5e-324}, {1}),  # compared as 0 in float32, which dropped every token
+    ({"repetition_penalty": 5e-324}, {0, 1}),  # positive logits of the context divided into inf: clamped, a tie
+    ({"repetition_penalty": 1e-40, "temperature": 1e-40, "top_k": 2}, {0, 1}),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "tokens"), EXTREME, ids=[str(k) for k, _ in EXTREME])
+def test_extreme_valid_parameters_sample_their_limit(kwargs: dict, tokens: set[int]) -> None:
+    logits = torch.tensor([2.0, 3.0, -1.0, 0.5])
+    context = torch.tensor([0, 1, 2])
+    gen = new_generator(0)
+    params = SamplingParams(do_sample=True, **kwargs)
+    drawn = {choose_token(logits, params, n_vocab=4, context=context, generator=gen) for _ in range(100)}
+    assert drawn == tokens
+
+
+def test_repetition_penalty_exact_values() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, -0.5, 3.0, 0.0])
+    before = logits.clone()
+    context = torch.tensor([0, 1, 1, 3, 5])
+    out = apply_repetition_penalty(logits, context, 2.0)
+    # positive seen logits are divided, negative ones multiplied; ids 2 and 4 are unseen; 0 stays 0
+    assert out.tolist() == [1.0, -2.0, 0.5, -1.0, 3.0, 0.0]
+    assert torch.equal(logits, before)  # the input is not modified
+    assert apply_repetition_penalty(logits, context, 1.0).tolist() == before.tolist()
+    assert apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), 2.0).tolist() == before.tolist()
+    # a penalty below 1 rewards repetition instead
+    assert apply_repetition_penalty(logits, torch.tensor([0, 3]), 0.5).tolist() == [4.0, -1.0, 0.5, -0.25, 3.0, 0.0]
+
+
+def test_repetition_penalty_changes_the_greedy_choice_only_with_a_context() -> None:
+    logits = torch.tensor([2.0, 1.5, 0.0])
+    params = SamplingParams(repetition_penalty=2.0)
+    assert choose_token(logits, params, n_vocab=3) == 0  # no context: nothing to penalise
+    assert choose_token(logits, params, n_vocab=3, context=torch.tensor([0])) == 1  # 2.0 / 2 < 1.5
+
+
+def test_mask_unusable_hides_padded_ids_even_when_they_are_largest() -> None:
+    logits = torch.tensor([0.5, 1.0, -0.25, 0.25, 9.0, 8.0, 7.5])  # ids 4..6 pad the vocabulary of 4
+    masked = mask_unusable(logits, 4)
+    assert masked.tolist() == [0.5, 1.0, -0.25, 0.25, NEG, NEG, NEG]
+    assert logits[4].item() == 9.0  # the input is untouched
+    assert mask_unusable(logits, 7) is logits  # nothing to mask
+    assert choose_token(logits, SamplingParams(), n_vocab=4) == 1
+    gen = new_generator(3)
+    for params in (SamplingParams(temperature=5.0), SamplingParams(temperature=100.0, top_k=7, top_p=1.0)):
+        drawn = {choose_token(logits, params, n_vocab=4, generator=gen) for _ in range(500)}
+        assert drawn == {0, 1, 2, 3}
+    out = Sampler(4)(logits[None], [SampleRow(SamplingParams(top_n_tokens=4))])
+    assert out.tokens == [1] and [i for i, _ in out.top[0]] == [1, 0, 3, 2]
+    assert out.logprobs[0] == pytest.approx(math.log(softmax([0.5, 1.0, -0.25, 0.25])[1]), abs=1e-6)
+
+
+def test_reported_logprobs_ignore_temperature_filters_and_penalty() -> None:
+    logits = torch.tensor(LOGITS)
+    want = [math.log(p) for p in softmax(LOGITS)]
+    params = SamplingParams(temperature=0.3, top_k=4, repetition_penalty=3.0, top_n_tokens=3, seed=5)
+    rows = [SampleRow(params, new_generator(5), history=[1, 6]), SampleRow(SamplingParams())]
+    out = Sampler(len(LOGITS))(torch.stack([logits, logits]), rows)
+    assert out.tokens[0] in (1, 3, 6, 9) and out.tokens[1] == 1  # top-k 4 keeps ids 1, 6, 3, 9
+    assert out.logprobs == pytest.approx([want[out.tokens[0]], want[1]], abs=1e-6)
+    assert [i for i, _ in out.top[0]] == [1, 6, 3]
+    assert [v for _, v in out.top[0]] == pytest.approx([want[1], want[6], want[3]], abs=1e-6)
+    assert out.top[1] == []  # no top_n_tokens asked: no alternatives
