@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler,
 from pydantic_core import PydanticCustomError
 
 from app.errors import OPENAI, TGI
-from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
+from model.sampling_params import MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each; generation "
@@ -78,6 +78,18 @@ class _Strict(BaseModel):
         return value
 
 
+class AttentionRequest(_Strict):
+    """Folio: the attention weights each generated token was chosen with, sent with the token."""
+
+    layers: list[int] | None = Field(None, max_length=256, description="layers, 0-based; unset: all")
+    heads: list[int] | None = Field(None, max_length=256, description="heads, 0-based; unset: per layer, the mean "
+                                    "over its heads")
+
+    def to_spec(self) -> AttentionSpec:
+        return AttentionSpec(layers=None if self.layers is None else tuple(self.layers),
+                             heads=None if self.heads is None else tuple(self.heads))
+
+
 class GenerateParameters(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (server default if unset)")
     temperature: float | None = Field(None, ge=0, le=100, description="0 means greedy; unset means 1.0")
@@ -93,6 +105,8 @@ class GenerateParameters(_Strict):
     decoder_input_details: bool = Field(False, description="return the prompt's tokens in details.prefill")
     top_n_tokens: int | None = Field(None, ge=0, le=20, description="alternatives with logprobs per token")
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    attention: AttentionRequest | None = Field(None, description="Folio: each token's attention weights, in its "
+                                               "stream event (/generate: in details, which it needs)")
     # accepted for TGI client compatibility; only their 'off' values are supported
     best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     typical_p: float | None = Field(None, description="not supported (must be unset)")
@@ -117,6 +131,7 @@ class GenerateParameters(_Strict):
                 max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 do_sample=self.do_sample, greedy=self.greedy, repetition_penalty=self.repetition_penalty,
                 seed=self.seed, stop=tuple(self.stop), top_n_tokens=self.top_n_tokens or 0,
+                attention=None if self.attention is None else self.attention.to_spec(),
             )
 
 
@@ -139,6 +154,18 @@ class PrefillToken(BaseModel):
     logprob: float | None = None
 
 
+class TokenAttention(BaseModel):
+    """Folio: the attention a generated token was chosen with: that of the token before it, over the tokens before
+    it (within the context window)."""
+
+    start: int = Field(description="the index, among the prompt's and the generated tokens, of the token each "
+                                   "row's first weight is for")
+    layers: list[int]
+    heads: list[int] | None = Field(None, description="absent: each row is the mean over its layer's heads")
+    weights: list[list[float]] = Field(description="a row per layer and head (layers outer), over the tokens from "
+                                                   "`start` to the one before this token; 6 decimals")
+
+
 class Details(BaseModel):
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
@@ -147,6 +174,8 @@ class Details(BaseModel):
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] = Field(default_factory=list)
     window_slides: int = Field(0, description="Folio: how often the context window slid")
+    attention: list[TokenAttention] | None = Field(None, description="Folio: with parameters.attention, each "
+                                                   "token's")
 
 
 class GenerateResponse(BaseModel):
@@ -167,6 +196,7 @@ class StreamResponse(BaseModel):
     top_tokens: list[Token] = Field(default_factory=list)
     generated_text: str | None = None
     details: StreamDetails | None = None
+    attention: TokenAttention | None = Field(None, description="Folio: with parameters.attention")
 
 
 class TokenizeRequest(_Strict):

@@ -26,6 +26,7 @@ from app.schemas import (
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
+from model.engine.events import TokenAttention as EngineAttention
 from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
@@ -34,8 +35,11 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
 
 async def _start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,
-                 ) -> GenerationStream:
+                 whole: bool = False) -> GenerationStream:
     service.check_ready()
+    if whole and body.parameters.attention is not None and not body.parameters.details:
+        raise ValidationError("parameters.attention", "a whole answer carries the attention in its details: set "
+                                                      "parameters.details, or stream (/generate_stream)")
     params = body.parameters.to_sampling_params(service.defaults)
     return await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
 
@@ -63,6 +67,7 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result)
             top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
                         for t in result.tokens] if p.top_n_tokens else [],
             window_slides=fin.window_slides,
+            attention=[_attention(t.attention) for t in result.tokens if t.attention] if p.attention else None,
         )
     return GenerateResponse(generated_text=text, details=details)
 
@@ -71,7 +76,7 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result)
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
                    _: AuthDep) -> Response:
     """Generate text for a prompt and return it whole."""
-    result = await service.result(request, await _start(service, body, reservation))
+    result = await service.result(request, await _start(service, body, reservation, whole=True))
     return Response(_response(service, body, result).model_dump_json(exclude_none=True),
                     media_type="application/json")
 
@@ -93,7 +98,7 @@ def _token_sse(ev: TokenEvent, prefix: str) -> bytes:
     """One token's server-sent event: `sse(_stream_event(ev, prefix))`. A token that neither ends the stream nor
     carries alternatives (all but the last, without top_n_tokens) is formatted straight into the same bytes,
     without building and encoding the dict: the per-token path is the server's hot one."""
-    if ev.finished is not None or ev.top_tokens:
+    if ev.finished is not None or ev.top_tokens or ev.attention is not None:
         return sse(_stream_event(ev, prefix))
     return (b'data: {"index":%d,"token":{"id":%d,"text":%b,"logprob":%b,"special":%b},"top_tokens":[],'
             b'"generated_text":null,"details":null}\n\n'
@@ -102,9 +107,9 @@ def _token_sse(ev: TokenEvent, prefix: str) -> bytes:
 
 
 def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
-    """`StreamResponse(...).model_dump()` for one token, without building the model."""
+    """`StreamResponse(...).model_dump()` for one token, without building the model (`attention` only when asked)."""
     fin = ev.finished
-    return {
+    event = {
         "index": ev.index,
         "token": {"id": ev.id, "text": ev.text, "logprob": ev.logprob, "special": ev.special},
         "top_tokens": [{"id": a.id, "text": a.text, "logprob": a.logprob, "special": a.special}
@@ -114,6 +119,15 @@ def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
                                              "generated_tokens": fin.generated_tokens, "seed": fin.seed,
                                              "input_length": fin.prompt_tokens},
     }
+    if ev.attention is not None:
+        event["attention"] = _attention(ev.attention)
+    return event
+
+
+def _attention(att: EngineAttention) -> dict[str, Any]:
+    """`TokenAttention`'s JSON (without `heads` for the mean over them, as `model_dump_json(exclude_none=True)`)."""
+    heads = {} if att.heads is None else {"heads": list(att.heads)}
+    return {"start": att.start, "layers": list(att.layers), **heads, "weights": att.weights}
 
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
@@ -131,7 +145,7 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
     (as a one-element list, as TGI does)."""
     if body.stream:
         return await generate_stream(body, service, reservation, None)
-    result = await service.result(request, await _start(service, body, reservation))
+    result = await service.result(request, await _start(service, body, reservation, whole=True))
     return Response("[" + _response(service, body, result).model_dump_json(exclude_none=True) + "]",
                     media_type="application/json")
 
