@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
     app.include_router(inspect_api.router)
+    app.mount("/static", StaticFiles(directory=system.PLAYGROUND.parent), name="static")  # the playground's files
     app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost of the four: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
