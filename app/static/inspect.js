@@ -12,7 +12,8 @@
   };
   // a token's text as it can be read in a list or a cell: spaces, newlines and tabs made visible
   const shown = (t) => (t === "" ? "∅" : t.replace(/ /g, "␣").replace(/\n/g, "⏎").replace(/\t/g, "⇥"));
-  const fmt = (p) => p.toFixed(3);
+  const fmt = (p) => (p >= 0.001 || p === 0 ? p.toFixed(3) : p.toExponential(1));
+  const layerName = (l) => (l === 0 ? "0 (embeddings)" : String(l));
 
   const state = {
     limits: null, promptText: "", promptTokens: null, generated: [], active: -1,
@@ -35,6 +36,8 @@
                   textContent: "Generate, then hover, tap or focus a generated token (← → move between them)." }));
     const heatView = el("div", { id: "view_heatmap", role: "tabpanel", hidden: true },
       el("canvas", { id: "heatmap", tabIndex: 0, role: "img", ariaLabel: "attention heatmap: query by key" }),
+      el("div", { className: "legend", textContent: "rows: each token as the query · columns: the tokens it " +
+                  "attends to · the deeper the blue, the larger the weight (colour by its square root)" }),
       el("div", { id: "heat_info", className: "info", ariaLive: "polite" }));
     const lensView = el("div", { id: "view_lens", role: "tabpanel", hidden: true },
       el("div", { className: "lens-scroll" }, el("table", { id: "lens" })),
@@ -256,11 +259,9 @@
     const ctx = canvas.getContext("2d"), cell = canvas.width / n;
     ctx.fillStyle = "#f3f4f6";
     ctx.fillRect(0, 0, canvas.width, canvas.height);
-    let top = 0;
-    for (const w of grid) top = Math.max(top, w);
     for (let q = 0; q < n; q++) {
       for (let k = 0; k <= q; k++) {
-        const t = grid[q * n + k] / (top || 1);
+        const t = Math.sqrt(grid[q * n + k]);  // weights are in [0, 1]: the square root shows the small ones
         ctx.fillStyle = `rgb(${Math.round(255 - 218 * t)}, ${Math.round(255 - 156 * t)}, ${Math.round(255 - 20 * t)})`;
         ctx.fillRect(k * cell, q * cell, Math.ceil(cell), Math.ceil(cell));
       }
@@ -307,7 +308,8 @@
     const table = $("lens");
     const head = el("tr", {}, el("th", { textContent: "layer" }),
                     ...tokens.map((t, c) => el("th", { textContent: shown(t.text), title: `position ${c}` })));
-    const rows = [...lens].reverse().map((layer, r) => el("tr", {}, el("th", { textContent: String(layer.layer) }),
+    const rows = [...lens].reverse().map((layer, r) => el("tr", {}, el("th", {
+      textContent: String(layer.layer), title: layer.layer === 0 ? "the embeddings" : `after block ${layer.layer}` }),
       ...layer.top.map(([[id, p]], c) => el("td", {
         textContent: shown(vocab[id]), tabIndex: -1, className: p > 0.55 ? "dark" : "",
         style: `background: rgba(37, 99, 235, ${p.toFixed(3)})`, dataset: { r, c, id, p } }))));
@@ -327,7 +329,7 @@
     state.lensCursor = { r, c };
     const { lens, vocab, tokens } = state.inspected;
     const layer = lens[lens.length - 1 - r];
-    $("lens_info").textContent = `layer ${layer.layer}, after ${shown(tokens[c].text)} (position ${c}): ` +
+    $("lens_info").textContent = `layer ${layerName(layer.layer)}, after ${shown(tokens[c].text)} (position ${c}): ` +
       layer.top[c].map(([id, p]) => `${shown(vocab[id])} ${fmt(p)}`).join(" · ");
   }
 
