@@ -34,7 +34,7 @@ from model.tokenizer import Tokenizer, token_spans
 MAX_ATTENTION_ROWS = 200_000  # (layer, head, query) rows of attention in one answer
 MAX_LENS_LOGITS = 400_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
 MAX_TOP = 20
-LENS_STEP_LOGITS = 4_000_000  # the LM head's outputs in one engine step (positions x vocabulary): GPT-2's 79 rows
+LENS_STEP_LOGITS = 1_000_000  # the LM head's outputs in one engine step (positions x vocabulary): GPT-2's 19 rows
 
 
 class InspectError(ValueError):

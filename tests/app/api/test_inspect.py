@@ -16,6 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from app import inspect_api
+from app.inspect_api import InspectResponse
 from app.testing import assert_tgi_error, parse_sse, strict_json
 from model import inspect as model_inspect
 from model.checkpoint import load_checkpoint
@@ -57,7 +58,10 @@ def gpt2_client(make_client: Callable[..., TestClient], gpt2_shaped: Path) -> Te
 def inspect(client: TestClient, **body: Any) -> dict:
     r = client.post("/inspect", json=body)
     assert r.status_code == 200, r.text
-    return strict_json(r.text)
+    answer = strict_json(r.text)
+    InspectResponse.model_validate(answer)  # the documented schema, every field present
+    assert list(answer) == list(InspectResponse.model_fields)
+    return answer
 
 
 def maps_of(answer: dict) -> dict[tuple[int, int], dict]:
@@ -202,6 +206,7 @@ BAD = [
     ({"inputs": "ab", "parameters": {"max_new_tokens": 127}}, "parameters.max_new_tokens:", "context of 128",
      "got 129"),
     ({"inputs": "ab", "parameters": {"temperature": -1}}, "parameters.temperature:", "got -1"),
+    ({"inputs": "ab", "parameters": {"attention": {}}}, "parameters.attention:", "its own attention maps"),
 ]
 
 
