@@ -32,7 +32,7 @@ from app.errors import Unavailable, error_response
 from model.engine import Overloaded
 
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
-ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize"})
+ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize"})
 
 
 class AdmissionMiddleware:

@@ -55,16 +55,33 @@ class GenerationService:
         except ValueError as e:
             raise ValidationError(field, str(e)) from None
 
-    async def start(self, text: str, params: SamplingParams, truncate: int | None, api: Api,
+    async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None, api: Api,
                     reservation: Reservation | None) -> GenerationStream:
-        """Tokenise and check the prompt against the model (its context, its vocabulary), then submit it into the
-        slot the admission middleware reserved for this request (if it did). Errors name `api`'s fields."""
+        """Tokenise (or take token ids as they are) and check the prompt against the model (its context, its
+        vocabulary), then submit it into the slot the admission middleware reserved for this request (if it did).
+        Errors name `api`'s fields."""
+        return (await self.start_many(text, [params], truncate, api, reservation))[0]
+
+    async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None, api: Api,
+                         reservation: Reservation | None) -> list[GenerationStream]:
+        """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
+        share the prompt's prefill (the prefix cache). If one cannot be submitted (429), none runs."""
         self.check_ready()
-        prompt = await self.encode(text, api.field("prompt"))
+        prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
         with api.naming_fields():
-            prompt = self.engine.validate(prompt, truncate, params)
+            for p in params:
+                prompt = self.engine.validate(prompt, truncate, p)
         self.check_ready()
-        return self.engine.submit(prompt, params, truncate=truncate, reservation=reservation)
+        streams: list[GenerationStream] = []
+        try:
+            for i, p in enumerate(params):
+                streams.append(self.engine.submit(prompt, p, truncate=truncate,
+                                                  reservation=reservation if i == 0 else None))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        return streams
 
     # -- running --------------------------------------------------------------------------------------
     async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:

@@ -1,7 +1,9 @@
-"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"), POST /tokenize."""
+"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"), POST /tokenize; and
+POST /detokenize in vLLM's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,11 +12,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from app.completions import best, sample_params
 from app.deps import AuthDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
 from app.responses import json_number
 from app.schemas import (
+    BestOfSequence,
     Details,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorBody,
     GenerateRequest,
     GenerateResponse,
@@ -26,7 +32,7 @@ from app.schemas import (
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
-from model.sampling_params import ValidationError
+from model.sampling_params import ValidationError, preview
 from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["TGI"])
@@ -34,45 +40,68 @@ ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
 
 async def _start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,
-                 ) -> GenerationStream:
+                 stream: bool = False) -> list[GenerationStream]:
+    """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
     service.check_ready()
     params = body.parameters.to_sampling_params(service.defaults)
-    return await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
+    samples = body.parameters.samples(params, stream)
+    return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI,
+                                    reservation)
+
+
+async def _generate(service: GenerationService, body: GenerateRequest, request: Request,
+                    reservation: Reservation | None) -> GenerateResponse:
+    streams = await _start(service, body, reservation)
+    try:
+        results = await asyncio.gather(*(service.result(request, s) for s in streams))
+    finally:
+        for s in streams:
+            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
+    ranked = best(list(results), len(results))
+    return _response(service, body, ranked[0], ranked[1:] if len(ranked) > 1 else None)
 
 
 def _token(ev: TokenEvent, text: str | None = None) -> Token:
     return Token(id=ev.id, text=ev.text if text is None else text, logprob=ev.logprob, special=ev.special)
 
 
-def _response(service: GenerationService, body: GenerateRequest, result: Result) -> GenerateResponse:
-    p = body.parameters
-    text = (body.inputs if p.return_full_text else "") + result.text
+def _sequence(service: GenerationService, body: GenerateRequest, result: Result) -> dict[str, Any]:
+    """What TGI's details say of one generated sequence (the answer's, or one of `best_of_sequences`)."""
+    p, fin = body.parameters, result.finished
+    prefill = []
+    if p.decoder_input_details:
+        scores = fin.prompt_logprobs or ()
+        prefill = [PrefillToken(id=t.id, text=service.token_text(t.id), logprob=t.logprob) for t in scores]
+    return dict(
+        generated_text=(body.inputs if p.return_full_text else "") + result.text,
+        finish_reason=fin.finish_reason,
+        generated_tokens=fin.generated_tokens,
+        seed=fin.seed,
+        prefill=prefill,
+        tokens=[Token(id=t.id, text=service.token_text(t.id), logprob=t.logprob, special=t.special)
+                for t in result.tokens],
+        top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
+                    for t in result.tokens] if p.top_n_tokens else [],
+    )
+
+
+def _response(service: GenerationService, body: GenerateRequest, result: Result,
+              others: list[Result] | None = None) -> GenerateResponse:
+    seq = _sequence(service, body, result)
     details = None
-    if p.details:
-        fin = result.finished
-        prefill = (
-            [PrefillToken(id=i, text=service.token_text(i)) for i in fin.prefill] if p.decoder_input_details else []
-        )
-        details = Details(
-            finish_reason=fin.finish_reason,
-            generated_tokens=fin.generated_tokens,
-            seed=fin.seed,
-            prefill=prefill,
-            tokens=[Token(id=t.id, text=service.token_text(t.id), logprob=t.logprob, special=t.special)
-                    for t in result.tokens],
-            top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
-                        for t in result.tokens] if p.top_n_tokens else [],
-            window_slides=fin.window_slides,
-        )
-    return GenerateResponse(generated_text=text, details=details)
+    if body.parameters.details:
+        details = Details(**{k: v for k, v in seq.items() if k != "generated_text"},
+                          window_slides=result.finished.window_slides,
+                          best_of_sequences=[BestOfSequence(**_sequence(service, body, r)) for r in others]
+                          if others else None)
+    return GenerateResponse(generated_text=seq["generated_text"], details=details)
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
                    _: AuthDep) -> Response:
     """Generate text for a prompt and return it whole."""
-    result = await service.result(request, await _start(service, body, reservation))
-    return Response(_response(service, body, result).model_dump_json(exclude_none=True),
+    return Response((await _generate(service, body, request, reservation)).model_dump_json(exclude_none=True),
                     media_type="application/json")
 
 
@@ -120,7 +149,7 @@ def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
 async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
                           _: AuthDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
-    stream = await _start(service, body, reservation)
+    [stream] = await _start(service, body, reservation, stream=True)
     return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -131,8 +160,8 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
     (as a one-element list, as TGI does)."""
     if body.stream:
         return await generate_stream(body, service, reservation, None)
-    result = await service.result(request, await _start(service, body, reservation))
-    return Response("[" + _response(service, body, result).model_dump_json(exclude_none=True) + "]",
+    response = await _generate(service, body, request, reservation)
+    return Response("[" + response.model_dump_json(exclude_none=True) + "]",
                     media_type="application/json")
 
 
@@ -147,6 +176,25 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Re
     # tokenising and writing the answer both take time proportional to the input: off the event loop
     return Response(await run_in_threadpool(_tokens_json, service.tokenizer, body.inputs),
                     media_type="application/json")
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+async def detokenize(body: DetokenizeRequest, service: ServiceDep, _: AuthDep) -> DetokenizeResponse:
+    """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number)."""
+    service.check_ready()
+    limit, vocab = service.settings.max_tokenize_chars, service.engine.n_vocab
+    if len(body.tokens) > limit:
+        raise ValidationError("tokens", f"must hold at most {limit} ids (the server's --max-tokenize-chars), "
+                                        f"got {len(body.tokens)}")
+    return DetokenizeResponse(prompt=await run_in_threadpool(_detokenize, service.tokenizer, vocab, body.tokens))
+
+
+def _detokenize(tokenizer: Tokenizer, vocab: int, ids: list[int]) -> str:
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ValidationError("tokens", f"token ids must be in [0, {vocab - 1}] (the model's vocabulary), got "
+                                        f"{preview(bad)}")
+    return tokenizer.decode(ids)
 
 
 def _tokens_json(tokenizer: Tokenizer, text: str) -> bytes:

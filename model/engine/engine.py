@@ -138,8 +138,9 @@ class Engine:
     def validate(self, prompt: list[int], truncate: int | None = None,
                  params: SamplingParams | None = None) -> list[int]:
         """The prompt the model will see; `ValidationError` (field `prompt` or `truncate`) for an empty or too
-        long prompt or a truncation outside the context, and (field `top_n_tokens` or `prompt_logprobs`) for
-        more alternatives per token than the model's vocabulary holds."""
+        long prompt, a truncation outside the context or a token id outside the vocabulary, (field `logit_bias`) for
+        a bias on an id outside it, and (field `top_n_tokens` or `prompt_logprobs`) for more alternatives per token
+        than the model's vocabulary holds."""
         if params is not None:
             for name in ("top_n_tokens", "prompt_logprobs"):
                 if (n := getattr(params, name)) is not None and n > self.n_vocab:
@@ -158,7 +159,16 @@ class Engine:
                 f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
                 f"shorten it or truncate it to at most {self.block_size} tokens",
             )
+        self._check_ids("prompt", prompt)  # ids a client sent (a tokenizer's are in range): at most block_size
+        if params is not None and params.logit_bias:
+            self._check_ids("logit_bias", [i for i, _ in params.logit_bias])
         return prompt
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        bad = next((i for i in ids if not 0 <= i < self.n_vocab), None)
+        if bad is not None:
+            raise ValidationError(name, f"token ids must be in [0, {self.n_vocab - 1}] (the model's vocabulary), "
+                                        f"got {preview(bad)}")
 
     @property
     def reserved(self) -> int:
