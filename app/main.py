@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
-from app import openai_api, system, tgi
+from app import openai_api, system, tgi, tokenizer_api
 from app.admission import AdmissionMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
@@ -90,6 +90,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenizer_api.router)
     app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost of the four: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
 from app.errors import OPENAI, TGI
@@ -198,9 +199,36 @@ class StreamResponse(BaseModel):
 
 
 class TokenizeRequest(_Strict):
-    inputs: str
+    """TGI's `{"inputs"}` (answered with a list of tokens and their offsets) or vLLM's `{"prompt"}` (answered with
+    `{count, max_model_len, tokens}`, what lm-evaluation-harness's remote tokenizer reads)."""
+
+    inputs: str | None = Field(None, description="TGI: the text")
+    prompt: str | None = Field(None, description="vLLM: the text")
     parameters: GenerateParameters | None = None
     add_special_tokens: bool | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.inputs is None) == (self.prompt is None):
+            raise PydanticCustomError("one_text", "give the text as exactly one of inputs (TGI) or prompt (vLLM)")
+        return self
+
+    @property
+    def field(self) -> str:
+        return "inputs" if self.inputs is not None else "prompt"
+
+    @property
+    def text(self) -> str:
+        return self.inputs if self.inputs is not None else self.prompt  # type: ignore[return-value]
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's answer to /tokenize."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
 
 
 class DetokenizeRequest(_Strict):
@@ -269,7 +297,14 @@ class CompletionRequest(_Strict):
             raise PydanticCustomError("too_many_prompts", "must be a batch of at most {max}", {"max": MAX_PROMPTS})
         if value == []:
             raise PydanticCustomError("empty_prompt", "must not be an empty list", {})
-        return handler(value)
+        try:
+            return handler(value)
+        except PydanticValidationError as e:  # one error, not one per member of the union
+            unicode = next((err for err in e.errors() if err["type"] == "invalid_unicode"), None)
+            if unicode is not None:
+                raise PydanticCustomError("invalid_unicode", "{msg}", {"msg": unicode["msg"]}) from None
+            raise PydanticCustomError("prompt_type", "must be a string, a list of token ids, or a list of up to "
+                                      "{max} of either", {"max": MAX_PROMPTS}) from None
 
     def prompts(self) -> list[Prompt]:
         """The request's prompts, each a string or a list of token ids."""

@@ -1,5 +1,5 @@
-"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"), POST /tokenize; and
-POST /detokenize in vLLM's shape."""
+"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"). Its /tokenize is in
+app/tokenizer_api.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from app.completions import best, sample_params
 from app.deps import AuthDep, ReservationDep, ServiceDep
@@ -19,21 +18,15 @@ from app.responses import json_number
 from app.schemas import (
     BestOfSequence,
     Details,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ErrorBody,
     GenerateRequest,
     GenerateResponse,
     PrefillToken,
-    SimpleToken,
     Token,
-    TokenizeRequest,
 )
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
-from model.sampling_params import ValidationError, preview
-from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
@@ -163,55 +156,3 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
     response = await _generate(service, body, request, reservation)
     return Response("[" + response.model_dump_json(exclude_none=True) + "]",
                     media_type="application/json")
-
-
-@router.post("/tokenize", response_model=list[SimpleToken], responses=ERRORS)
-async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Response:
-    """The prompt's tokens with their text and character offsets (inputs of up to `--max-tokenize-chars`)."""
-    service.check_ready()
-    limit = service.settings.max_tokenize_chars
-    if len(body.inputs) > limit:
-        raise ValidationError("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
-                                        f"got {len(body.inputs)}")
-    # tokenising and writing the answer both take time proportional to the input: off the event loop
-    return Response(await run_in_threadpool(_tokens_json, service.tokenizer, body.inputs),
-                    media_type="application/json")
-
-
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-async def detokenize(body: DetokenizeRequest, service: ServiceDep, _: AuthDep) -> DetokenizeResponse:
-    """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number)."""
-    service.check_ready()
-    limit, vocab = service.settings.max_tokenize_chars, service.engine.n_vocab
-    if len(body.tokens) > limit:
-        raise ValidationError("tokens", f"must hold at most {limit} ids (the server's --max-tokenize-chars), "
-                                        f"got {len(body.tokens)}")
-    return DetokenizeResponse(prompt=await run_in_threadpool(_detokenize, service.tokenizer, vocab, body.tokens))
-
-
-def _detokenize(tokenizer: Tokenizer, vocab: int, ids: list[int]) -> str:
-    bad = next((i for i in ids if not 0 <= i < vocab), None)
-    if bad is not None:
-        raise ValidationError("tokens", f"token ids must be in [0, {vocab - 1}] (the model's vocabulary), got "
-                                        f"{preview(bad)}")
-    return tokenizer.decode(ids)
-
-
-def _tokens_json(tokenizer: Tokenizer, text: str) -> bytes:
-    """`/tokenize`'s answer as JSON: a list of `SimpleToken`s, each token's id, text and character offsets."""
-    try:
-        ids = tokenizer.encode(text)
-    except ValueError as e:
-        raise ValidationError("inputs", str(e)) from None
-    pieces: dict[int, tuple[bytes, int]] = {}  # id -> (its JSON before the offsets, its length in characters)
-    out, pos = [], 0
-    for i in ids:
-        piece = pieces.get(i)
-        if piece is None:
-            # character offsets: count the characters that start inside this token's bytes
-            chars = sum(1 for b in tokenizer.decode_bytes([i]) if b & 0xC0 != 0x80)
-            text_json = json.dumps(tokenizer.decode([i]), ensure_ascii=False).encode()
-            piece = pieces[i] = (b'{"id":%d,"text":%b,' % (i, text_json), chars)
-        out.append(b'%b"start":%d,"stop":%d}' % (piece[0], pos, pos + piece[1]))
-        pos += piece[1]
-    return b"[" + b",".join(out) + b"]"
