@@ -7,7 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.schemas import ErrorBody, GenerateResponse, OpenAIError, SimpleToken, StreamResponse
+from app.schemas import (
+    DetokenizeResponse,
+    ErrorBody,
+    GenerateResponse,
+    OpenAIError,
+    SimpleToken,
+    StreamResponse,
+    TokenizeResponse,
+)
 from app.testing import parse_sse
 
 
@@ -81,8 +89,10 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
         ok = _fits(GenerateResponse, obj)
     elif path == "/":
         ok = isinstance(obj, list) and len(obj) == 1 and _fits(GenerateResponse, obj[0])
-    elif path == "/tokenize":
-        ok = isinstance(obj, list) and all(_fits(SimpleToken, t) for t in obj)
+    elif path == "/tokenize":  # TGI's list of tokens, or vLLM's {count, max_model_len, tokens}
+        ok = (isinstance(obj, list) and all(_fits(SimpleToken, t) for t in obj)) or _fits(TokenizeResponse, obj)
+    elif path == "/detokenize":
+        ok = _fits(DetokenizeResponse, obj)
     else:
         ok = True
     return problems if ok else [*problems, f"{where}: body of the wrong shape: {text[:300]}"]
