@@ -143,9 +143,10 @@ class RequestLogMiddleware:
             record.end = time.perf_counter()
             record.status = record.status or 500  # no response yet: the error handler outside answers 500
             record.route = getattr(scope.get("route"), "path", None) or "unmatched"
-            quiet = record.route in QUIET_ROUTES and record.status < 500
-            access_log.log(logging.DEBUG if quiet else logging.INFO, "%s %s %d", record.method, record.route,
-                           record.status, extra={"access": record.access_fields()})
+            level = logging.DEBUG if record.route in QUIET_ROUTES and record.status < 500 else logging.INFO
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%s %s %d", record.method, record.route, record.status,
+                               extra={"access": record.access_fields()})
             if self.on_end is not None:
                 self.on_end(record)
 
