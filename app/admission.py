@@ -11,8 +11,8 @@ In order, for each such request:
 3. the slot is reserved (`Engine.reserve`, or 429 if the server filled up meanwhile), and the body is replayed to
    the app.
 
-The slot is held from there until the route submits the request (`current_reservation`, read by
-`GenerationService.submit`) or the response ends, whichever is first; a /tokenize request never submits, so it
+The slot is held from there until the route submits the request (the request's state holds it for
+`app.deps.ReservationDep`) or the response ends, whichever is first; a /tokenize request never submits, so it
 holds its slot until it has answered. Holding it matters under a burst: a check that only looked at the engine
 would let every request of the burst through, since none of them has been submitted yet, and each would be parsed
 and tokenised before being refused. The request also counts in `GenerationService.in_flight` until its response
@@ -22,7 +22,6 @@ has ended: what a drain waits for (app/__main__.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,11 +29,9 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Unavailable, error_response
-from model.engine import Overloaded, Reservation
+from model.engine import Overloaded
 
-# the slot held for the request being handled (in the route's task: FastAPI runs async routes and streams in it)
-current_reservation: ContextVar[Reservation | None] = ContextVar("folio_reservation", default=None)
-
+RESERVATION = "reservation"  # the key of the request's state that holds its slot
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize"})
 
 
@@ -76,13 +73,13 @@ class AdmissionMiddleware:
         except (Unavailable, Overloaded) as e:
             await self._refuse(scope, send, e, app.state.settings.retry_after)
             return
-        token = current_reservation.set(reservation)
+        # the route finds the slot in its request's state (`app.deps.ReservationDep`)
+        scope.setdefault("state", {})[RESERVATION] = reservation
         service.in_flight += 1
         try:
             await self.app(scope, replay(body, receive), send)
         finally:
             service.in_flight -= 1
-            current_reservation.reset(token)
             reservation.release()  # a no-op once the request was submitted
 
 

@@ -1,4 +1,5 @@
-"""FastAPI dependencies as `Annotated` aliases: the service, and the optional API key check."""
+"""FastAPI dependencies as `Annotated` aliases: the service, the optional API key check, and the engine slot
+admission reserved for the request."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.admission import RESERVATION
 from app.errors import Unauthorized, Unavailable
 from app.service import GenerationService
+from model.engine import Reservation
 
 
 def get_service(request: Request) -> GenerationService:
@@ -29,5 +32,11 @@ def check_api_key(request: Request) -> None:
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
+def get_reservation(request: Request) -> Reservation | None:
+    """The slot `AdmissionMiddleware` reserved for this request (None on a route it does not admit)."""
+    return getattr(request.state, RESERVATION, None)
+
+
 ServiceDep = Annotated[GenerationService, Depends(get_service)]
 AuthDep = Annotated[None, Depends(check_api_key)]
+ReservationDep = Annotated[Reservation | None, Depends(get_reservation)]

@@ -7,9 +7,12 @@ null for an answer of the HTTP layer, app/protocol.py, to a request that never r
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,6 +31,36 @@ class Unauthorized(Exception):
     """Missing or wrong API key."""
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its generation was cancelled (answered 499, a status
+    nobody reads: nginx's 'client closed request', for the logs and metrics)."""
+
+
+@dataclass(frozen=True)
+class Api:
+    """How one API names the engine's fields (`prompt`, `max_new_tokens`, ...) in its error messages."""
+
+    renamed: dict[str, str]
+    prefix: str = ""  # for the fields not renamed
+    truncate_hint: str = ""  # how to fit a prompt longer than the context, if the API has a way
+
+    def field(self, name: str) -> str:
+        return self.renamed.get(name, self.prefix + name)
+
+    @contextmanager
+    def naming_fields(self) -> Iterator[None]:
+        """Re-raise the engine's `ValidationError`s with this API's field names (and the truncation hint)."""
+        try:
+            yield
+        except ValidationError as e:
+            hint = self.truncate_hint if e.field == "prompt" and "context" in e.message else ""
+            raise ValidationError(self.field(e.field), e.message + hint) from None
+
+
+TGI = Api({"prompt": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
+OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
+
+
 # exception type -> (HTTP status, TGI error_type, OpenAI error type)
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     ValidationError: (422, "validation", "invalid_request_error"),
@@ -40,23 +73,34 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
 }
 
 
+def error_kind(exc: Exception) -> tuple[int, str, str] | None:
+    """(HTTP status, TGI error_type, OpenAI error type) of a domain error; None for any other exception."""
+    return next((v for cls, v in ERROR_TABLE.items() if isinstance(exc, cls)), None)
+
+
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
+    """The error body of the API family `path` belongs to (OpenAI's under /v1/, TGI's elsewhere)."""
     if path.startswith("/v1/"):
         error = {"message": message, "type": oa_type, "param": param, "code": status}
         return {"error": error, "request_id": current_request_id()}
     return {"error": message, "error_type": kind, "request_id": current_request_id()}
 
 
+def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, body) for a domain error: a response's, or the last event of a stream that failed."""
+    found = error_kind(exc)
+    if found is None:
+        raise exc
+    status, kind, oa_type = found
+    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None))
+
+
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
-    for cls, (status, kind, oa_type) in ERROR_TABLE.items():
-        if isinstance(exc, cls):
-            param = getattr(exc, "field", None)
-            headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
-            if status == 401:
-                headers = {"WWW-Authenticate": "Bearer"}
-            body = error_body(request.url.path, status, kind, oa_type, str(exc), param)
-            return StrictJSONResponse(body, status_code=status, headers=headers)
-    raise exc
+    status, body = exception_body(request.url.path, exc)
+    headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return StrictJSONResponse(body, status_code=status, headers=headers)
 
 
 def _ranges() -> dict[str, str]:
@@ -133,6 +177,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized):
         app.add_exception_handler(cls, domain)
+
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    app.add_exception_handler(ClientGone, client_gone)
 
     async def validation(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
         errors = exc.errors()

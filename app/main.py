@@ -17,7 +17,8 @@ from app import openai_api, system, tgi
 from app.admission import AdmissionMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
-from app.metrics import BodyLimitMiddleware, Metrics, RequestMetricsMiddleware
+from app.limits import BodyLimitMiddleware
+from app.metrics import Metrics, RequestMetricsMiddleware
 from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
 from app.service import GenerationService

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from app.deps import AuthDep, ServiceDep
-from app.errors import ERROR_TABLE, error_body
+from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.errors import OPENAI, error_body, exception_body
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
-from app.service import OPENAI, ClientGone, GenerationService
+from app.service import GenerationService
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
 from model.sampling_params import preview
@@ -50,26 +50,23 @@ async def models(service: ServiceDep) -> dict[str, Any]:
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
-async def completions(body: CompletionRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+async def completions(body: CompletionRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
+                      _: AuthDep) -> Response:
     """OpenAI's legacy completions: one prompt, one choice."""
     service.check_ready()
     if body.model is not None and body.model != service.model_id:
         msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
     prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]  # a list holds one (schemas.py)
-    params = service.params_from_openai(body)
-    prepared = await service.prepare(prompt, params, None, OPENAI)
-    stream = service.submit(prepared)
+    params = body.to_sampling_params(service.defaults)
+    stream = await service.start(prompt, params, None, OPENAI, reservation)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = prompt if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         gen = _stream(service, stream, cid, created, echo, body.logprobs is not None, include_usage)
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        result = await service.result(request, stream)
-    except ClientGone:
-        return Response(status_code=499)
+    result = await service.result(request, stream)
     fin = result.finished
     choice = {
         "text": echo + result.text,
@@ -115,8 +112,7 @@ async def _stream(
                 yield b"".join(out)
         yield sse("[DONE]")
     except EngineError as e:
-        status, _, oa_type = next(v for cls, v in ERROR_TABLE.items() if isinstance(e, cls))
-        yield sse({"error": {"message": str(e), "type": oa_type, "param": None, "code": status}})
+        yield sse(exception_body("/v1/completions", e)[1])
         yield sse("[DONE]")
     finally:
         stream.cancel()

@@ -1,21 +1,24 @@
 """HTTP request and response models: Hugging Face TGI's schema and OpenAI's completions.
 
-These are the wire types; `app.service` turns them into validated engine parameters. Field descriptions
-become the OpenAPI docs at /docs.
+These are the wire types. Each API's request converts itself into the engine's validated `SamplingParams`
+(`to_sampling_params`, vLLM's shape): the request's value, then the server's default (`ServerDefaults`, from its
+settings), then the hard default; errors name the API's own fields. Field descriptions become the OpenAPI docs
+at /docs.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
-from model.sampling_params import preview
+from app.errors import OPENAI, TGI
+from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-MAX_SEED = 2**63 - 1
 STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each; generation "
             "ends where one appears and the text stops before it")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -34,6 +37,22 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
             if found:
                 return f"{found[0]} of item {preview(key)}", found[1]
     return None
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """What the server fills in where a request leaves a value unset (`--max-new-tokens-default`), and its limit
+    (`--max-new-tokens-limit`)."""
+
+    max_new_tokens: int
+    max_new_tokens_limit: int
+
+    def max_new_tokens_for(self, value: int | None, field: str) -> int:
+        limit = self.max_new_tokens_limit
+        value = value if value is not None else min(self.max_new_tokens, limit)
+        if value > limit:
+            raise ValidationError(field, f"must be an integer in [1, {limit}], got {preview(value)}")
+        return value
 
 
 class _Strict(BaseModel):
@@ -81,6 +100,24 @@ class GenerateParameters(_Strict):
     watermark: bool = Field(False, description="not supported (must be false)")
     grammar: None = Field(None, description="not supported (must be unset)")
     adapter_id: None = Field(None, description="not supported (must be unset)")
+
+
+    def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
+        unsupported = {
+            "typical_p": self.typical_p not in (None, 1.0),
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "watermark": self.watermark,
+        }
+        for name, bad in unsupported.items():
+            if bad:
+                raise ValidationError(TGI.field(name), f"is not supported by Folio, got {preview(getattr(self, name))}")
+        max_new_tokens = defaults.max_new_tokens_for(self.max_new_tokens, TGI.field("max_new_tokens"))
+        with TGI.naming_fields():
+            return SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                do_sample=self.do_sample, greedy=self.greedy, repetition_penalty=self.repetition_penalty,
+                seed=self.seed, stop=tuple(self.stop), top_n_tokens=self.top_n_tokens or 0,
+            )
 
 
 class GenerateRequest(_Strict):
@@ -194,9 +231,21 @@ class CompletionRequest(_Strict):
     def _few_stops(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
         # the same for stop: its count is checked before its items
         if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise PydanticCustomError("too_many_stops", "must hold at most {max} stop strings, got {n}",
-                                      {"max": MAX_STOP_STRINGS, "n": len(value)})
+            raise PydanticCustomError("too_many_stops", "must hold at most {max} stop strings",
+                                      {"max": MAX_STOP_STRINGS})
         return handler(value)
+
+    def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        greedy = self.temperature == 0
+        max_new_tokens = defaults.max_new_tokens_for(self.max_tokens, OPENAI.field("max_new_tokens"))
+        with OPENAI.naming_fields():
+            return SamplingParams(
+                max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                do_sample=not greedy,  # OpenAI samples at temperature 1 unless told otherwise
+                greedy=greedy, repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
+                top_n_tokens=self.logprobs or 0,
+            )
 
 
 class OpenAIErrorDetail(BaseModel):

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import AuthDep, ServiceDep
-from app.errors import ERROR_TABLE
+from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.errors import TGI, exception_body
 from app.responses import json_number
 from app.schemas import (
     Details,
@@ -23,9 +23,9 @@ from app.schemas import (
     Token,
     TokenizeRequest,
 )
-from app.service import TGI, ClientGone, GenerationService, Prepared
+from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
-from model.engine import EngineError, GenerationStream, Result, TokenEvent
+from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
 from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
@@ -33,11 +33,11 @@ router = APIRouter(tags=["TGI"])
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
 
-async def _start(service: GenerationService, body: GenerateRequest) -> tuple[Prepared, GenerationStream]:
+async def _start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,
+                 ) -> GenerationStream:
     service.check_ready()
-    params, truncate = service.params_from_tgi(body.parameters)
-    prepared = await service.prepare(body.inputs, params, truncate, TGI)
-    return prepared, service.submit(prepared)
+    params = body.parameters.to_sampling_params(service.defaults)
+    return await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
 
 
 def _token(ev: TokenEvent, text: str | None = None) -> Token:
@@ -68,13 +68,10 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result)
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
-async def generate(body: GenerateRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
+                   _: AuthDep) -> Response:
     """Generate text for a prompt and return it whole."""
-    _, stream = await _start(service, body)
-    try:
-        result = await service.result(request, stream)
-    except ClientGone:
-        return Response(status_code=499)
+    result = await service.result(request, await _start(service, body, reservation))
     return Response(_response(service, body, result).model_dump_json(exclude_none=True),
                     media_type="application/json")
 
@@ -87,8 +84,7 @@ async def _events(service: GenerationService, body: GenerateRequest, stream: Gen
             # per-token path is the hot one)
             yield b"".join(_token_sse(ev, prefix) for ev in batch if isinstance(ev, TokenEvent))
     except EngineError as e:
-        kind = next(k for cls, (_, k, _) in ERROR_TABLE.items() if isinstance(e, cls))
-        yield sse({"error": str(e), "error_type": kind})
+        yield sse(exception_body("/generate_stream", e)[1])
     finally:
         stream.cancel()  # the client went away mid-stream (or we are done): free the slot
 
@@ -121,23 +117,21 @@ def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
 
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
-async def generate_stream(body: GenerateRequest, service: ServiceDep, _: AuthDep) -> StreamingResponse:
+async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
+                          _: AuthDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
-    _, stream = await _start(service, body)
+    stream = await _start(service, body, reservation)
     return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
-async def compat(body: GenerateRequest, request: Request, service: ServiceDep, _: AuthDep) -> Response:
+async def compat(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
+                 _: AuthDep) -> Response:
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""
     if body.stream:
-        return await generate_stream(body, service, None)
-    _, stream = await _start(service, body)
-    try:
-        result = await service.result(request, stream)
-    except ClientGone:
-        return Response(status_code=499)
+        return await generate_stream(body, service, reservation, None)
+    result = await service.result(request, await _start(service, body, reservation))
     return Response("[" + _response(service, body, result).model_dump_json(exclude_none=True) + "]",
                     media_type="application/json")
 

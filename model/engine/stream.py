@@ -96,12 +96,15 @@ class GenerationStream:
         finally:
             self.cancel()  # no-op once finished; frees the slot if the consumer stopped early
 
-    async def collect(self) -> Result:
+    async def collect(self, batches: AsyncIterator[list[TokenEvent | Finished]] | None = None) -> Result:
+        """The whole generation; from `batches` (the stream's `batches()` seen through a caller's bookkeeping,
+        e.g. the server's latency metrics) if given."""
         tokens: list[TokenEvent] = []
-        async for ev in self:
-            if isinstance(ev, Finished):
-                return Result(tokens, ev)
-            tokens.append(ev)
+        async for batch in batches if batches is not None else self.batches():
+            for ev in batch:
+                if isinstance(ev, Finished):
+                    return Result(tokens, ev)
+                tokens.append(ev)
         raise GenerationError("stream ended without a result")
 
 

@@ -267,7 +267,8 @@ def test_sigterm_drains_streams_then_exits_0(char_checkpoint: Path, tmp_path: Pa
             if last.get("generated_text") is not None:
                 assert last["details"]["generated_tokens"] == n == len(tokens) + 1
             else:
-                assert last == {"error": "the engine stopped before this request finished", "error_type": "unavailable"}
+                assert last == {"error": "the engine stopped before this request finished", "error_type": "unavailable",
+                                "request_id": last.get("request_id")} and len(last["request_id"]) == 32
         assert any("error" in results[i][-1] for i in range(3))  # 4096 slow tokens cannot finish in the drain
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import train as train_module
 from model.checkpoint import load_checkpoint, read_config
 from model.train import Trainer, main, resolve_config
+from model.training import resume as train_module  # writes last.tmp/
 from tests.train.runs import assert_same_weights, loss_rows, metrics, tiny_argv, train
 
 
