@@ -5,7 +5,7 @@ digits and `._~:+/=-`: UUIDs, nginx's `$request_id`, tracing IDs), else a new on
 The ID comes back in the `X-Request-Id` response header and in the `request_id` field of JSON error bodies
 (app/errors.py), and is on every log line written while the request is handled: `RequestIdFilter` reads it from
 the request's context, so a log call needs no argument for it (the engine thread's lines about a request are
-written in the context of its submitter, model/engine/scheduler.py).
+written in the context of its submitter, `Request.caller` in model/engine/request.py).
 
 When the response has ended, one access-log line (logger `folio.access`): method, route (the route's template,
 never the path the client sent, nor its query string), status, tokens in (the prompt the model saw) and out, time
