@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -26,6 +25,7 @@ from pydantic_settings import SettingsError
 
 from app.main import build_engine, create_app
 from app.protocol import protocol_class
+from app.requestlog import configure_logging
 from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     try:
         checkpoint = load_checkpoint(settings.checkpoint)
         engine = build_engine(settings, checkpoint)
@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability/);
     # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
     closed = app.state.metrics.connections_closed
+    # log_config=None: uvicorn's lines go through the handler configure_logging set (the log format, request IDs);
+    # access_log=False: the access log is Folio's own (app/requestlog.py), with tokens and timings
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
+                            log_config=None, timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
                             limit_concurrency=settings.max_connections,
                             http=protocol_class(settings, lambda reason: closed.labels(reason).inc()),
                             loop="uvloop" if sys.platform != "win32" else "asyncio")

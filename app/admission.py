@@ -39,20 +39,15 @@ class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, get_app: Callable[[], Any]) -> None:
         self.app = app
         self.get_app = get_app  # the FastAPI app, for its state: the service and the settings
-        # each refusal (route, message), rendered once by the error table: a burst sends the same bytes
-        self._refusals: dict[tuple[str, str, int], tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
 
     async def _refuse(self, scope: Scope, send: Send, e: Exception, retry_after: int) -> None:
-        key = (scope["path"], str(e), retry_after)
-        if key not in self._refusals:
-            response = error_response(Request(scope), e, retry_after)
-            headers = response.raw_headers
-            if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
-                headers = [*headers, (b"connection", b"close")]
-            self._refusals[key] = (response.status_code, headers, bytes(response.body))
-        status, headers, body = self._refusals[key]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        # rendered for each refusal: the body holds the request's ID
+        response = error_response(Request(scope), e, retry_after)
+        headers = response.raw_headers
+        if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
+            headers = [*headers, (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": bytes(response.body)})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS):

@@ -1,7 +1,8 @@
 """Domain errors to HTTP: one table, one body shape per API family.
 
 TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`. Both carry the request's ID as `request_id` (app/requestlog.py;
+null for an answer of the HTTP layer, app/protocol.py, to a request that never reached the app).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.requestlog import HEADER, current_request_id
 from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
 from model.sampling_params import ValidationError, preview
@@ -79,8 +81,9 @@ def error_kind(exc: Exception) -> tuple[int, str, str] | None:
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
     """The error body of the API family `path` belongs to (OpenAI's under /v1/, TGI's elsewhere)."""
     if path.startswith("/v1/"):
-        return {"error": {"message": message, "type": oa_type, "param": param, "code": status}}
-    return {"error": message, "error_type": kind}
+        error = {"message": message, "type": oa_type, "param": param, "code": status}
+        return {"error": error, "request_id": current_request_id()}
+    return {"error": message, "error_type": kind, "request_id": current_request_id()}
 
 
 def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -205,3 +208,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+    async def internal(request: Request, exc: Exception) -> StrictJSONResponse:
+        """An error nothing expected (a bug): 500, and the ID under which the log shows its traceback."""
+        request_id = current_request_id()
+        message = f"internal server error; the server's log has its traceback under request_id {request_id}"
+        body = error_body(request.url.path, 500, "internal", "server_error", message, None)
+        return StrictJSONResponse(body, status_code=500, headers={HEADER: request_id} if request_id else None)
+
+    app.add_exception_handler(Exception, internal)

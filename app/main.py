@@ -19,6 +19,7 @@ from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.limits import BodyLimitMiddleware
 from app.metrics import Metrics, RequestMetricsMiddleware
+from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
@@ -66,6 +67,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         service = GenerationService(eng, ck, settings, metrics)
         app.state.service = service
         await run_in_threadpool(eng.warmup)
+        metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
         service.ready = True
         log.info("serving %s on %s (%s)", service.model_id, eng.device, str(eng.dtype).removeprefix("torch."))
         try:
@@ -91,10 +93,13 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
     app.include_router(tokenizer_api.router)
-    app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost of the four: CORS wraps its 429
+    app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
+    # outermost: the request's ID is on every answer, the 413s and 429s of the middlewares inside included
+    app.add_middleware(RequestLogMiddleware, on_end=lambda record: app.state.metrics.vllm.observe(record))
     return app

@@ -249,6 +249,7 @@ class SimpleToken(BaseModel):
 class ErrorBody(BaseModel):
     error: str
     error_type: str
+    request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------------
@@ -370,3 +371,4 @@ class OpenAIErrorDetail(BaseModel):
 
 class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
+    request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")

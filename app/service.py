@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import Api, ClientGone, Unavailable
 from app.metrics import Metrics
+from app.requestlog import current_request
 from app.schemas import ServerDefaults
 from app.settings import Settings
 from model.checkpoint import Checkpoint
@@ -86,16 +87,30 @@ class GenerationService:
     # -- running --------------------------------------------------------------------------------------
     async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:
         """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
-        with time to first token and inter-token latency recorded from when the engine made each token."""
+        with time to first token and inter-token latency recorded from when the engine made each token, and the
+        request's record (app/requestlog.py) kept up to date."""
+        record = current_request.get()
+        if record is not None:
+            record.prompt_tokens = stream.prompt_tokens
         last = time.perf_counter()
         first = True
-        async for batch in stream.batches():
-            for ev in batch:
-                if isinstance(ev, TokenEvent):
-                    (self.metrics.ttft if first else self.metrics.itl).observe(max(0.0, ev.created - last))
-                    first = False
-                    last = ev.created
-            yield batch
+        try:
+            async for batch in stream.batches():
+                for ev in batch:
+                    if isinstance(ev, TokenEvent):
+                        gap = max(0.0, ev.created - last)
+                        (self.metrics.ttft if first else self.metrics.itl).observe(gap)
+                        if not first:
+                            self.metrics.vllm.token_gap(gap)
+                        first = False
+                        last = ev.created
+                if record is not None:
+                    record.saw(batch)
+                yield batch
+        except Exception:  # the engine's GenerationError or EngineStopped
+            if record is not None:
+                record.finish_reason = "error"
+            raise
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""

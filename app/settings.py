@@ -75,6 +75,8 @@ class Settings(BaseSettings):
                                           "has run this long")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description="text: a readable line per event; json: one "
+                                                "JSON object per line, for log collectors (app/requestlog.py)")
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
 
@@ -115,7 +117,7 @@ class Settings(BaseSettings):
                              "(https://example.com, not https://example.com/)")
         return [o for o in origins if o != ""]
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

@@ -265,7 +265,7 @@ class Scheduler:
                 self.on_step([req])
                 kept.append(req)
             except Exception as e:
-                log.warning("request %d failed%s: %s", req.id, phase, e)
+                req.warn(log, "request %d failed%s: %s", req.id, phase, e)
                 self._fail(req, GenerationError(f"generation failed{phase}: {e}"))
         return kept
 
@@ -287,7 +287,7 @@ class Scheduler:
             logits = self._forward_plan(plan)
         except Exception as e:
             for req, _ in plan:
-                log.warning("request %d failed in prefill: %s", req.id, e)
+                req.warn(log, "request %d failed in prefill: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
             return
         done = []
@@ -348,7 +348,7 @@ class Scheduler:
                     raise out.errors[i]
                 self._emit(req, out, i)
             except Exception as e:
-                log.warning("request %d failed choosing a token: %s", req.id, e)
+                req.warn(log, "request %d failed choosing a token: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed: {e}"))
 
     def _emit(self, req: Request, out: SamplerOutput, i: int) -> None:
