@@ -93,6 +93,12 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
     app.include_router(tokenizer_api.router)
+    _install_middleware(app, settings)
+    return app
+
+
+def _install_middleware(app: FastAPI, settings: Settings) -> None:
+    """From the innermost to the outermost (each `add_middleware` wraps what was added before)."""
     app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
@@ -102,4 +108,3 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
     # outermost: the request's ID is on every answer, the 413s and 429s of the middlewares inside included
     app.add_middleware(RequestLogMiddleware, on_end=lambda record: app.state.metrics.vllm.observe(record))
-    return app

@@ -157,23 +157,22 @@ class PrefillToken(BaseModel):
     logprob: float | None = None
 
 
-class BestOfSequence(BaseModel):
+class SequenceDetails(BaseModel):
+    """What TGI's details say of one generated sequence."""
+
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class BestOfSequence(SequenceDetails):
     generated_text: str
-    finish_reason: Literal["length", "eos_token", "stop_sequence"]
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] = Field(default_factory=list)
 
 
-class Details(BaseModel):
-    finish_reason: Literal["length", "eos_token", "stop_sequence"]
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken] = Field(default_factory=list)
-    tokens: list[Token] = Field(default_factory=list)
-    top_tokens: list[list[Token]] = Field(default_factory=list)
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
     window_slides: int = Field(0, description="Folio: how often the context window slid")
 
