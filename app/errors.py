@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.requestlog import HEADER, current_request_id
 from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.registry import ModelFailed, ModelLoading, ModelNotFound
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError
 
@@ -70,6 +71,9 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     EngineStopped: (503, "unavailable", "server_error"),
     Unavailable: (503, "unavailable", "server_error"),
     Unauthorized: (401, "authentication", "authentication_error"),
+    ModelNotFound: (404, "not_found", "invalid_request_error"),
+    ModelLoading: (503, "unavailable", "server_error"),
+    ModelFailed: (503, "unavailable", "server_error"),
 }
 
 
@@ -97,6 +101,7 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
 
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
     status, body = exception_body(request.url.path, exc)
+    retry_after = getattr(exc, "retry_after", retry_after)  # a model still loading says how long it may take
     headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
@@ -175,7 +180,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
         return error_response(request, exc, retry_after(request))
 
-    for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized):
+    for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized, ModelNotFound,
+                ModelLoading, ModelFailed):
         app.add_exception_handler(cls, domain)
 
     async def client_gone(request: Request, exc: ClientGone) -> Response:

@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
 from app.deps import AuthDep, ReservationDep, ServiceDep
 from app.errors import OPENAI, error_body, exception_body
+from app.models import served_models
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import GenerationService
@@ -27,7 +28,12 @@ ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429
 
 
 @router.get("/models")
-async def models(service: ServiceDep) -> dict[str, Any]:
+async def models(request: Request, service: ServiceDep) -> dict[str, Any]:
+    """The models served: one, or with the registry every model and its state (app/models.py)."""
+    served = served_models(request)
+    if served is not None:
+        return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
+                                            "owned_by": "folio", **m} for m in served.describe()]}
     created = int(service.checkpoint.path.stat().st_mtime) if service.checkpoint.path else 0
     return {"object": "list",
             "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
@@ -39,7 +45,10 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
     of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt."""
     service.check_ready()
-    if body.model is not None and body.model != service.model_id:
+    served = served_models(request)
+    if served is not None and body.model is not None:
+        service = await served.service(body.model)
+    elif body.model is not None and body.model != service.model_id:
         msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
     params, samples = body.to_sampling_params(service.defaults), body.samples()
@@ -57,7 +66,7 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = ChunkWriter(cid, created, service.model_id, include_usage)
+        chunks = ChunkWriter(cid, created, service.model_id, include_usage, service.fingerprint)
         gen = _stream(service, streams, echoes, chunks, body.logprobs is not None)
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     return StrictJSONResponse(await _complete(request, service, body, streams, echoes, cid, created))
@@ -82,7 +91,8 @@ async def _complete(request: Request, service: GenerationService, body: Completi
             choices.append({"text": echo + result.text, "index": len(choices), "logprobs": lp,
                             "finish_reason": _finish(result.finished)})
     return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "system_fingerprint": service.fingerprint, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
 def _finish(fin: Finished) -> str:
@@ -102,9 +112,11 @@ class ChunkWriter:
     created: int
     model: str
     include_usage: bool
+    fingerprint: str
 
     def chunk(self, index: int, text: str, finish: str | None, lp: dict[str, Any] | None = None) -> bytes:
         out = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
+               "system_fingerprint": self.fingerprint,
                "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish}]}
         if self.include_usage:
             out["usage"] = None

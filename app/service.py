@@ -17,23 +17,64 @@ from app.requestlog import current_request
 from app.schemas import ServerDefaults
 from app.settings import Settings
 from model.checkpoint import Checkpoint
-from model.engine import Engine, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.engine import Engine, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
+from model.tokenizer import Tokenizer
 
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
 
 class GenerationService:
-    def __init__(self, engine: Engine, checkpoint: Checkpoint, settings: Settings, metrics: Metrics) -> None:
-        self.engine = engine
-        self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
+    """One model's service. Its engine and checkpoint are fixed, or, with the model registry (app/models.py),
+    whichever the registry serves the model `name` with now (a reload swaps them; a request keeps the engine it
+    was submitted to)."""
+
+    def __init__(self, engine: Engine | None, checkpoint: Checkpoint | None, settings: Settings, metrics: Metrics,
+                 *, registry: ModelRegistry | None = None, name: str | None = None) -> None:
+        self._engine, self._checkpoint = engine, checkpoint
+        self._tokenizer: Tokenizer | None = None
+        self.registry, self.name = registry, name
         self.settings = settings
         self.metrics = metrics
         self.ready = False
         self.draining = False
         self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
-        self.model_id = settings.model_id or checkpoint.path.name
+        if name is not None:
+            self.model_id = name
+        else:
+            assert checkpoint is not None
+            self.model_id = settings.model_id or checkpoint.path.name
+
+    def _current(self) -> tuple[Engine, Checkpoint]:
+        if self.registry is None:
+            assert self._engine is not None and self._checkpoint is not None
+            return self._engine, self._checkpoint
+        for name, engine, checkpoint in self.registry.loaded():
+            if name == self.name:
+                return engine, checkpoint
+        raise Unavailable(f"the model {self.name!r} is not loaded (it was unloaded to make room); try again")
+
+    @property
+    def engine(self) -> Engine:
+        return self._current()[0]
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._current()[1]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer or self.checkpoint.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:  # a stand-in (tests gate it); None: the model's own
+        self._tokenizer = tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`)."""
+        return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
 
     def check_ready(self) -> None:
         if self.draining:
@@ -68,16 +109,30 @@ class GenerationService:
         """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
         share the prompt's prefill (the prefix cache). If one cannot be submitted (429), none runs."""
         self.check_ready()
+        engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
         prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
         with api.naming_fields():
             for p in params:
-                prompt = self.engine.validate(prompt, truncate, p)
+                prompt = engine.validate(prompt, truncate, p)
         self.check_ready()
+        if reservation is not None and reservation.owner is not engine:
+            reservation = None  # held on another model's engine (admission reserves before the model is known)
+        try:
+            return self._submit(engine, prompt, params, truncate, reservation)
+        except EngineStopped:
+            if self.registry is None or self.draining or self.engine is engine:
+                raise
+            # a reload swapped the engine between the checks and the submission: the new one takes it
+            return self._submit(self.engine, prompt, params, truncate, None)
+
+    @staticmethod
+    def _submit(engine: Engine, prompt: list[int], params: list[SamplingParams], truncate: int | None,
+                reservation: Reservation | None) -> list[GenerationStream]:
         streams: list[GenerationStream] = []
         try:
             for i, p in enumerate(params):
-                streams.append(self.engine.submit(prompt, p, truncate=truncate,
-                                                  reservation=reservation if i == 0 else None))
+                streams.append(engine.submit(prompt, p, truncate=truncate,
+                                             reservation=reservation if i == 0 else None))
         except BaseException:
             for s in streams:
                 s.cancel()

@@ -29,6 +29,7 @@ from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
 
 router = APIRouter(tags=["TGI"])
+CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
 
@@ -95,7 +96,7 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep,
                    _: AuthDep) -> Response:
     """Generate text for a prompt and return it whole."""
     return Response((await _generate(service, body, request, reservation)).model_dump_json(exclude_none=True),
-                    media_type="application/json")
+                    media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
 
 
 async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream) -> AsyncIterator[bytes]:
@@ -143,7 +144,8 @@ async def generate_stream(body: GenerateRequest, service: ServiceDep, reservatio
                           _: AuthDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
     [stream] = await _start(service, body, reservation, stream=True)
-    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, CHECKPOINT_HEADER: service.fingerprint})
 
 
 @router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
@@ -155,4 +157,4 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
         return await generate_stream(body, service, reservation, None)
     response = await _generate(service, body, request, reservation)
     return Response("[" + response.model_dump_json(exclude_none=True) + "]",
-                    media_type="application/json")
+                    media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})

@@ -199,7 +199,7 @@ class Engine:
                 self.scheduler.reserved -= 1
                 return True
 
-        return Reservation(give_back)
+        return Reservation(give_back, owner=self)
 
     def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
                reservation: Reservation | None = None) -> GenerationStream:

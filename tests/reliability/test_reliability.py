@@ -23,6 +23,7 @@ from bench.reliability import (
     load,
     overload,
     oversized,
+    reload,
     shutdown,
     slow_clients,
     training,
@@ -130,3 +131,12 @@ def test_trainer_killed_at_random_resumes_to_the_same_weights(workdir: Path) -> 
     assert result["kills"] == QUICK.training_kills + 1  # the targeted kill, then the random ones
     assert result["final_weights_bitwise_equal"] and result["best_checkpoint_bitwise_equal"]
     assert result["val_loss"] == result["reference_val_loss"]
+
+
+def test_reload_under_load_serves_every_request_from_the_newest_weights(workdir: Path) -> None:
+    """--watch on a directory the trainer writes to, under streaming clients: 0 failed, several checkpoints
+    answered, memory level (bench/reliability/reload.py)."""
+    result = reload.run(workdir, QUICK.reload_clients, QUICK.reload_iters)
+    no_problems(result)
+    assert result["failed"] == 0 and result["served"] > 0 and result["reloads"] >= 1
+    assert result["swap_latency_s"] is not None
