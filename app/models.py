@@ -22,13 +22,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from app.metrics import Metrics
+from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
@@ -137,18 +138,18 @@ def served_models(request: Request) -> ServedModels | None:
     return getattr(request.app.state, "models", None)
 
 
-@router.post("/admin/reload")
+@router.post("/admin/reload", responses={code: {"model": ErrorBody} for code in (401, 404, 409, 422)})
 async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     """Swap in a checkpoint whose files changed (its config.json's hash tells), as `--watch` does: running requests
     finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
     reason in the answer and in /info). Behind the API key; needs the registry (see app/models.py)."""
     from app.deps import check_api_key
-    from app.errors import Unavailable
 
     check_api_key(request)
     models = served_models(request)
-    if models is None:
-        raise Unavailable("reloading needs the model registry: start with --watch, --models or --models-dir")
+    if models is None:  # a conflict with how the server was started, not a fault of the server
+        raise HTTPException(409, "reloading needs the model registry: start the server with --watch, --models or "
+                                 "--models-dir")
     names = [models.registry.slot_for(body.model)] if body.model else [n for n, _, _ in models.registry.loaded()]
     started = time.perf_counter()
     reloaded = {name: await run_in_threadpool(models.registry.reload, name) for name in names}
