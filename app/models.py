@@ -16,6 +16,7 @@ the single-checkpoint server without them is unchanged (no registry).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
@@ -34,7 +36,8 @@ from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
 from model.engine import Engine
-from model.registry import ModelInfo, ModelRegistry
+from model.registry import ModelInfo, ModelNotFound, ModelRegistry
+from model.training.outputs import METRICS_FILE
 
 MODEL_HEADER = "x-folio-model"
 router = APIRouter(tags=["Models"])
@@ -154,3 +157,50 @@ async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     started = time.perf_counter()
     reloaded = {name: await run_in_threadpool(models.registry.reload, name) for name in names}
     return {"reloaded": reloaded, "seconds": round(time.perf_counter() - started, 3), "models": models.describe()}
+
+
+METRICS_TAIL_BYTES = 1 << 20  # of a run's metrics.jsonl sent to the training view (its last rows)
+TRAINING_PAGE = Path(__file__).parent / "static" / "training.html"
+
+
+def _metrics_tail(path: Path) -> list[dict[str, Any]]:
+    """The last rows of a run's metrics.jsonl (at most METRICS_TAIL_BYTES of it; a torn last line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - METRICS_TAIL_BYTES))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()[1 if size > METRICS_TAIL_BYTES else 0:]
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+@router.get("/models/{name}/training")
+async def training(name: str, request: Request) -> dict[str, Any]:
+    """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
+    serve it now, and the run's metrics (train loss per log interval, train/val loss per evaluation) from the
+    metrics.jsonl beside it (empty for a checkpoint without one). Open like /info: no paths, no prompts."""
+    from app.deps import get_service
+    from app.system import without_paths
+
+    service = await get_service(request)
+    models = served_models(request)
+    if models is not None:
+        service = await models.service(name)
+    elif name != service.model_id:
+        raise ModelNotFound(name, [service.model_id])
+    ck = service.checkpoint
+    rows = await run_in_threadpool(_metrics_tail, ck.path / METRICS_FILE) if ck.path else []
+    return {"model": service.model_id, "fingerprint": service.fingerprint, "training": without_paths(ck.training),
+            "metrics": rows}
+
+
+@router.get("/training", response_class=HTMLResponse, include_in_schema=False)
+async def training_page() -> HTMLResponse:
+    return HTMLResponse(TRAINING_PAGE.read_text(encoding="utf-8"))
