@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -25,7 +24,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from app.main import build_engine, create_app
+from app.models import model_paths
 from app.protocol import protocol_class
+from app.requestlog import configure_logging
 from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser
@@ -44,9 +45,17 @@ def parse_args(argv: list[str] | None) -> dict:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "cors_origins":
             p.add_argument(flag, nargs="*", help=help_)
+        elif name == "checkpoint":
+            p.add_argument(flag, action="append", help=help_ + "; give it several times to serve several")
         else:
             p.add_argument(flag, help=help_)
-    return vars(p.parse_args(argv))
+    args = vars(p.parse_args(argv))
+    if "checkpoint" in args:  # the first is the default model; the others join --models
+        first, *more = args["checkpoint"]
+        args["checkpoint"] = first
+        if more:
+            args["models"] = [*more, *(args.get("models") or "").split(",")]
+    return args
 
 
 class DrainingServer(uvicorn.Server):
@@ -70,6 +79,9 @@ class DrainingServer(uvicorn.Server):
         if service is None or self.drain_started is not None:  # still loading, or the second signal
             super().handle_exit(sig, frame)
             return
+        models = getattr(self.folio_app.state, "models", None)
+        if models is not None:
+            models.set_draining()
         service.draining = True
         self.drain_started = time.monotonic()
 
@@ -80,7 +92,8 @@ class DrainingServer(uvicorn.Server):
             if service.in_flight == 0:
                 self.should_exit = True
             elif time.monotonic() - self.drain_started >= self.drain_timeout:
-                await asyncio.to_thread(service.engine.stop)
+                models = self.folio_app.state.models
+                await asyncio.to_thread(service.engine.stop if models is None else models.registry.stop)
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -131,20 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     try:
-        checkpoint = load_checkpoint(settings.checkpoint)
-        engine = build_engine(settings, checkpoint)
+        if settings.several_models:  # the registry loads them; the default one is checked here first
+            model_paths(settings)
+            load_checkpoint(settings.checkpoint)
+            app = create_app(settings)
+        else:
+            checkpoint = load_checkpoint(settings.checkpoint)
+            app = create_app(settings, checkpoint=checkpoint, engine=build_engine(settings, checkpoint))
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2
-    app = create_app(settings, checkpoint=checkpoint, engine=engine)
     # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
     # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability/);
     # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
     closed = app.state.metrics.connections_closed
+    # log_config=None: uvicorn's lines go through the handler configure_logging set (the log format, request IDs);
+    # access_log=False: the access log is Folio's own (app/requestlog.py), with tokens and timings
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
+                            log_config=None, timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
                             limit_concurrency=settings.max_connections,
                             http=protocol_class(settings, lambda reason: closed.labels(reason).inc()),
                             loop="uvloop" if sys.platform != "win32" else "asyncio")

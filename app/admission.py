@@ -29,30 +29,27 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Unavailable, error_response
-from model.engine import Overloaded
+from app.models import MODEL_HEADER
+from model.engine import Engine, Overloaded
 
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
-ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/inspect"})
+ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
+                            "/inspect"})
 
 
 class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, get_app: Callable[[], Any]) -> None:
         self.app = app
         self.get_app = get_app  # the FastAPI app, for its state: the service and the settings
-        # each refusal (route, message), rendered once by the error table: a burst sends the same bytes
-        self._refusals: dict[tuple[str, str, int], tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
 
     async def _refuse(self, scope: Scope, send: Send, e: Exception, retry_after: int) -> None:
-        key = (scope["path"], str(e), retry_after)
-        if key not in self._refusals:
-            response = error_response(Request(scope), e, retry_after)
-            headers = response.raw_headers
-            if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
-                headers = [*headers, (b"connection", b"close")]
-            self._refusals[key] = (response.status_code, headers, bytes(response.body))
-        status, headers, body = self._refusals[key]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        # rendered for each refusal: the body holds the request's ID
+        response = error_response(Request(scope), e, retry_after)
+        headers = response.raw_headers
+        if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
+            headers = [*headers, (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": bytes(response.body)})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS):
@@ -67,14 +64,16 @@ class AdmissionMiddleware:
             if service is None:
                 raise Unavailable("the model is still loading")
             service.check_ready()
-            service.engine.check_capacity()
+            engine = admitting_engine(app, scope)
+            if engine is not None:
+                engine.check_capacity()
             body = await read_body(receive)
             if body is None:  # the client went away (or its body timed out) before the whole body arrived
                 await send({"type": "http.response.start", "status": 499, "headers": []})
                 await send({"type": "http.response.body", "body": b""})
                 return
             service.check_ready()
-            reservation = service.engine.reserve()
+            reservation = engine.reserve() if engine is not None else None
         except (Unavailable, Overloaded) as e:
             await self._refuse(scope, send, e, app.state.settings.retry_after)
             return
@@ -85,7 +84,22 @@ class AdmissionMiddleware:
             await self.app(scope, replay(body, receive), send)
         finally:
             service.in_flight -= 1
-            reservation.release()  # a no-op once the request was submitted
+            if reservation is not None:
+                reservation.release()  # a no-op once the request was submitted
+
+
+def admitting_engine(app: Any, scope: Scope) -> Engine | None:
+    """The engine a request's slot is held in: the one model's; with the model registry (app/models.py), the
+    engine of the model its `X-Folio-Model` header names (or the default model's), if loaded. None where the model
+    is not loaded: the route loads it and submits without a held slot. (OpenAI's `model` is in the body, which
+    is not parsed here: such a request holds the header's or the default model's slot, which the service does not
+    use for another engine.)"""
+    models = app.state.models
+    if models is None:
+        return app.state.service.engine
+    name = dict(scope.get("headers") or []).get(MODEL_HEADER.encode(), b"").decode("latin-1") or None
+    loaded = {n: e for n, e, _ in models.registry.loaded()}
+    return loaded.get(name if name is not None else models.registry.default)
 
 
 async def read_body(receive: Receive) -> bytes | None:

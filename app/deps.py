@@ -10,14 +10,20 @@ from fastapi import Depends, Request
 
 from app.admission import RESERVATION
 from app.errors import Unauthorized, Unavailable
+from app.models import MODEL_HEADER
 from app.service import GenerationService
 from model.engine import Reservation
 
 
-def get_service(request: Request) -> GenerationService:
+async def get_service(request: Request) -> GenerationService:
+    """The service of the model the request names in `X-Folio-Model` (app/models.py), loaded; else the default."""
     service = getattr(request.app.state, "service", None)
     if service is None:
         raise Unavailable("the model is still loading")
+    models = getattr(request.app.state, "models", None)
+    name = request.headers.get(MODEL_HEADER)
+    if models is not None and name is not None:
+        return await models.service(name)
     return service
 
 

@@ -1,7 +1,8 @@
 """Domain errors to HTTP: one table, one body shape per API family.
 
 TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`. Both carry the request's ID as `request_id` (app/requestlog.py;
+null for an answer of the HTTP layer, app/protocol.py, to a request that never reached the app).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.requestlog import HEADER, current_request_id
 from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
 from model.inspect import InspectError, InspectTooLarge
+from model.registry import ModelFailed, ModelLoading, ModelNotFound
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError
 
@@ -71,6 +74,9 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     EngineStopped: (503, "unavailable", "server_error"),
     Unavailable: (503, "unavailable", "server_error"),
     Unauthorized: (401, "authentication", "authentication_error"),
+    ModelNotFound: (404, "not_found", "invalid_request_error"),
+    ModelLoading: (503, "unavailable", "server_error"),
+    ModelFailed: (503, "unavailable", "server_error"),
 }
 
 
@@ -82,8 +88,9 @@ def error_kind(exc: Exception) -> tuple[int, str, str] | None:
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
     """The error body of the API family `path` belongs to (OpenAI's under /v1/, TGI's elsewhere)."""
     if path.startswith("/v1/"):
-        return {"error": {"message": message, "type": oa_type, "param": param, "code": status}}
-    return {"error": message, "error_type": kind}
+        error = {"message": message, "type": oa_type, "param": param, "code": status}
+        return {"error": error, "request_id": current_request_id()}
+    return {"error": message, "error_type": kind, "request_id": current_request_id()}
 
 
 def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -97,6 +104,7 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
 
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
     status, body = exception_body(request.url.path, exc)
+    retry_after = getattr(exc, "retry_after", retry_after)  # a model still loading says how long it may take
     headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
@@ -177,7 +185,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
         return error_response(request, exc, retry_after(request))
 
-    for cls in (ValidationError, InspectError, TokenizerError, EngineError, Unavailable, Unauthorized):
+    for cls in (ValidationError, InspectError, TokenizerError, EngineError, Unavailable, Unauthorized, ModelNotFound,
+                ModelLoading, ModelFailed):
         app.add_exception_handler(cls, domain)
 
     async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -210,3 +219,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+    async def internal(request: Request, exc: Exception) -> StrictJSONResponse:
+        """An error nothing expected (a bug): 500, and the ID under which the log shows its traceback."""
+        request_id = current_request_id()
+        message = f"internal server error; the server's log has its traceback under request_id {request_id}"
+        body = error_body(request.url.path, 500, "internal", "server_error", message, None)
+        return StrictJSONResponse(body, status_code=500, headers={HEADER: request_id} if request_id else None)
+
+    app.add_exception_handler(Exception, internal)

@@ -4,8 +4,9 @@ starts the engine and warms it up. Nothing heavy happens at import time."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -14,12 +15,15 @@ from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
-from app import inspect_api, openai_api, system, tgi
+from app import inspect_api, openai_api, system, tgi, tokenizer_api
+from app import models as models_api
 from app.admission import AdmissionMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.limits import BodyLimitMiddleware
 from app.metrics import Metrics, RequestMetricsMiddleware
+from app.models import ServedModels
+from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
@@ -57,6 +61,10 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.several_models:
+            async with _serve_models(app, settings):
+                yield
+            return
         ck = checkpoint
         if ck is None:
             ck = await run_in_threadpool(load_checkpoint, settings.checkpoint)
@@ -67,6 +75,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         service = GenerationService(eng, ck, settings, metrics)
         app.state.service = service
         await run_in_threadpool(eng.warmup)
+        metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
         service.ready = True
         log.info("serving %s on %s (%s)", service.model_id, eng.device, str(eng.dtype).removeprefix("torch."))
         try:
@@ -87,16 +96,57 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.service = None
+    app.state.models = None
     install_error_handlers(app)
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenizer_api.router)
+    app.include_router(models_api.router)
     app.include_router(inspect_api.router)
     app.mount("/static", StaticFiles(directory=system.PLAYGROUND.parent), name="static")  # the playground's files
-    app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost of the four: CORS wraps its 429
+    _install_middleware(app, settings)
+    return app
+
+
+def _install_middleware(app: FastAPI, settings: Settings) -> None:
+    """From the innermost to the outermost (each `add_middleware` wraps what was added before)."""
+    app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost: CORS wraps its 429
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
-    return app
+    # outermost: the request's ID is on every answer, the 413s and 429s of the middlewares inside included
+    app.add_middleware(RequestLogMiddleware, on_end=lambda record: app.state.metrics.vllm.observe(record))
+
+
+@asynccontextmanager
+async def _serve_models(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
+    """The lifespan with the model registry (app/models.py): the default model loaded and warmed up before the
+    server is ready, the others on first use."""
+    metrics: Metrics = app.state.metrics
+    models = ServedModels(settings, metrics, build_engine)
+    await run_in_threadpool(models.start)
+    service = models.default
+    app.state.models, app.state.service = models, service
+    current = EngineOf(lambda: service.engine)  # the metrics read whichever engine serves the default model now
+    metrics.bind(current)  # type: ignore[arg-type]
+    metrics.vllm.bind(current, service.model_id)  # type: ignore[arg-type]
+    log.info("serving %s (default %s)", ", ".join(models.registry.names), service.model_id)
+    try:
+        yield
+    finally:
+        models.set_draining()
+        await run_in_threadpool(models.registry.stop)
+
+
+class EngineOf:
+    """Stands for the engine `get()` returns at each use (the default model's, across reloads)."""
+
+    def __init__(self, get: Callable[[], Engine]) -> None:
+        self._get = get
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._get(), name)

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.vllm_metrics import VllmMetrics
 from model.engine import Engine
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -28,6 +29,7 @@ class Metrics:
         self.connections_closed = Counter(
             "folio_connections_closed", "connections answered and closed by a limit of the HTTP layer "
             "(app/protocol.py): header_timeout, body_timeout, head_too_large", ["reason"], registry=r)
+        self.vllm = VllmMetrics(r)  # the same figures under vLLM's and TGI's names (app/vllm_metrics.py)
 
     def bind(self, engine: Engine) -> None:
         """Engine figures are read from the engine itself at scrape time."""

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
 from app.deps import AuthDep, ReservationDep, ServiceDep
 from app.errors import OPENAI, error_body, exception_body
+from app.models import served_models
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import GenerationService
@@ -21,29 +25,15 @@ from model.sampling_params import preview
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
-FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-
-
-def _logprobs(service: GenerationService, tokens: list[TokenEvent], offset: int) -> dict[str, Any]:
-    texts = [service.token_text(t.id) for t in tokens]
-    offsets = []
-    for t in texts:
-        offsets.append(offset)
-        offset += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{a.text: a.logprob for a in t.top_tokens} for t in tokens],
-        "text_offset": offsets,
-    }
-
-
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 @router.get("/models")
-async def models(service: ServiceDep) -> dict[str, Any]:
+async def models(request: Request, service: ServiceDep) -> dict[str, Any]:
+    """The models served: one, or with the registry every model and its state (app/models.py)."""
+    served = served_models(request)
+    if served is not None:
+        return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
+                                            "owned_by": "folio", **m} for m in served.describe()]}
     created = int(service.checkpoint.path.stat().st_mtime) if service.checkpoint.path else 0
     return {"object": "list",
             "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
@@ -52,67 +42,149 @@ async def models(service: ServiceDep) -> dict[str, Any]:
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
 async def completions(body: CompletionRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
                       _: AuthDep) -> Response:
-    """OpenAI's legacy completions: one prompt, one choice."""
+    """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
+    of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt."""
     service.check_ready()
-    if body.model is not None and body.model != service.model_id:
+    served = served_models(request)
+    if served is not None and body.model is not None:
+        service = await served.service(body.model)
+    elif body.model is not None and body.model != service.model_id:
         msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
-    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]  # a list holds one (schemas.py)
-    params = body.to_sampling_params(service.defaults)
-    stream = await service.start(prompt, params, None, OPENAI, reservation)
+    params, samples = body.to_sampling_params(service.defaults), body.samples()
+    prompts = body.prompts()
+    echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
+    streams: list[list[GenerationStream]] = []
+    try:
+        for k, prompt in enumerate(prompts):
+            streams.append(await service.start_many(prompt, sample_params(params, samples), None, OPENAI,
+                                                    reservation if k == 0 else None))
+    except BaseException:
+        for s in (s for group in streams for s in group):
+            s.cancel()
+        raise
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    echo = prompt if body.echo else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _stream(service, stream, cid, created, echo, body.logprobs is not None, include_usage)
+        chunks = ChunkWriter(cid, created, service.model_id, include_usage, service.fingerprint)
+        gen = _stream(service, streams, echoes, chunks, body.logprobs is not None)
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
-    result = await service.result(request, stream)
-    fin = result.finished
-    choice = {
-        "text": echo + result.text,
-        "index": 0,
-        "logprobs": _logprobs(service, result.tokens, len(echo)) if body.logprobs is not None else None,
-        "finish_reason": FINISH[fin.finish_reason],
-    }
-    return StrictJSONResponse({
-        "id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-        "choices": [choice], "usage": _usage(fin.prompt_tokens, fin.generated_tokens),
-    })
+    return StrictJSONResponse(await _complete(request, service, body, streams, echoes, cid, created))
 
 
-async def _stream(
-    service: GenerationService, stream: GenerationStream, cid: str, created: int, echo: str, logprobs: bool,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    def chunk(text: str, finish: str | None, lp: dict[str, Any] | None = None) -> dict[str, Any]:
-        out = {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
-               "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    offset = len(echo)
+async def _complete(request: Request, service: GenerationService, body: CompletionRequest,
+                    streams: list[list[GenerationStream]], echoes: list[str], cid: str, created: int,
+                    ) -> dict[str, Any]:
+    flat = [s for group in streams for s in group]
     try:
-        if echo:
-            yield sse(chunk(echo, None))
-        async for batch in service.event_batches(stream):  # every event that has arrived, in one write
+        results = await asyncio.gather(*(service.result(request, s) for s in flat))
+    finally:
+        for s in flat:
+            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for k, echo in enumerate(echoes):
+        mine = results[k * len(streams[0]):(k + 1) * len(streams[0])]
+        prompt_tokens += mine[0].finished.prompt_tokens
+        completion_tokens += sum(r.finished.generated_tokens for r in mine)
+        for result in best(mine, body.n):
+            lp = choice_logprobs(result, body.echo, service.token_text) if body.logprobs is not None else None
+            choices.append({"text": echo + result.text, "index": len(choices), "logprobs": lp,
+                            "finish_reason": _finish(result.finished)})
+    return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+            "system_fingerprint": service.fingerprint, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _finish(fin: Finished) -> str:
+    return FINISH.get(fin.finish_reason, "length")  # max_tokens 0: the prompt is scored, nothing generated
+
+
+def _prompt_scores(ev: TokenEvent | Finished) -> list[Scored] | None:
+    scores = ev.prompt_logprobs
+    return None if scores is None else [Scored.of(t) for t in scores]
+
+
+@dataclass
+class ChunkWriter:
+    """The server-sent chunks of one streamed completion."""
+
+    cid: str
+    created: int
+    model: str
+    include_usage: bool
+    fingerprint: str
+
+    def chunk(self, index: int, text: str, finish: str | None, lp: dict[str, Any] | None = None) -> bytes:
+        out = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
+               "system_fingerprint": self.fingerprint,
+               "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish}]}
+        if self.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse({"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def _pump(service: GenerationService, stream: GenerationStream, index: int,
+                out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
+    try:
+        async for batch in service.event_batches(stream):
+            await out.put((index, batch))
+    except EngineError as e:
+        await out.put(e)
+    finally:
+        await out.put(None)
+
+
+async def _stream(service: GenerationService, streams: list[list[GenerationStream]], echoes: list[str],
+                  chunks: ChunkWriter, logprobs: bool) -> AsyncIterator[bytes]:
+    """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
+    flat = [s for group in streams for s in group]
+    per_prompt = len(streams[0])
+    queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(service, s, i, queue)) for i, s in enumerate(flat)]
+    offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
+    prompt_tokens = sum(group[0].prompt_tokens for group in streams)
+    completion_tokens, running = 0, len(flat)
+    echoed = [False] * len(flat)
+    try:
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(exception_body("/v1/completions", item)[1])
+                break
+            index, batch = item
             out = []
+            if not echoed[index]:  # the echo goes first, with the prompt's logprobs (they come with the first event)
+                echoed[index] = True
+                if offsets[index]:
+                    scored = _prompt_scores(batch[0]) if logprobs else None
+                    lp = logprobs_block(scored, service.token_text, 0) if scored is not None else None
+                    out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
             for ev in batch:
                 if isinstance(ev, Finished):
+                    if ev.generated_tokens == 0:  # max_tokens 0: the echo was all
+                        out.append(chunks.chunk(index, "", _finish(ev)))
                     break
-                finish = FINISH[ev.finished.finish_reason] if ev.finished else None
+                finish = _finish(ev.finished) if ev.finished else None
                 if ev.text or finish or logprobs:
-                    out.append(sse(chunk(ev.text, finish, _logprobs(service, [ev], offset) if logprobs else None)))
-                offset += len(ev.text)
-                if ev.finished and include_usage:
-                    out.append(sse({"id": cid, "object": "text_completion", "created": created,
-                                    "model": service.model_id, "choices": [],
-                                    "usage": _usage(ev.finished.prompt_tokens, ev.finished.generated_tokens)}))
+                    lp = logprobs_block([Scored.of(ev)], service.token_text, offsets[index]) if logprobs else None
+                    out.append(chunks.chunk(index, ev.text, finish, lp))
+                offsets[index] += len(ev.text)
+                completion_tokens += 1
             if out:
                 yield b"".join(out)
-        yield sse("[DONE]")
-    except EngineError as e:
-        yield sse(exception_body("/v1/completions", e)[1])
+        else:
+            if chunks.include_usage:
+                yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
     finally:
-        stream.cancel()
+        for s in flat:
+            s.cancel()
+        for p in pumps:
+            p.cancel()

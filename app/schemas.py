@@ -12,15 +12,21 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
 from app.errors import OPENAI, TGI
-from model.sampling_params import MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
+from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each; generation "
             "ends where one appears and the text stops before it")
+MAX_N = 16  # samples of one prompt (`n`, `best_of`)
+MAX_PROMPTS = 32  # prompts in one request
+MAX_SEQUENCES = 64  # prompts x max(n, best_of): the rows one request may take
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's own limit for chat; vLLM's default)
+Prompt = str | list[int]  # text, or token ids
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -102,26 +108,26 @@ class GenerateParameters(_Strict):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS, description=STOP_DOC)
     return_full_text: bool | None = Field(False, description="prepend the prompt to generated_text")
     details: bool = Field(False, description="return finish reason, seed, tokens and logprobs")
-    decoder_input_details: bool = Field(False, description="return the prompt's tokens in details.prefill")
+    decoder_input_details: bool = Field(False, description="return the prompt's tokens with their logprobs in "
+                                                          "details.prefill (the first has none)")
     top_n_tokens: int | None = Field(None, ge=0, le=20, description="alternatives with logprobs per token")
     truncate: int | None = Field(None, ge=1, description="keep only the last N prompt tokens")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="sample this many and return the one of highest "
+                                "mean logprob, the others in details.best_of_sequences (needs sampling; "
+                                "not with streaming)")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted once per time a token was "
+                                                                          "generated")
     attention: AttentionRequest | None = Field(None, description="Folio: each token's attention weights, in its "
                                                "stream event (/generate: in details, which it needs)")
     # accepted for TGI client compatibility; only their 'off' values are supported
-    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
     typical_p: float | None = Field(None, description="not supported (must be unset)")
-    frequency_penalty: float | None = Field(None, description="not supported (must be unset or 0)")
     watermark: bool = Field(False, description="not supported (must be false)")
     grammar: None = Field(None, description="not supported (must be unset)")
     adapter_id: None = Field(None, description="not supported (must be unset)")
 
 
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
-        unsupported = {
-            "typical_p": self.typical_p not in (None, 1.0),
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "watermark": self.watermark,
-        }
+        unsupported = {"typical_p": self.typical_p not in (None, 1.0), "watermark": self.watermark}
         for name, bad in unsupported.items():
             if bad:
                 raise ValidationError(TGI.field(name), f"is not supported by Folio, got {preview(getattr(self, name))}")
@@ -131,8 +137,25 @@ class GenerateParameters(_Strict):
                 max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                 do_sample=self.do_sample, greedy=self.greedy, repetition_penalty=self.repetition_penalty,
                 seed=self.seed, stop=tuple(self.stop), top_n_tokens=self.top_n_tokens or 0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                prompt_logprobs=0 if self.details and self.decoder_input_details else None,
                 attention=None if self.attention is None else self.attention.to_spec(),
             )
+
+    def samples(self, params: SamplingParams, stream: bool) -> int:
+        """Sequences to generate: `best_of` (TGI's rules: it needs sampling, and a stream carries one)."""
+        best_of = self.best_of or 1
+        if best_of > 1 and params.is_greedy:
+            raise ValidationError(TGI.field("best_of"), f"greater than 1 needs sampling (do_sample, or temperature, "
+                                                        f"top_k or top_p), got {best_of}")
+        if best_of > 1 and stream:
+            raise ValidationError(TGI.field("best_of"), f"must be 1 when streaming, got {best_of}")
+        if self.attention is not None and not stream and not self.details:
+            raise ValidationError(TGI.field("attention"), "a whole answer carries the attention in its details: set "
+                                                          "parameters.details, or stream (/generate_stream)")
+        if self.attention is not None and best_of > 1:
+            raise ValidationError(TGI.field("attention"), f"is for one sequence: not with best_of, got {best_of}")
+        return best_of
 
 
 class GenerateRequest(_Strict):
@@ -166,13 +189,23 @@ class TokenAttention(BaseModel):
                                                    "`start` to the one before this token; 6 decimals")
 
 
-class Details(BaseModel):
+class SequenceDetails(BaseModel):
+    """What TGI's details say of one generated sequence."""
+
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
     seed: int | None
     prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] = Field(default_factory=list)
+
+
+class BestOfSequence(SequenceDetails):
+    generated_text: str
+
+
+class Details(SequenceDetails):
+    best_of_sequences: list[BestOfSequence] | None = None
     window_slides: int = Field(0, description="Folio: how often the context window slid")
     attention: list[TokenAttention] | None = Field(None, description="Folio: with parameters.attention, each "
                                                    "token's")
@@ -200,9 +233,44 @@ class StreamResponse(BaseModel):
 
 
 class TokenizeRequest(_Strict):
-    inputs: str
+    """TGI's `{"inputs"}` (answered with a list of tokens and their offsets) or vLLM's `{"prompt"}` (answered with
+    `{count, max_model_len, tokens}`, what lm-evaluation-harness's remote tokenizer reads)."""
+
+    inputs: str | None = Field(None, description="TGI: the text")
+    prompt: str | None = Field(None, description="vLLM: the text")
     parameters: GenerateParameters | None = None
     add_special_tokens: bool | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one_text(self) -> TokenizeRequest:
+        if (self.inputs is None) == (self.prompt is None):
+            raise PydanticCustomError("one_text", "give the text as exactly one of inputs (TGI) or prompt (vLLM)")
+        return self
+
+    @property
+    def field(self) -> str:
+        return "inputs" if self.inputs is not None else "prompt"
+
+    @property
+    def text(self) -> str:
+        return self.inputs if self.inputs is not None else self.prompt  # type: ignore[return-value]
+
+
+class TokenizeResponse(BaseModel):
+    """vLLM's answer to /tokenize."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[int] = Field(description="token ids (vLLM's /detokenize shape)")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class SimpleToken(BaseModel):
@@ -215,6 +283,7 @@ class SimpleToken(BaseModel):
 class ErrorBody(BaseModel):
     error: str
     error_type: str
+    request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------------
@@ -226,34 +295,58 @@ class StreamOptions(_Strict):
 
 class CompletionRequest(_Strict):
     model: str | None = Field(None, description="ignored beyond a check that it names this model, if given")
-    prompt: str | list[str] = Field(description="the prompt (a list must hold exactly one string)")
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate at most")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"the prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "
+                    "(a batch: each prompt's choices follow the previous prompt's)")
+    max_tokens: int | None = Field(16, ge=0, description="tokens to generate at most; 0 (with echo) scores the "
+                                                         "prompt only")
     temperature: float | None = Field(None, ge=0, le=2, description="0: greedy; unset: 1.0 (sampling)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="extension (vLLM): keep the k most likely tokens")
+    min_p: float | None = Field(None, ge=0, le=1, description="extension (vLLM): drop tokens less likely than "
+                                                               "min_p times the most likely one")
     repetition_penalty: float | None = Field(None, gt=0, le=100, description="extension (vLLM)")
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    best_of: int | None = Field(None, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt; one prefill shared by all of them")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="sample this many per prompt and return the n "
+                                                                   "with the highest mean logprob (>= n)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5, description="return this many top alternatives per token")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="this many top alternatives per token")
     echo: bool = False
     stop: str | list[str] | None = Field(None, description=STOP_DOC)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description="not supported (0 only)")
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported (empty only)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="choice i of a prompt samples with seed + i")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS,
+                                                description="token id (as a string) -> bias in [-100, 100]")
+    min_tokens: int = Field(0, ge=0, description="extension (vLLM): neither EOS nor a stop ends generation sooner")
+    ignore_eos: bool = Field(False, description="extension (vLLM): keep generating past EOS")
     user: str | None = None
     suffix: None = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> str | list[str]:
-        # before the items are validated: a list of a million numbers is one error, not a million
-        if isinstance(value, list) and len(value) != 1:
-            raise PydanticCustomError("one_prompt", "must be a string or a list of exactly one string, not a list "
-                                      "of {n}", {"n": len(value)})
-        return handler(value)
+    def _few_prompts(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # before the items are validated: a list of a million prompts is one error, not a million
+        if isinstance(value, list) and value and isinstance(value[0], str | list) and len(value) > MAX_PROMPTS:
+            raise PydanticCustomError("too_many_prompts", "must be a batch of at most {max}", {"max": MAX_PROMPTS})
+        if value == []:
+            raise PydanticCustomError("empty_prompt", "must not be an empty list", {})
+        try:
+            return handler(value)
+        except PydanticValidationError as e:  # one error, not one per member of the union
+            unicode = next((err for err in e.errors() if err["type"] == "invalid_unicode"), None)
+            if unicode is not None:
+                raise PydanticCustomError("invalid_unicode", "{msg}", {"msg": unicode["msg"]}) from None
+            raise PydanticCustomError("prompt_type", "must be a string, a list of token ids, or a list of up to "
+                                      "{max} of either", {"max": MAX_PROMPTS}) from None
+
+    def prompts(self) -> list[Prompt]:
+        """The request's prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -264,16 +357,42 @@ class CompletionRequest(_Strict):
                                       {"max": MAX_STOP_STRINGS})
         return handler(value)
 
+    def samples(self) -> int:
+        """Sequences generated per prompt: best_of (which must not be below n) or n."""
+        best_of = self.best_of if self.best_of is not None else self.n
+        if best_of < self.n:
+            raise ValidationError("best_of", f"must be at least n ({self.n}), got {best_of}")
+        if best_of > 1 and self.stream and best_of != self.n:
+            raise ValidationError("best_of", f"must equal n ({self.n}) when streaming, got {best_of}")
+        total = best_of * len(self.prompts())
+        if total > MAX_SEQUENCES:
+            raise ValidationError("n", f"prompts x max(n, best_of) must be at most {MAX_SEQUENCES}, got "
+                                       f"{len(self.prompts())} x {best_of} = {total}")
+        return best_of
+
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         greedy = self.temperature == 0
+        if self.max_tokens == 0 and not self.echo:
+            raise ValidationError("max_tokens", "may be 0 only with echo (to score the prompt), got 0")
         max_new_tokens = defaults.max_new_tokens_for(self.max_tokens, OPENAI.field("max_new_tokens"))
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValidationError("logit_bias", f"keys must be token ids as strings, got {preview(key)}")
+            bias[int(key)] = value
+        # echo with logprobs scores the prompt too; max_tokens 0 needs the prompt's scores whatever logprobs is
+        prompt_logprobs = (self.logprobs or 0) if self.echo and (self.logprobs is not None or not max_new_tokens) \
+            else None
         with OPENAI.naming_fields():
             return SamplingParams(
                 max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                do_sample=not greedy,  # OpenAI samples at temperature 1 unless told otherwise
+                min_p=self.min_p, do_sample=not greedy,  # OpenAI samples at temperature 1 unless told otherwise
                 greedy=greedy, repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
-                top_n_tokens=self.logprobs or 0,
+                top_n_tokens=self.logprobs or 0, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias.items()),
+                min_tokens=self.min_tokens, stop_at_eos=not self.ignore_eos,
+                prompt_logprobs=prompt_logprobs,
             )
 
 
@@ -286,3 +405,4 @@ class OpenAIErrorDetail(BaseModel):
 
 class OpenAIError(BaseModel):
     error: OpenAIErrorDetail
+    request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")

@@ -14,27 +14,69 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import Api, ClientGone, Unavailable
 from app.metrics import Metrics
+from app.requestlog import current_request
 from app.schemas import ServerDefaults
 from app.settings import Settings
 from model.checkpoint import Checkpoint
-from model.engine import Engine, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.engine import Engine, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
+from model.tokenizer import Tokenizer
 
 T = TypeVar("T")
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
 
 class GenerationService:
-    def __init__(self, engine: Engine, checkpoint: Checkpoint, settings: Settings, metrics: Metrics) -> None:
-        self.engine = engine
-        self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
+    """One model's service. Its engine and checkpoint are fixed, or, with the model registry (app/models.py),
+    whichever the registry serves the model `name` with now (a reload swaps them; a request keeps the engine it
+    was submitted to)."""
+
+    def __init__(self, engine: Engine | None, checkpoint: Checkpoint | None, settings: Settings, metrics: Metrics,
+                 *, registry: ModelRegistry | None = None, name: str | None = None) -> None:
+        self._engine, self._checkpoint = engine, checkpoint
+        self._tokenizer: Tokenizer | None = None
+        self.registry, self.name = registry, name
         self.settings = settings
         self.metrics = metrics
         self.ready = False
         self.draining = False
         self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
-        self.model_id = settings.model_id or checkpoint.path.name
+        if name is not None:
+            self.model_id = name
+        else:
+            assert checkpoint is not None
+            self.model_id = settings.model_id or checkpoint.path.name
+
+    def _current(self) -> tuple[Engine, Checkpoint]:
+        if self.registry is None:
+            assert self._engine is not None and self._checkpoint is not None
+            return self._engine, self._checkpoint
+        for name, engine, checkpoint in self.registry.loaded():
+            if name == self.name:
+                return engine, checkpoint
+        raise Unavailable(f"the model {self.name!r} is not loaded (it was unloaded to make room); try again")
+
+    @property
+    def engine(self) -> Engine:
+        return self._current()[0]
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._current()[1]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer or self.checkpoint.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:  # a stand-in (tests gate it); None: the model's own
+        self._tokenizer = tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`)."""
+        return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
 
     def check_ready(self) -> None:
         if self.draining:
@@ -57,30 +99,75 @@ class GenerationService:
         except ValueError as e:
             raise ValidationError(field, str(e)) from None
 
-    async def start(self, text: str, params: SamplingParams, truncate: int | None, api: Api,
+    async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None, api: Api,
                     reservation: Reservation | None) -> GenerationStream:
-        """Tokenise and check the prompt against the model (its context, its vocabulary), then submit it into the
-        slot the admission middleware reserved for this request (if it did). Errors name `api`'s fields."""
+        """Tokenise (or take token ids as they are) and check the prompt against the model (its context, its
+        vocabulary), then submit it into the slot the admission middleware reserved for this request (if it did).
+        Errors name `api`'s fields."""
+        return (await self.start_many(text, [params], truncate, api, reservation))[0]
+
+    async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None, api: Api,
+                         reservation: Reservation | None) -> list[GenerationStream]:
+        """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
+        share the prompt's prefill (the prefix cache). If one cannot be submitted (429), none runs."""
         self.check_ready()
-        prompt = await self.encode(text, api.field("prompt"))
+        engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
+        prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
         with api.naming_fields():
-            prompt = self.engine.validate(prompt, truncate, params)
+            for p in params:
+                prompt = engine.validate(prompt, truncate, p)
         self.check_ready()
-        return self.engine.submit(prompt, params, truncate=truncate, reservation=reservation)
+        if reservation is not None and reservation.owner is not engine:
+            reservation = None  # held on another model's engine (admission reserves before the model is known)
+        try:
+            return self._submit(engine, prompt, params, truncate, reservation)
+        except EngineStopped:
+            if self.registry is None or self.draining or self.engine is engine:
+                raise
+            # a reload swapped the engine between the checks and the submission: the new one takes it
+            return self._submit(self.engine, prompt, params, truncate, None)
+
+    @staticmethod
+    def _submit(engine: Engine, prompt: list[int], params: list[SamplingParams], truncate: int | None,
+                reservation: Reservation | None) -> list[GenerationStream]:
+        streams: list[GenerationStream] = []
+        try:
+            for i, p in enumerate(params):
+                streams.append(engine.submit(prompt, p, truncate=truncate,
+                                             reservation=reservation if i == 0 else None))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        return streams
 
     # -- running --------------------------------------------------------------------------------------
     async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:
         """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
-        with time to first token and inter-token latency recorded from when the engine made each token."""
+        with time to first token and inter-token latency recorded from when the engine made each token, and the
+        request's record (app/requestlog.py) kept up to date."""
+        record = current_request.get()
+        if record is not None:
+            record.prompt_tokens = stream.prompt_tokens
         last = time.perf_counter()
         first = True
-        async for batch in stream.batches():
-            for ev in batch:
-                if isinstance(ev, TokenEvent):
-                    (self.metrics.ttft if first else self.metrics.itl).observe(max(0.0, ev.created - last))
-                    first = False
-                    last = ev.created
-            yield batch
+        try:
+            async for batch in stream.batches():
+                for ev in batch:
+                    if isinstance(ev, TokenEvent):
+                        gap = max(0.0, ev.created - last)
+                        (self.metrics.ttft if first else self.metrics.itl).observe(gap)
+                        if not first:
+                            self.metrics.vllm.token_gap(gap)
+                        first = False
+                        last = ev.created
+                if record is not None:
+                    record.saw(batch)
+                yield batch
+        except Exception:  # the engine's GenerationError or EngineStopped
+            if record is not None:
+                record.finish_reason = "error"
+            raise
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""

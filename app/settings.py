@@ -44,6 +44,20 @@ class Settings(BaseSettings):
 
     checkpoint: Path = Field(DEFAULT_CHECKPOINT, description="checkpoint directory to serve")
     model_id: str | None = Field(None, description="name reported by /info and /v1/models (default: dir name)")
+    # several models in one server (app/models.py): any of these turns the model registry on
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="more checkpoints to serve beside --checkpoint, each DIR or NAME=DIR "
+        "(comma-separated or a JSON list; --checkpoint given several times fills it too); OpenAI's `model` field or "
+        "the X-Folio-Model header picks one")
+    models_dir: Path | None = Field(None, description="serve every checkpoint directory under this one as well, "
+                                    "each named by its directory")
+    max_loaded: int | None = Field(None, ge=1, description="models loaded at once; the least recently used is "
+                                   "unloaded beyond it (unset: no limit)")
+    load_wait: float = Field(30.0, gt=0, description="seconds a request waits for its model to load before a 503 "
+                             "with Retry-After")
+    watch: float = Field(0.0, ge=0, description="check every loaded checkpoint's config.json this often (seconds) "
+                         "and swap in changed weights without dropping a request (0: off; POST /admin/reload "
+                         "works whenever the registry is on)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
@@ -75,6 +89,8 @@ class Settings(BaseSettings):
                                           "has run this long")
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    log_format: Literal["text", "json"] = Field("text", description="text: a readable line per event; json: one "
+                                                "JSON object per line, for log collectors (app/requestlog.py)")
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
 
@@ -93,6 +109,18 @@ class Settings(BaseSettings):
             raise ValueError("the key is empty, which would let 'Authorization: Bearer ' with nothing after it "
                              "through; set a key, or unset the option to serve without one")
         return SecretStr(key)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip().startswith("[") else value.split(",")
+        return [v.strip() for v in value if v.strip()] if isinstance(value, list) else value
+
+    @property
+    def several_models(self) -> bool:
+        """Whether the model registry serves (several checkpoints, a models directory, or hot reload)."""
+        return bool(self.models or self.models_dir or self.watch)
 
     @field_validator("cors_origins", mode="before")
     @classmethod
@@ -115,7 +143,7 @@ class Settings(BaseSettings):
                              "(https://example.com, not https://example.com/)")
         return [o for o in origins if o != ""]
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower_log_level(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value

@@ -107,7 +107,7 @@ async def health_live(request: Request) -> StrictJSONResponse:
 
 
 @router.get("/info")
-async def info(service: ServiceDep) -> dict[str, Any]:
+async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
     """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
     its directory, and a path in the provenance (the training data, the output directory) by its last part."""
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
@@ -134,6 +134,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "window_shift": engine.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,
         "training": ck.training,
+        "models": served.describe() if (served := getattr(request.app.state, "models", None)) else None,
         "version": VERSION,
         "router": "folio",
     })

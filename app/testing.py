@@ -60,11 +60,13 @@ def launch(cmd: list[str], log: Path, *, env: dict[str, str] | None = None, cwd:
                                 stderr=subprocess.STDOUT, start_new_session=new_session)
 
 
-def spawn(checkpoint: Path, log: Path, *args: str, port: int = 0) -> subprocess.Popen:
-    """`python -m app` on 127.0.0.1:`port` serving `checkpoint` with `SERVER_ARGS`, then `args` (which win)."""
+def spawn(checkpoint: Path, log: Path, *args: str, port: int = 0, env: dict[str, str] | None = None
+          ) -> subprocess.Popen:
+    """`python -m app` on 127.0.0.1:`port` serving `checkpoint` with `SERVER_ARGS`, then `args` (which win), with
+    `env` over this process's environment."""
     cmd = [sys.executable, "-m", "app", "--checkpoint", str(checkpoint), "--host", "127.0.0.1",
            "--port", str(port), *SERVER_ARGS, *args]
-    return launch(cmd, log, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return launch(cmd, log, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def log_tail(log: Path, lines: int = 60) -> str:
@@ -108,10 +110,11 @@ def stop(proc: subprocess.Popen, *, group: bool = False, grace: float = 15.0) ->
 
 
 @contextlib.contextmanager
-def serving(checkpoint: Path, log: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def serving(checkpoint: Path, log: Path, *args: str, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[str, subprocess.Popen]]:
     """A healthy `spawn`ed server on a free port for the block: (base URL, process). Stopped afterwards."""
     port = free_port()
-    proc = spawn(checkpoint, log, *args, port=port)
+    proc = spawn(checkpoint, log, *args, port=port, env=env)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", log)
         yield f"http://127.0.0.1:{port}", proc
@@ -164,11 +167,18 @@ def metric(metrics_text: str, name: str, **labels: str) -> float:
     raise AssertionError(f"no sample {name}{labels or ''} in /metrics")
 
 
+def assert_request_id(response: Any, body: dict[str, Any]) -> None:
+    """An error body's `request_id` is the response's `X-Request-Id` (both absent: an answer of the HTTP layer to a
+    request that never reached the app)."""
+    assert body["request_id"] == response.headers.get("x-request-id"), (body, response.headers)
+
+
 def assert_tgi_error(response: Any, status: int, error_type: str, *needles: str) -> str:
-    """TGI's error body `{"error": message, "error_type": kind}`, with every needle in the message."""
+    """TGI's error body `{"error": message, "error_type": kind, "request_id"}`, with every needle in the message."""
     assert response.status_code == status, (response.status_code, response.text)
     body = response.json()
-    assert set(body) == {"error", "error_type"}, body
+    assert set(body) == {"error", "error_type", "request_id"}, body
+    assert_request_id(response, body)
     assert body["error_type"] == error_type, body
     for needle in needles:
         assert needle in body["error"], (needle, body["error"])
@@ -176,10 +186,11 @@ def assert_tgi_error(response: Any, status: int, error_type: str, *needles: str)
 
 
 def assert_openai_error(response: Any, status: int, error_type: str, param: str | None, *needles: str) -> str:
-    """OpenAI's error body `{"error": {"message", "type", "param", "code"}}`."""
+    """OpenAI's error body `{"error": {"message", "type", "param", "code"}, "request_id"}`."""
     assert response.status_code == status, (response.status_code, response.text)
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert_request_id(response, body)
     err = body["error"]
     assert (err["type"], err["param"], err["code"]) == (error_type, param, status), err
     for needle in needles:

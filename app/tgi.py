@@ -1,84 +1,105 @@
-"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"), POST /tokenize."""
+"""Hugging Face TGI's API: POST /generate, POST /generate_stream, POST / (with "stream"). Its /tokenize is in
+app/tokenizer_api.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
+from app.completions import best, sample_params
 from app.deps import AuthDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
 from app.responses import json_number
 from app.schemas import (
+    BestOfSequence,
     Details,
     ErrorBody,
     GenerateRequest,
     GenerateResponse,
     PrefillToken,
-    SimpleToken,
     Token,
-    TokenizeRequest,
 )
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
 from model.engine.events import TokenAttention as EngineAttention
-from model.sampling_params import ValidationError
-from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["TGI"])
+CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
 
 async def _start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,
-                 whole: bool = False) -> GenerationStream:
+                 stream: bool = False) -> list[GenerationStream]:
+    """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
     service.check_ready()
-    if whole and body.parameters.attention is not None and not body.parameters.details:
-        raise ValidationError("parameters.attention", "a whole answer carries the attention in its details: set "
-                                                      "parameters.details, or stream (/generate_stream)")
     params = body.parameters.to_sampling_params(service.defaults)
-    return await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
+    samples = body.parameters.samples(params, stream)
+    return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI,
+                                    reservation)
+
+
+async def _generate(service: GenerationService, body: GenerateRequest, request: Request,
+                    reservation: Reservation | None) -> GenerateResponse:
+    streams = await _start(service, body, reservation)
+    try:
+        results = await asyncio.gather(*(service.result(request, s) for s in streams))
+    finally:
+        for s in streams:
+            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
+    ranked = best(list(results), len(results))
+    return _response(service, body, ranked[0], ranked[1:] if len(ranked) > 1 else None)
 
 
 def _token(ev: TokenEvent, text: str | None = None) -> Token:
     return Token(id=ev.id, text=ev.text if text is None else text, logprob=ev.logprob, special=ev.special)
 
 
-def _response(service: GenerationService, body: GenerateRequest, result: Result) -> GenerateResponse:
-    p = body.parameters
-    text = (body.inputs if p.return_full_text else "") + result.text
+def _sequence(service: GenerationService, body: GenerateRequest, result: Result) -> dict[str, Any]:
+    """What TGI's details say of one generated sequence (the answer's, or one of `best_of_sequences`)."""
+    p, fin = body.parameters, result.finished
+    prefill = []
+    if p.decoder_input_details:
+        scores = fin.prompt_logprobs or ()
+        prefill = [PrefillToken(id=t.id, text=service.token_text(t.id), logprob=t.logprob) for t in scores]
+    return dict(
+        generated_text=(body.inputs if p.return_full_text else "") + result.text,
+        finish_reason=fin.finish_reason,
+        generated_tokens=fin.generated_tokens,
+        seed=fin.seed,
+        prefill=prefill,
+        tokens=[Token(id=t.id, text=service.token_text(t.id), logprob=t.logprob, special=t.special)
+                for t in result.tokens],
+        top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
+                    for t in result.tokens] if p.top_n_tokens else [],
+    )
+
+
+def _response(service: GenerationService, body: GenerateRequest, result: Result,
+              others: list[Result] | None = None) -> GenerateResponse:
+    seq = _sequence(service, body, result)
     details = None
-    if p.details:
-        fin = result.finished
-        prefill = (
-            [PrefillToken(id=i, text=service.token_text(i)) for i in fin.prefill] if p.decoder_input_details else []
-        )
-        details = Details(
-            finish_reason=fin.finish_reason,
-            generated_tokens=fin.generated_tokens,
-            seed=fin.seed,
-            prefill=prefill,
-            tokens=[Token(id=t.id, text=service.token_text(t.id), logprob=t.logprob, special=t.special)
-                    for t in result.tokens],
-            top_tokens=[[Token(id=a.id, text=a.text, logprob=a.logprob, special=a.special) for a in t.top_tokens]
-                        for t in result.tokens] if p.top_n_tokens else [],
-            window_slides=fin.window_slides,
-            attention=[_attention(t.attention) for t in result.tokens if t.attention] if p.attention else None,
-        )
-    return GenerateResponse(generated_text=text, details=details)
+    if body.parameters.details:
+        details = Details(**{k: v for k, v in seq.items() if k != "generated_text"},
+                          window_slides=result.finished.window_slides,
+                          best_of_sequences=[BestOfSequence(**_sequence(service, body, r)) for r in others]
+                          if others else None,
+                          attention=[_attention(t.attention) for t in result.tokens if t.attention]
+                          if body.parameters.attention else None)
+    return GenerateResponse(generated_text=seq["generated_text"], details=details)
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
 async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
                    _: AuthDep) -> Response:
     """Generate text for a prompt and return it whole."""
-    result = await service.result(request, await _start(service, body, reservation, whole=True))
-    return Response(_response(service, body, result).model_dump_json(exclude_none=True),
-                    media_type="application/json")
+    return Response((await _generate(service, body, request, reservation)).model_dump_json(exclude_none=True),
+                    media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
 
 
 async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream) -> AsyncIterator[bytes]:
@@ -134,8 +155,9 @@ def _attention(att: EngineAttention) -> dict[str, Any]:
 async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
                           _: AuthDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
-    stream = await _start(service, body, reservation)
-    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+    [stream] = await _start(service, body, reservation, stream=True)
+    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream",
+                             headers={**SSE_HEADERS, CHECKPOINT_HEADER: service.fingerprint})
 
 
 @router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
@@ -145,39 +167,6 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
     (as a one-element list, as TGI does)."""
     if body.stream:
         return await generate_stream(body, service, reservation, None)
-    result = await service.result(request, await _start(service, body, reservation, whole=True))
-    return Response("[" + _response(service, body, result).model_dump_json(exclude_none=True) + "]",
-                    media_type="application/json")
-
-
-@router.post("/tokenize", response_model=list[SimpleToken], responses=ERRORS)
-async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Response:
-    """The prompt's tokens with their text and character offsets (inputs of up to `--max-tokenize-chars`)."""
-    service.check_ready()
-    limit = service.settings.max_tokenize_chars
-    if len(body.inputs) > limit:
-        raise ValidationError("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
-                                        f"got {len(body.inputs)}")
-    # tokenising and writing the answer both take time proportional to the input: off the event loop
-    return Response(await run_in_threadpool(_tokens_json, service.tokenizer, body.inputs),
-                    media_type="application/json")
-
-
-def _tokens_json(tokenizer: Tokenizer, text: str) -> bytes:
-    """`/tokenize`'s answer as JSON: a list of `SimpleToken`s, each token's id, text and character offsets."""
-    try:
-        ids = tokenizer.encode(text)
-    except ValueError as e:
-        raise ValidationError("inputs", str(e)) from None
-    pieces: dict[int, tuple[bytes, int]] = {}  # id -> (its JSON before the offsets, its length in characters)
-    out, pos = [], 0
-    for i in ids:
-        piece = pieces.get(i)
-        if piece is None:
-            # character offsets: count the characters that start inside this token's bytes
-            chars = sum(1 for b in tokenizer.decode_bytes([i]) if b & 0xC0 != 0x80)
-            text_json = json.dumps(tokenizer.decode([i]), ensure_ascii=False).encode()
-            piece = pieces[i] = (b'{"id":%d,"text":%b,' % (i, text_json), chars)
-        out.append(b'%b"start":%d,"stop":%d}' % (piece[0], pos, pos + piece[1]))
-        pos += piece[1]
-    return b"[" + b",".join(out) + b"]"
+    response = await _generate(service, body, request, reservation)
+    return Response("[" + response.model_dump_json(exclude_none=True) + "]",
+                    media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})

@@ -1,16 +1,43 @@
-"""Start-up plumbing shared by Folio's commands (`python -m app`, `python -m model.train`): a mistake on the
+"""Start-up plumbing shared by Folio's commands (`python -m app`, `python -m model.train`, ...): a mistake on the
 command line, in the environment or about the machine ends as one `error:` line on stderr and exit code 2,
-never a usage dump or a traceback (`--device` names are checked by `model.devices.resolve_device`)."""
+never a usage dump or a traceback (`--device` names are checked by `model.devices.resolve_device`).
+
+Each command names itself in its usage and errors by how it was started: `python -m model.train` when run as a
+module, `folio train` when the `folio` command (app/cli.py) runs the same `main` inside `program("folio train")`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from typing import NoReturn
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NoReturn
+
+MODULE_PROG = "python -m "  # how the modules name themselves (`prog=`) when run on their own
+_program: ContextVar[str | None] = ContextVar("folio_program", default=None)
+
+
+@contextmanager
+def program(name: str) -> Iterator[None]:
+    """Within the block, a command's parser is named `name` (e.g. `folio train`) instead of its `python -m` name."""
+    token = _program.set(name)
+    try:
+        yield
+    finally:
+        _program.reset(token)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, whose usage errors are one line (`error: <what> (see <prog> --help)`) and exit code 2."""
+    """argparse, whose usage errors are one line (`error: <what> (see <prog> --help)`) and exit code 2, and which
+    takes the name `program` gives (subcommands' parsers, named after their parent, follow it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        name = _program.get()
+        if name is not None and self.prog.startswith(MODULE_PROG):
+            self.prog = name
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -20,7 +20,6 @@ exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -33,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model.checkpoint import CheckpointError, save_checkpoint
+from model.cli import ArgumentParser
 from model.config import GPTConfig
 from model.files import sha256_file
 from model.gpt import GPT
@@ -345,8 +345,8 @@ def _save(out: Path, model: GPT, tokenizer: CharTokenizer | BPETokenizer, traini
 # --- CLI ----------------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="python -m model.convert", description="Convert GPT-2 weights into a Folio checkpoint."
     )
     sub = p.add_subparsers(dest="source", required=True)

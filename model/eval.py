@@ -15,7 +15,6 @@ Prints tokens and characters scored, the mean negative log-likelihood per token 
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.cli import ArgumentParser
 from model.gpt import GPT
 from model.scoring import PromptScorer, TopToken
 from model.tokenizer import Tokenizer, TokenizerError
@@ -86,7 +86,7 @@ def score(model: GPT, tokenizer: Tokenizer, ids: list[int], *, stride: int | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.eval", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m model.eval", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
     p.add_argument("--data", required=True, type=Path, help="a UTF-8 text file")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: the context)")

@@ -15,7 +15,6 @@ its decode steps; `python -m model.inspect` draws the maps as PNG.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from model.cli import ArgumentParser
 from model.gpt import GPT
 from model.sampler import mask_unusable
 from model.scoring import PromptScorer, PromptToken, TopToken
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.checkpoint import CheckpointError, load_checkpoint
     from model.tokenizer import TokenizerError
 
-    p = argparse.ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
+    p = ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
                                 "logit lens as PNG files.")
     p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
     p.add_argument("--text", required=True, help="the text to look into")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from model.checkpoint import CONFIG_FILE, Checkpoint
 from model.engine import Engine
+from model.sampling_params import preview
 
 log = logging.getLogger("folio.registry")
 
@@ -34,8 +35,9 @@ Loader = Callable[[Path], tuple[Checkpoint, Engine]]  # load, build, start and w
 
 class ModelNotFound(LookupError):
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(f"model {name!r} is not served here; the models are {known}")
+        super().__init__(f"model: the model {preview(name)} is not served here; the models are {known}")
         self.name = name
+        self.field = "model"
 
 
 class ModelLoading(RuntimeError):
@@ -60,6 +62,7 @@ class ModelInfo:
     loaded_at: float | None = None  # time.time() of the last (re)load
     last_used: float = 0.0
     reloads: int = 0
+    refused_reloads: int = 0
     error: str | None = None  # why the last load or reload failed
 
 
@@ -206,6 +209,7 @@ class ModelRegistry:
             except Exception as e:
                 log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
                 slot.info.error, slot.refused = f"reload refused: {e}", digest
+                slot.info.refused_reloads += 1
                 return False
             with slot.lock:
                 old, slot.engine, slot.checkpoint = slot.engine, engine, checkpoint

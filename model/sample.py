@@ -5,13 +5,13 @@ Uses the naive reference loop (no server, no engine); streams text to stdout as 
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.cli import ArgumentParser
 from model.reference import generate_naive
 from model.sampler import new_generator
 from model.sampling_params import SamplingParams, ValidationError
@@ -20,7 +20,7 @@ from model.tokenizer import TokenizerError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.sample", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m model.sample", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=500)

@@ -62,7 +62,8 @@ def _wrong_types() -> list[Row]:
         ("prompt is a number", {"inputs": 5}, {"prompt": 5}, 422, 422),
         ("prompt is null", {"inputs": None}, {"prompt": None}, 422, 422),
         ("prompt is an object", {"inputs": {"a": 1}}, {"prompt": {"a": 1}}, 422, 422),
-        ("prompt is a list of two", {"inputs": ["a", "b"]}, {"prompt": ["a", "b"]}, 422, 422),
+        ("prompt is a list of two / of lists of text", {"inputs": ["a", "b"]}, {"prompt": [["a"], ["b"]]}, 422,
+         422),
         ("max tokens is a word", tgi(max_new_tokens="many"), oa(max_tokens="many"), 422, 422),
         ("max tokens is a float", tgi(max_new_tokens=4.5), oa(max_tokens=4.5), 422, 422),
         ("max tokens is a numeric string", tgi(max_new_tokens="4"), oa(max_tokens="4"), 422, 422),
@@ -115,7 +116,7 @@ def _negative_and_zero() -> list[Row]:
         ("repetition penalty 0", tgi(repetition_penalty=0), oa(repetition_penalty=0), 422, 422),
         ("seed -1", tgi(seed=-1), oa(seed=-1), 422, 422),
         ("truncate 0", tgi(truncate=0), oa(logprobs=-1), 422, 422),
-        ("top_n_tokens -1 / logprobs 6", tgi(top_n_tokens=-1), oa(logprobs=6), 422, 422),
+        ("top_n_tokens -1 / logprobs 21", tgi(top_n_tokens=-1), oa(logprobs=21), 422, 422),
     ]
 
 
@@ -164,9 +165,10 @@ def _unknown_fields() -> list[Row]:
         ("unknown top-level field", {"inputs": "Hello", "foo": 1}, oa(foo=1), 422, 422),
         ("unknown parameter", tgi(foo=1), oa(stream_options={"foo": 1}), 422, 422),
         ("unsupported: typical_p / suffix", tgi(typical_p=0.5), oa(suffix="x"), 422, 422),
-        ("unsupported: grammar / logit_bias", tgi(grammar={"type": "json"}), oa(logit_bias={"1": 1}), 422, 422),
-        ("unsupported: best_of 2 / n 2", tgi(best_of=2), oa(n=2), 422, 422),
-        ("unsupported: watermark / presence_penalty", tgi(watermark=True), oa(presence_penalty=1), 422, 422),
+        ("unsupported grammar / logit_bias key not an id", tgi(grammar={"type": "json"}), oa(logit_bias={"a": 1}),
+         422, 422),
+        ("best_of 2 greedy / n 17", tgi(best_of=2), oa(n=17), 422, 422),
+        ("unsupported watermark / presence_penalty 3", tgi(watermark=True), oa(presence_penalty=3), 422, 422),
         ("another model", tgi(), oa(model="gpt-4"), 200, 404),
     ]
 

@@ -54,18 +54,22 @@ class Sizes:
     slow_timeout: float  # the server's header and body timeout (0: its defaults)
     stop_new_tokens: int
     stop_batch: int
+    reload_clients: int  # streaming clients while the trainer writes and the server swaps
+    reload_iters: int  # training steps of the resumed run (a checkpoint per improving evaluation)
 
 
 FULL = Sizes(fuzz_examples=150, load_requests=2000, load_clients=64, load_warmup=200, overload_batch=8,
              overload_waiting=8, overload_factor=10, overload_new_tokens=96, overload_rounds=3,
              disconnect_streams=200, disconnect_wave=36, shutdown_streams=32, drain_timeout=5.0, fault_good=24,
              fault_bad=8, training_kills=5, training_iters=300, slow_batch=16, slow_waiting=64, slow_connections=80,
-             slow_requests=64, slow_timeout=3.0, stop_new_tokens=256, stop_batch=16)
+             slow_requests=64, slow_timeout=3.0, stop_new_tokens=256, stop_batch=16, reload_clients=8,
+             reload_iters=200)
 QUICK = Sizes(fuzz_examples=25, load_requests=200, load_clients=16, load_warmup=40, overload_batch=2,
               overload_waiting=2, overload_factor=10, overload_new_tokens=128, overload_rounds=1,
               disconnect_streams=30, disconnect_wave=15, shutdown_streams=8, drain_timeout=3.0, fault_good=8,
               fault_bad=4, training_kills=2, training_iters=80, slow_batch=2, slow_waiting=2, slow_connections=8,
-              slow_requests=8, slow_timeout=1.0, stop_new_tokens=64, stop_batch=4)
+              slow_requests=8, slow_timeout=1.0, stop_new_tokens=64, stop_batch=4, reload_clients=4,
+              reload_iters=60)
 
 
 class Problems(list):

@@ -7,7 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.schemas import ErrorBody, GenerateResponse, OpenAIError, SimpleToken, StreamResponse
+from app.schemas import (
+    DetokenizeResponse,
+    ErrorBody,
+    GenerateResponse,
+    OpenAIError,
+    SimpleToken,
+    StreamResponse,
+    TokenizeResponse,
+)
 from app.testing import parse_sse
 
 
@@ -75,17 +83,23 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
         obj = json.loads(text)
     except json.JSONDecodeError:
         return [*problems, f"{where}: body is not JSON: {text[:200]!r}"]
-    if openai:
-        ok = path == "/v1/models" or _openai_completion(obj, chunk=False)
-    elif path == "/generate":
-        ok = _fits(GenerateResponse, obj)
-    elif path == "/":
-        ok = isinstance(obj, list) and len(obj) == 1 and _fits(GenerateResponse, obj[0])
-    elif path == "/tokenize":
-        ok = isinstance(obj, list) and all(_fits(SimpleToken, t) for t in obj)
-    else:
-        ok = True
+    ok = _answer_fits(path, obj, openai)
     return problems if ok else [*problems, f"{where}: body of the wrong shape: {text[:300]}"]
+
+
+def _answer_fits(path: str, obj: Any, openai: bool) -> bool:
+    """Whether a 200's JSON body has its route's shape."""
+    if openai:
+        return path == "/v1/models" or _openai_completion(obj, chunk=False)
+    elif path == "/generate":
+        return _fits(GenerateResponse, obj)
+    elif path == "/":
+        return isinstance(obj, list) and len(obj) == 1 and _fits(GenerateResponse, obj[0])
+    elif path == "/tokenize":  # TGI's list of tokens, or vLLM's {count, max_model_len, tokens}
+        return (isinstance(obj, list) and all(_fits(SimpleToken, t) for t in obj)) or _fits(TokenizeResponse, obj)
+    elif path == "/detokenize":
+        return _fits(DetokenizeResponse, obj)
+    return True
 
 
 def _stream_problems(events: list[Any], openai: bool) -> list[str]:

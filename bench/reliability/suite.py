@@ -20,6 +20,7 @@ from bench.reliability import (
     load,
     overload,
     oversized,
+    reload,
     shutdown,
     slow_clients,
     training,
@@ -28,7 +29,7 @@ from bench.reliability.harness import MAIN_ARGS, Sizes
 from model.testing import make_char_checkpoint
 
 SECTIONS = ("fuzz", "bad_inputs", "load", "overload", "disconnects", "shutdown", "faults", "checkpoints", "training",
-            "slow_clients", "oversized")
+            "slow_clients", "oversized", "reload")
 ON_THE_MAIN_SERVER = {"fuzz", "bad_inputs", "load", "disconnects", "faults", "oversized"}
 Report = Callable[[str, dict[str, Any]], None]
 
@@ -67,6 +68,7 @@ def _own_server_sections(ck: Path, sizes: Sizes, workdir: Path, seed: int) -> di
                                                  sizes.slow_connections, sizes.slow_requests, sizes.slow_timeout),
         "checkpoints": lambda: checkpoints.run(ck, workdir),
         "training": lambda: training.run(workdir, sizes.training_kills, sizes.training_iters, seed),
+        "reload": lambda: reload.run(workdir, sizes.reload_clients, sizes.reload_iters),
     }
 
 

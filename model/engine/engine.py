@@ -139,9 +139,10 @@ class Engine:
     def validate(self, prompt: list[int], truncate: int | None = None,
                  params: SamplingParams | None = None) -> list[int]:
         """The prompt the model will see; `ValidationError` (field `prompt` or `truncate`) for an empty or too
-        long prompt or a truncation outside the context, and (field `top_n_tokens` or `prompt_logprobs`) for
-        more alternatives per token than the model's vocabulary holds, and (field `attention...`) for streamed
-        attention the model cannot give or the limits refuse (`model.engine.attention.check_spec`)."""
+        long prompt, a truncation outside the context or a token id outside the vocabulary, (field `logit_bias`) for
+        a bias on an id outside it, (field `top_n_tokens` or `prompt_logprobs`) for more alternatives per token
+        than the model's vocabulary holds, and (field `attention...`) for streamed attention the model cannot give
+        or the limits refuse (`model.engine.attention.check_spec`)."""
         if params is not None:
             if params.attention is not None:
                 check_spec(params.attention, self.config, params.max_new_tokens)
@@ -162,7 +163,16 @@ class Engine:
                 f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
                 f"shorten it or truncate it to at most {self.block_size} tokens",
             )
+        self._check_ids("prompt", prompt)  # ids a client sent (a tokenizer's are in range): at most block_size
+        if params is not None and params.logit_bias:
+            self._check_ids("logit_bias", [i for i, _ in params.logit_bias])
         return prompt
+
+    def _check_ids(self, name: str, ids: list[int]) -> None:
+        bad = next((i for i in ids if not 0 <= i < self.n_vocab), None)
+        if bad is not None:
+            raise ValidationError(name, f"token ids must be in [0, {self.n_vocab - 1}] (the model's vocabulary), "
+                                        f"got {preview(bad)}")
 
     @property
     def reserved(self) -> int:
@@ -193,7 +203,7 @@ class Engine:
                 self.scheduler.reserved -= 1
                 return True
 
-        return Reservation(give_back)
+        return Reservation(give_back, owner=self)
 
     def submit(self, prompt: list[int], params: SamplingParams, *, truncate: int | None = None,
                reservation: Reservation | None = None) -> GenerationStream:

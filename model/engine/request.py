@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +37,9 @@ class Request:
     stopping: StoppingCriteria | None = None
     scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
     submitted_at: float = field(default_factory=time.perf_counter)
+    # the submitter's context (made where the request is made): log lines about the request are written in it, so
+    # they carry what the caller keeps there, such as the server's request ID (app/requestlog.py)
+    caller: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     @property
     def prefilling(self) -> bool:
@@ -43,6 +48,10 @@ class Request:
 
     def prompt_scores(self) -> tuple[PromptToken, ...] | None:
         return None if self.scorer is None else tuple(self.scorer.tokens)
+
+    def warn(self, log: logging.Logger, message: str, *args: object) -> None:
+        """`log.warning(message, *args)` about this request, in its submitter's context."""
+        self.caller.run(log.warning, message, *args)
 
     def sample_row(self) -> SampleRow:
         p = self.params

@@ -266,7 +266,7 @@ class Scheduler:
                 self.on_step([req])
                 kept.append(req)
             except Exception as e:
-                log.warning("request %d failed%s: %s", req.id, phase, e)
+                req.warn(log, "request %d failed%s: %s", req.id, phase, e)
                 self._fail(req, GenerationError(f"generation failed{phase}: {e}"))
         return kept
 
@@ -288,7 +288,7 @@ class Scheduler:
             logits = self._forward_plan(plan)
         except Exception as e:
             for req, _ in plan:
-                log.warning("request %d failed in prefill: %s", req.id, e)
+                req.warn(log, "request %d failed in prefill: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed during prefill: {e}"))
             return
         done = []
@@ -352,7 +352,7 @@ class Scheduler:
                     raise seen
                 self._emit(req, out, i, seen)
             except Exception as e:
-                log.warning("request %d failed choosing a token: %s", req.id, e)
+                req.warn(log, "request %d failed choosing a token: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed: {e}"))
 
     def _emit(self, req: Request, out: SamplerOutput, i: int, attention: TokenAttention | None = None) -> None:

@@ -111,8 +111,9 @@ class GenerationStream:
 class Reservation:
     """A slot held for a request between its admission and its submission (`Engine.reserve`)."""
 
-    def __init__(self, give_back: Callable[[], bool]) -> None:
+    def __init__(self, give_back: Callable[[], bool], owner: object = None) -> None:
         self._give_back = give_back  # frees the slot once; True if it was still held
+        self.owner = owner  # the engine the slot is held in
 
     def release(self) -> bool:
         """Give the slot back if the request was never submitted (idempotent); True if it was still held."""

@@ -4,8 +4,8 @@ real `python -m app` servers (a tiny random checkpoint, one thread each).
 The file is used as shipped except for two substitutions: the upstream server line between the
 `# BEGIN/END upstream servers` markers becomes one line per replica (its parameters kept) and `listen 8080`
 becomes a free local port. The test's own wrapper around it (`http { include ...; }`) holds only what the
-official nginx image's nginx.conf holds: process settings, paths, and a log format naming the upstream that
-answered each request. Skipped, with the reason, where no nginx binary is installed.
+official nginx image's nginx.conf holds: process settings, paths, and a log format naming the request's ID and
+the upstream that answered it. Skipped, with the reason, where no nginx binary is installed.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def wrapper(prefix: Path, site: Path) -> str:
         f"{user}worker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log info;\n"
         "events { worker_connections 256; }\n"
         "http {\n"
-        "    log_format upstreams '$request_method $uri $status \"$upstream_addr\" \"$upstream_status\"';\n"
+        "    log_format upstreams '$folio_request_id $request_method $uri $status \"$upstream_addr\" "
+        "\"$upstream_status\"';\n"
         f"    access_log {prefix}/access.log upstreams;\n{temp}"
         f"    include {site};\n"
         "}\n"
@@ -222,6 +223,18 @@ def test_body_limit_matches_the_server(proxy: Proxy, replicas: list[Replica]) ->
     assert over.status_code == 413 and "nginx" in over.text
     # only the first reached a replica
     assert sum(metric(r.base, "folio_requests_total", route="/generate") for r in replicas) == seen + 1
+
+
+def test_one_request_id_at_the_proxy_and_the_replica(proxy: Proxy, replicas: list[Replica]) -> None:
+    """The client's sane X-Request-Id, else one nginx makes, goes to the replica, which answers with it: the
+    proxy's log line and the response name the request alike."""
+    before = len(proxy.access_log())
+    answers = [httpx.post(f"{proxy.base}/generate", json=BODY, headers=headers, timeout=60)
+               for headers in ({"X-Request-Id": "client-id-1"}, {}, {"X-Request-Id": "not sane"})]
+    assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+    ids = [r.headers["x-request-id"] for r in answers]
+    assert ids[0] == "client-id-1" and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids[1:]), ids
+    assert [line.split(" ", 1)[0] for line in proxy.access_log()[before:]] == ids
 
 
 def test_concurrent_streams_are_spread_over_both_replicas(proxy: Proxy, replicas: list[Replica]) -> None:

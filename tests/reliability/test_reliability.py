@@ -23,6 +23,7 @@ from bench.reliability import (
     load,
     overload,
     oversized,
+    reload,
     shutdown,
     slow_clients,
     training,
@@ -42,7 +43,9 @@ def test_fuzzing_every_operation_finds_no_5xx_and_no_undocumented_answer(server:
     no_problems(result)
     assert result["server_errors"] == 0
     generation = [op for op in result["per_operation"] if op.startswith("POST")]
-    assert len(generation) == 6 and len(result["per_operation"]) == 14
+    # /detokenize, /tokenizer_info, /admin/reload, /models/{name}/training, /inspect and /inspect/limits besides
+    # generation and /tokenize
+    assert len(generation) == 8 and len(result["per_operation"]) == 18
     assert all(result["per_operation"][op]["negative"] > 0 for op in generation)
     assert 200 in result["by_status"] and 422 in result["by_status"]
 
@@ -130,3 +133,12 @@ def test_trainer_killed_at_random_resumes_to_the_same_weights(workdir: Path) -> 
     assert result["kills"] == QUICK.training_kills + 1  # the targeted kill, then the random ones
     assert result["final_weights_bitwise_equal"] and result["best_checkpoint_bitwise_equal"]
     assert result["val_loss"] == result["reference_val_loss"]
+
+
+def test_reload_under_load_serves_every_request_from_the_newest_weights(workdir: Path) -> None:
+    """--watch on a directory the trainer writes to, under streaming clients: 0 failed, several checkpoints
+    answered, memory level (bench/reliability/reload.py)."""
+    result = reload.run(workdir, QUICK.reload_clients, QUICK.reload_iters)
+    no_problems(result)
+    assert result["failed"] == 0 and result["served"] > 0 and result["reloads"] >= 1
+    assert result["swap_latency_s"] is not None

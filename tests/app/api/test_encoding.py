@@ -53,8 +53,10 @@ def test_non_finite_numbers_are_written_as_null(nan_client: TestClient) -> None:
         "logprob"] is None
     assert len(post("/", {"inputs": PROMPT, "parameters": greedy, "stream": True})) == 4
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True}
-    lp = post("/v1/completions", body)["choices"][0]["logprobs"]
-    assert lp["token_logprobs"] == [None] * 4 and all(set(t.values()) == {None} for t in lp["top_logprobs"])
+    lp = post("/v1/completions", body)["choices"][0]["logprobs"]  # the echoed prompt's tokens, then the 4 new
+    n_prompt = len(lp["token_logprobs"]) - 4
+    assert n_prompt == len(PROMPT) and lp["token_logprobs"] == [None] * (n_prompt + 4)
+    assert lp["top_logprobs"][0] is None and all(set(t.values()) == {None} for t in lp["top_logprobs"][1:])
     chunks = post("/v1/completions", {**body, "stream": True})
     assert [c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks[1:-1]] == [[None]] * 4
     # sampling from NaN probabilities fails that request alone, in a well-formed error

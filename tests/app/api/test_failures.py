@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.testing import assert_openai_error, assert_tgi_error, metric, parse_sse
-from tests.app.api.calls import LIMIT, PROMPT, engine_of, generate, stream, wait_until
+from tests.app.api.calls import LIMIT, PROMPT, engine_of, generate, wait_until
 
 
 def test_generation_failure_is_424_while_other_requests_succeed(client: TestClient, reference: Callable) -> None:
@@ -39,12 +39,16 @@ def test_generation_failure_is_424_while_other_requests_succeed(client: TestClie
             assert [f.result()["generated_text"] for f in good] == [reference(p, 12)[1] for p in ("alpha", "beta")]
         r = client.post("/v1/completions", json={"prompt": "boom", "max_tokens": 12})
         assert_openai_error(r, 424, "server_error", None, "injected fault")
-        events = stream(client, "boom", max_new_tokens=12)
+        r = client.post("/generate_stream", json={"inputs": "boom", "parameters": {"max_new_tokens": 12}})
+        events = parse_sse(r.text)
         assert [e["index"] for e in events[:-1]] == [1, 2]
-        assert events[-1] == {"error": "generation failed: injected fault", "error_type": "generation"}
-        chunks = parse_sse(client.post("/v1/completions", json={"prompt": "boom", "stream": True}).text)
+        assert events[-1] == {"error": "generation failed: injected fault", "error_type": "generation",
+                              "request_id": r.headers["x-request-id"]}
+        r = client.post("/v1/completions", json={"prompt": "boom", "stream": True})
+        chunks = parse_sse(r.text)
         assert chunks[-2] == {"error": {"message": "generation failed: injected fault", "type": "server_error",
-                                        "param": None, "code": 424}} and chunks[-1] == "[DONE]"
+                                        "param": None, "code": 424}, "request_id": r.headers["x-request-id"]}
+        assert chunks[-1] == "[DONE]"
     finally:
         engine.on_step = None
     assert generate(client, "boom", max_new_tokens=4)["generated_text"] == reference("boom", 4)[1]

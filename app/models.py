@@ -1,0 +1,206 @@
+"""Several checkpoints in one server, and hot reload, over HTTP: the model registry (model/registry.py) behind the
+routes. On when `--checkpoint` is given several times, `--models` or `--models-dir` names more, or `--watch` is set;
+the single-checkpoint server without them is unchanged (no registry).
+
+- Names: a checkpoint's directory name, or NAME=DIR. OpenAI's `model` field picks the model; TGI's routes (which
+  have no such field) read the `X-Folio-Model` header; without either, the first model (`--checkpoint`) serves.
+  An unknown name is a 404 listing the models; a model still loading after `--load-wait` seconds a 503 with
+  `Retry-After`; one that cannot be loaded a 503 naming why, while the others serve.
+- Each model has one `GenerationService`, whose engine is whichever the registry serves it with now: a request
+  keeps the engine it was submitted to, so a reload (`--watch`, `POST /admin/reload`) lets running requests
+  finish on the old weights while new ones get the new.
+- `GET /v1/models` and `/info` list every model with its state (loaded, loading, unloaded, failed) and the
+  sha256 of the checkpoint it serves; answers name it too (OpenAI's `system_fingerprint`, the
+  `X-Folio-Checkpoint` header); /metrics counts reloads by model and result.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import HTMLResponse
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from app.metrics import Metrics
+from app.schemas import ErrorBody
+from app.service import GenerationService
+from app.settings import Settings
+from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
+from model.engine import Engine
+from model.registry import ModelInfo, ModelNotFound, ModelRegistry
+from model.training.outputs import METRICS_FILE
+
+MODEL_HEADER = "x-folio-model"
+router = APIRouter(tags=["Models"])
+
+
+def model_paths(settings: Settings) -> dict[str, Path]:
+    """Every model the settings name, first the default: `--checkpoint`, `--models`, then `--models-dir`'s."""
+    out: dict[str, Path] = {}
+
+    def add(spec: str, default_name: str | None = None) -> None:
+        name, sep, path = spec.partition("=")
+        if not sep or "/" in name:
+            name, path = default_name or Path(spec).name, spec
+        if name in out:
+            raise ValueError(f"two models are named {name!r}; name them with NAME=DIR")
+        out[name] = Path(path)
+
+    add(str(settings.checkpoint), settings.model_id)
+    for spec in settings.models:
+        add(spec)
+    if settings.models_dir is not None:
+        if not settings.models_dir.is_dir():
+            raise ValueError(f"--models-dir {settings.models_dir} is not a directory")
+        for path in sorted(p for p in settings.models_dir.iterdir() if (p / CONFIG_FILE).is_file()):
+            if path.resolve() not in {p.resolve() for p in out.values()}:
+                add(str(path))
+    return out
+
+
+class ServedModels:
+    """The registry and one `GenerationService` per model name."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, build: Callable[[Settings, Checkpoint], Engine]) -> None:
+        self.settings = settings
+
+        def load(path: Path) -> tuple[Checkpoint, Engine]:
+            checkpoint = load_checkpoint(path)
+            engine = build(settings, checkpoint).start()
+            engine.warmup()
+            return checkpoint, engine
+
+        self.registry = ModelRegistry(model_paths(settings), load, max_loaded=settings.max_loaded,
+                                      load_wait=settings.load_wait, drain_timeout=settings.drain_timeout)
+        self.services = {name: GenerationService(None, None, settings, metrics, registry=self.registry, name=name)
+                         for name in self.registry.names}
+        metrics.registry.register(ReloadCollector(self.registry))
+
+    @property
+    def default(self) -> GenerationService:
+        return self.services[self.registry.default]
+
+    async def service(self, name: str | None) -> GenerationService:
+        """The service of model `name` (the default if None), its model loaded (or the registry's error)."""
+        name = self.registry.slot_for(name)
+        await self.registry.acquire(name)
+        return self.services[name]
+
+    def set_draining(self) -> None:
+        for service in self.services.values():
+            service.draining = True
+
+    def start(self) -> None:
+        """Load the default model now (a broken one fails the start-up) and start watching if asked."""
+        self.registry.load_now(self.registry.default)
+        for service in self.services.values():
+            service.ready = True
+        if self.settings.watch:
+            self.registry.watch(self.settings.watch)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [describe(info) for info in self.registry.info()]
+
+
+def describe(info: ModelInfo) -> dict[str, Any]:
+    """A model as /v1/models and /info show it: no absolute path (its directory by name)."""
+    out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
+    out["checkpoint"] = info.path.name
+    return out
+
+
+class ReloadCollector(Collector):
+    """`folio_model_reloads_total{model, result}`: reloads done (`ok`) and refused (`refused`) per model."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("folio_model_reloads", "checkpoint reloads by model and result",
+                                     labels=["model", "result"])
+        for info in self.registry.info():
+            family.add_metric([info.name, "ok"], info.reloads)
+            family.add_metric([info.name, "refused"], info.refused_reloads)
+        yield family
+
+
+class ReloadRequest(BaseModel):
+    model: str | None = Field(None, description="the model to reload (default: every loaded one)")
+
+
+def served_models(request: Request) -> ServedModels | None:
+    return getattr(request.app.state, "models", None)
+
+
+@router.post("/admin/reload", responses={code: {"model": ErrorBody} for code in (401, 404, 409, 422)})
+async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
+    """Swap in a checkpoint whose files changed (its config.json's hash tells), as `--watch` does: running requests
+    finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
+    reason in the answer and in /info). Behind the API key; needs the registry (see app/models.py)."""
+    from app.deps import check_api_key
+
+    check_api_key(request)
+    models = served_models(request)
+    if models is None:  # a conflict with how the server was started, not a fault of the server
+        raise HTTPException(409, "reloading needs the model registry: start the server with --watch, --models or "
+                                 "--models-dir")
+    names = [models.registry.slot_for(body.model)] if body.model else [n for n, _, _ in models.registry.loaded()]
+    started = time.perf_counter()
+    reloaded = {name: await run_in_threadpool(models.registry.reload, name) for name in names}
+    return {"reloaded": reloaded, "seconds": round(time.perf_counter() - started, 3), "models": models.describe()}
+
+
+METRICS_TAIL_BYTES = 1 << 20  # of a run's metrics.jsonl sent to the training view (its last rows)
+TRAINING_PAGE = Path(__file__).parent / "static" / "training.html"
+
+
+def _metrics_tail(path: Path) -> list[dict[str, Any]]:
+    """The last rows of a run's metrics.jsonl (at most METRICS_TAIL_BYTES of it; a torn last line is skipped)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - METRICS_TAIL_BYTES))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()[1 if size > METRICS_TAIL_BYTES else 0:]
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+@router.get("/models/{name}/training")
+async def training(name: str, request: Request) -> dict[str, Any]:
+    """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
+    serve it now, and the run's metrics (train loss per log interval, train/val loss per evaluation) from the
+    metrics.jsonl beside it (empty for a checkpoint without one). Open like /info: no paths, no prompts."""
+    from app.deps import get_service
+    from app.system import without_paths
+
+    service = await get_service(request)
+    models = served_models(request)
+    if models is not None:
+        service = await models.service(name)
+    elif name != service.model_id:
+        raise ModelNotFound(name, [service.model_id])
+    ck = service.checkpoint
+    rows = await run_in_threadpool(_metrics_tail, ck.path / METRICS_FILE) if ck.path else []
+    return {"model": service.model_id, "fingerprint": service.fingerprint, "training": without_paths(ck.training),
+            "metrics": rows}
+
+
+@router.get("/training", response_class=HTMLResponse, include_in_schema=False)
+async def training_page() -> HTMLResponse:
+    return HTMLResponse(TRAINING_PAGE.read_text(encoding="utf-8"))

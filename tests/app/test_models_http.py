@@ -1,0 +1,150 @@
+"""Several checkpoints in one server and hot reload, over HTTP (app/models.py): each model's answers equal a server
+with that model alone, LRU unloading under --max-loaded, a broken checkpoint refused while the others serve, and
+a reload that lets a running stream finish on the old weights while new requests get the new. Reload under
+load with the real trainer writing is a reliability section (bench/reliability/reload.py, tests/reliability)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from app.testing import metric, parse_sse
+from model.testing import make_char_checkpoint
+
+BASE: dict[str, Any] = dict(device="cpu", threads=1, max_batch_size=4, max_waiting=8)
+PROMPT = "Hello there"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_char_checkpoint(root / name, seed=seed) for name, seed in (("a", 1), ("b", 2))}
+
+
+def client(**settings: Any) -> TestClient:
+    return TestClient(create_app(Settings(**BASE, **settings)))
+
+
+def greedy(c: TestClient, model: str | None = None, prompt: str = PROMPT, n: int = 12) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **({"model": model} if model else {})}
+    r = c.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def alone(dirs: dict[str, Path]) -> dict[str, str]:
+    """Each model's greedy answer from a server that serves it alone."""
+    out = {}
+    for name, path in dirs.items():
+        with client(checkpoint=path) as c:
+            out[name] = greedy(c)["choices"][0]["text"]
+    assert out["a"] != out["b"]
+    return out
+
+
+def states(c: TestClient) -> dict[str, str]:
+    return {m["id"]: m["state"] for m in c.get("/v1/models").json()["data"]}
+
+
+def test_interleaved_requests_get_each_models_own_answer(dirs: dict[str, Path], alone: dict[str, str]) -> None:
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])]) as c:
+        assert states(c) == {"a": "loaded", "b": "unloaded"}  # the default at start, the others on first use
+        for name in ("b", "a", "b", "a"):
+            body = greedy(c, name)
+            assert body["model"] == name and body["choices"][0]["text"] == alone[name]
+        tgi = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}},
+                     headers={"X-Folio-Model": "b"})
+        assert tgi.json()["generated_text"] == alone["b"]
+        assert tgi.headers["x-folio-checkpoint"] == greedy(c, "b")["system_fingerprint"] != greedy(c)[
+            "system_fingerprint"]
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "c"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "['a', 'b']" in r.text
+        r = c.post("/generate", json={"inputs": PROMPT}, headers={"X-Folio-Model": "c"})
+        assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+        info = c.get("/info").json()
+        assert [m["name"] for m in info["models"]] == ["a", "b"] and all(m["config_sha256"] for m in info["models"])
+
+
+def test_least_recently_used_model_is_unloaded_beyond_max_loaded(dirs: dict[str, Path],
+                                                                 alone: dict[str, str]) -> None:
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])], max_loaded=1) as c:
+        assert greedy(c, "b")["choices"][0]["text"] == alone["b"]
+        assert states(c) == {"a": "unloaded", "b": "loaded"}
+        assert greedy(c, "a")["choices"][0]["text"] == alone["a"]
+        assert states(c) == {"a": "loaded", "b": "unloaded"}
+
+
+def test_a_broken_checkpoint_is_refused_while_the_others_serve(dirs: dict[str, Path], alone: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    root = tmp_path / "dir"
+    root.mkdir()
+    for name, path in dirs.items():
+        (root / name).symlink_to(path)
+    broken = make_char_checkpoint(root / "broken", seed=3)
+    (broken / "model.safetensors").write_bytes(b"\0" * 64)  # torn weights
+    with client(checkpoint=dirs["a"], models_dir=root) as c:
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "broken"})
+        assert r.status_code == 503 and "could not be loaded" in r.json()["error"]["message"]
+        model = next(m for m in c.get("/v1/models").json()["data"] if m["id"] == "broken")
+        assert model["state"] == "failed" and model["error"]
+        assert greedy(c, "b")["choices"][0]["text"] == alone["b"]
+        assert greedy(c, "a")["choices"][0]["text"] == alone["a"]
+
+
+@pytest.fixture
+def reloadable(dirs: dict[str, Path], tmp_path: Path) -> Iterator[tuple[TestClient, Path]]:
+    path = make_char_checkpoint(tmp_path / "live", seed=1)
+    with client(checkpoint=path, watch=0, models=[str(dirs["b"])]) as c:
+        yield c, path
+
+
+def test_reload_finishes_running_streams_on_the_old_weights(reloadable: tuple[TestClient, Path],
+                                                            alone: dict[str, str]) -> None:
+    c, path = reloadable
+    old = greedy(c)
+    assert old["choices"][0]["text"] == alone["a"]  # seed 1, like model a
+    long_body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+    want_long = "".join(ch["choices"][0]["text"] for ch in parse_sse(c.post("/v1/completions", json=long_body).text)
+                        if ch != "[DONE]")
+    engine = c.app.state.service.engine
+    gate, entered = threading.Event(), threading.Event()
+    engine.on_step = lambda reqs: (entered.set(), gate.wait(10))  # hold the stream mid-way
+    streamed: list[str] = []
+    worker = threading.Thread(target=lambda: streamed.append(c.post("/v1/completions", json=long_body).text))
+    worker.start()
+    assert entered.wait(10)
+    make_char_checkpoint(path, seed=2)  # new weights (those of model b), written atomically
+    r = c.post("/admin/reload", json={"model": "live"})
+    assert r.status_code == 200 and r.json()["reloaded"] == {"live": True}
+    engine.on_step = None
+    gate.set()
+    worker.join(30)
+    text = "".join(ch["choices"][0]["text"] for ch in parse_sse(streamed[0]) if ch != "[DONE]")
+    assert text == want_long  # the running stream finished on the old weights
+    new = greedy(c)
+    assert new["choices"][0]["text"] == alone["b"] and new["system_fingerprint"] != old["system_fingerprint"]
+    assert metric(c.get("/metrics").text, "folio_model_reloads_total", model="live", result="ok") == 1
+
+
+def test_a_checkpoint_that_fails_to_load_is_refused_and_the_old_one_serves(
+        reloadable: tuple[TestClient, Path], alone: dict[str, str]) -> None:
+    c, path = reloadable
+    before = greedy(c)
+    make_char_checkpoint(path, seed=2)
+    (path / "model.safetensors").write_bytes(b"\0" * 64)  # the new config.json with torn weights
+    r = c.post("/admin/reload", json={})
+    assert r.status_code == 200 and r.json()["reloaded"]["live"] is False
+    live = next(m for m in c.get("/info").json()["models"] if m["name"] == "live")
+    assert live["state"] == "loaded" and "reload refused" in live["error"]
+    after = greedy(c)
+    assert after["choices"] == before["choices"] and after["system_fingerprint"] == before["system_fingerprint"]
+    assert after["choices"][0]["text"] == alone["a"]
+    assert metric(c.get("/metrics").text, "folio_model_reloads_total", model="live", result="refused") == 1

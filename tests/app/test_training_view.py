@@ -1,0 +1,104 @@
+"""The playground's training view (/training) in headless Chromium, against a real server with --watch on the
+directory `python -m model.train` writes to: the loss curve and provenance equal the run's metrics.jsonl and
+config.json, each checkpoint swapped in adds a sample whose weights are the ones served, and the compare view
+shows two models' answers to one prompt and seed, equal to /v1/completions'. Screenshots in bench/results/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.testing import serving
+from model.testing import make_char_checkpoint
+from model.train import main as train_main
+from tests import REPO
+from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.train.runs import tiny_argv
+
+pytestmark = [needs_chromium, pytest.mark.slow]
+RESULTS = REPO / "bench" / "results"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    root = tmp_path_factory.mktemp("run")
+    shakespeare = data_dir / "tinyshakespeare" / "input.txt"
+    text = root / "input.txt"
+    text.write_text(shakespeare.read_text(encoding="utf-8")[:20_000] if shakespeare.is_file()
+                    else "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
+    out = root / "mine"
+    assert train_main(tiny_argv(text, out, max_iters=20)) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    other = make_char_checkpoint(tmp_path_factory.mktemp("other") / "other")
+    with serving(run, tmp_path_factory.mktemp("log") / "server.log", "--watch", "0.2", "--models", str(other)) \
+            as (base, _):
+        yield base
+
+
+@pytest.fixture
+def page() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser.new_context(viewport={"width": 1000, "height": 1300}).new_page()
+        finally:
+            browser.close()
+
+
+def rows(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_training_view_follows_the_run_and_samples_each_checkpoint(server: str, run: Path, page: Any,
+                                                                   tmp_path: Path) -> None:
+    page.goto(f"{server}/training")
+    page.wait_for_function("document.querySelectorAll('#samples .card').length === 1", timeout=30_000)
+    evals = [r for r in rows(run) if "val_loss" in r]
+    assert page.locator("circle.val").count() == len(evals)
+    assert float(page.locator("#latest").get_attribute("data-val")) == pytest.approx(evals[-1]["val_loss"])
+    training = json.loads((run / "config.json").read_text())["training"]
+    assert page.locator("td[data-key=steps]").inner_text() == str(training["steps"])
+    first = page.locator("#samples .card").first.get_attribute("data-fingerprint")
+    with httpx.Client(base_url=server, timeout=60) as http:
+        assert http.post("/generate", json={"inputs": "x"}).headers["x-folio-checkpoint"] == first
+        # train on: the server swaps in the new best checkpoint, the view samples it
+        shutil.copy(run / "config.json", tmp_path / "before.json")
+        assert train_main(["--resume", "--out", str(run), "--max-iters", "40"]) == 0
+        page.wait_for_function("document.querySelectorAll('#samples .card').length === 2", timeout=30_000)
+        newest = page.locator("#samples .card").first.get_attribute("data-fingerprint")
+        assert newest != first and http.post("/generate", json={"inputs": "x"}).headers["x-folio-checkpoint"] == newest
+        want = http.post("/v1/completions", json={"prompt": "ROMEO:", "model": "mine", "max_tokens": 80,
+                                                  "temperature": 0.8, "seed": 1}).json()["choices"][0]["text"]
+    assert page.locator("#samples .card .text").first.inner_text() == want
+    n_evals = len([r for r in rows(run) if "val_loss" in r])
+    page.wait_for_function(f"document.querySelectorAll('circle.val').length === {n_evals}", timeout=30_000)
+    RESULTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(RESULTS / "training_view.png"), full_page=True)
+
+
+def test_compare_view_shows_two_models_answers(server: str, page: Any) -> None:
+    page.goto(f"{server}/training")
+    page.wait_for_function("document.getElementById('cmpB').options.length === 2", timeout=30_000)
+    page.select_option("#cmpA", "mine")
+    page.select_option("#cmpB", "other")
+    page.click("#compare")
+    page.wait_for_function("document.querySelectorAll('#compared .card').length === 2", timeout=30_000)
+    texts = page.locator("#compared .card .text").all_inner_texts()
+    with httpx.Client(base_url=server, timeout=60) as http:
+        want = [http.post("/v1/completions", json={"prompt": "JULIET:", "model": m, "max_tokens": 80,
+                                                   "temperature": 0.8, "seed": 7}).json()["choices"][0]["text"]
+                for m in ("mine", "other")]
+    assert texts == want and texts[0] != texts[1]
+    page.screenshot(path=str(RESULTS / "compare_view.png"), full_page=True)
