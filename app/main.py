@@ -30,6 +30,7 @@ from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.devices import resolve_device
 from model.engine import Engine
+from model.quantize import quantize
 
 log = logging.getLogger("folio")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,6 +38,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
     device = resolve_device(settings.device)
+    if settings.quantize != "none":
+        log.info("quantizing %s to %s (%s bytes of weights)", checkpoint.path.name if checkpoint.path else "the model",
+                 settings.quantize, f"{quantize(checkpoint.model, settings.quantize):,}")
     engine = Engine(
         checkpoint,
         device=device,

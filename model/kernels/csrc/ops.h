@@ -27,6 +27,9 @@ at::Tensor pack(at::Tensor w);
 // x (M, I) @ w.T + b -> (M, O), through the packed copy, the dot products or torch's linear (see linear.cpp)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed);
 
+// x (M, I) fp32 @ (w (O, I) int8 * scale (O)).T + b -> (M, O), for M <= MAX_ROWS (see int8_linear.cpp)
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const OptionalTensor& b);
+
 // attention for B new tokens, writing their keys and values to the cache first: qkv (B, 3C) -> (B, C)
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head);

@@ -1,0 +1,182 @@
+"""fp32 against weight-only int8 weights, same engine, same run (`python -m bench.quantize`): decode tokens/s at
+batch 1 and with concurrent requests, on the bundled model and GPT-2 small's shape (random init), in alternating
+rounds (best of each); bytes a batch-1 step reads and the ceiling that implies at the measured read bandwidth;
+and quality: validation loss of both on the bundled model (tiny Shakespeare's last 10%), greedy agreement.
+Prints a table; writes bench/results/quantize.json and .png."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import REPO, RESULTS, SHARED_DATA
+from bench.engine_decode import gpt2_124m_checkpoint, measure_read_bandwidth, prompts
+from bench.report import pyplot, save_figure, write_json
+from model import kernels
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.engine import Engine
+from model.eval import score
+from model.quantize import quantize
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
+
+
+def cpu_name() -> str:
+    """The CPU's model name as lscpu shows it (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def variant(ck: Checkpoint, kind: str) -> Checkpoint:
+    model = copy.deepcopy(ck.model)
+    quantize(model, kind)
+    return Checkpoint(path=ck.path, config=ck.config, tokenizer=ck.tokenizer, model=model.eval(), meta=ck.meta)
+
+
+def step_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a batch-1 decode step reads: every product's weights (not the embedding table's)."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "wte" in name or "wpe" in name or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    head = model.lm_head
+    if getattr(head, "weight", None) is not None and head.weight is model.transformer.wte.weight:
+        total += head.weight.numel() * head.weight.element_size()  # the tied head reads the table once per step
+    return total
+
+
+def tokens_per_s(ck: Checkpoint, n: int, new_tokens: int) -> float:
+    """Aggregate tokens/s of n concurrent greedy requests on a fresh engine (warmed up)."""
+    engine = Engine(ck, max_batch_size=max(1, n), max_waiting=n).start()
+    ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
+    try:
+        engine.generate(ps[0], SamplingParams(max_new_tokens=4))
+
+        async def run() -> float:
+            t = time.perf_counter()
+            streams = [engine.submit(p, SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)) for p in ps]
+            await asyncio.gather(*(s.collect() for s in streams))
+            return time.perf_counter() - t
+
+        return n * new_tokens / asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+def speeds(ck: Checkpoint, batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    kinds = {"fp32": ck, "int8": variant(ck, "int8")}
+    out: dict[str, Any] = {k: {"step_bytes": step_bytes(c.model)} for k, c in kinds.items()}
+    for n in batches:
+        best = {k: 0.0 for k in kinds}
+        for _ in range(repeats):  # alternating rounds: this VM's speed drifts over minutes
+            for k, c in kinds.items():
+                best[k] = max(best[k], tokens_per_s(c, n, new_tokens))
+        for k in kinds:
+            out[k][f"batch{n}"] = best[k]
+        out[f"int8_over_fp32_batch{n}"] = best["int8"] / best["fp32"]
+    return out
+
+
+def quality(ck: Checkpoint, chars: int) -> dict[str, Any]:
+    text = SHARED_DATA / "tinyshakespeare" / "input.txt"
+    if not text.is_file():
+        return {"skipped": f"{text} not found"}
+    raw = text.read_text(encoding="utf-8")
+    ids = ck.tokenizer.encode(raw[int(len(raw) * 0.9):][:chars])
+    q = variant(ck, "int8")
+    fp32, int8 = score(ck.model, ck.tokenizer, ids), score(q.model, ck.tokenizer, ids)
+    greedy = SamplingParams(max_new_tokens=200, greedy=True)
+    agree = []
+    for prompt in ("ROMEO:\n", "JULIET:\n", "First Citizen:\n"):
+        p = ck.tokenizer.encode(prompt)
+        a = [t for t, _ in generate_naive(ck.model, p, greedy, n_vocab=ck.tokenizer.n_vocab)]
+        b = [t for t, _ in generate_naive(q.model, p, greedy, n_vocab=ck.tokenizer.n_vocab)]
+        agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+    return {"tokens": fp32.tokens, "val_loss_fp32": fp32.nll / fp32.tokens, "val_loss_int8": int8.nll / int8.tokens,
+            "loss_ratio": int8.nll / fp32.nll, "greedy_identical_prefix_of_200": agree}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
+    p.add_argument("--models", default="default,gpt2-124m")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quality-chars", type=int, default=50_000)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kernels.load()
+    bundled = load_checkpoint(args.checkpoint)
+    report: dict[str, Any] = {"machine": {"cpu": cpu_name(),
+                                          "kernels": kernels.status(), "threads": args.threads,
+                                          "read_bandwidth_GBps": measure_read_bandwidth() / 1e9},
+                              "quality": quality(bundled, args.quality_chars), "models": {}}
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in args.models.split(","):
+        ck = bundled if name == "default" else gpt2_124m_checkpoint()
+        m = report["models"][name] = speeds(ck, batches, args.new_tokens, args.repeats)
+        bw = report["machine"]["read_bandwidth_GBps"] * 1e9
+        for k in ("fp32", "int8"):
+            m[k]["ceiling_batch1"] = bw / m[k]["step_bytes"]
+            m[k]["of_ceiling_batch1"] = m[k]["batch1"] / m[k]["ceiling_batch1"] if "batch1" in m[k] else None
+    print_table(report, batches)
+    out = Path(args.out_dir)
+    write_json(out / "quantize.json", report)
+    plot(report, batches, out / "quantize.png")
+    return 0
+
+
+def print_table(report: dict[str, Any], batches: list[int]) -> None:
+    print(f"CPU: {report['machine']['cpu']}, {report['machine']['kernels']}, "
+          f"read bandwidth {report['machine']['read_bandwidth_GBps']:.1f} GB/s")
+    print(f"{'model':<12}{'weights':<8}{'MB/step':>9}" + "".join(f"{f'batch {n} tok/s':>16}" for n in batches)
+          + f"{'of b1 ceiling':>15}")
+    for name, m in report["models"].items():
+        for k in ("fp32", "int8"):
+            row = "".join(f"{m[k][f'batch{n}']:>16.1f}" for n in batches)
+            share = m[k]["of_ceiling_batch1"]
+            print(f"{name:<12}{k:<8}{m[k]['step_bytes'] / 1e6:>9.1f}{row}{'' if share is None else f'{share:>15.0%}'}")
+        print(" " * 20 + "int8/fp32: " + ", ".join(f"batch {n} x{m[f'int8_over_fp32_batch{n}']:.2f}" for n in batches))
+    q = report["quality"]
+    if "loss_ratio" in q:
+        print(f"quality (bundled model, {q['tokens']} validation tokens): val loss fp32 {q['val_loss_fp32']:.4f}, "
+              f"int8 {q['val_loss_int8']:.4f} (x{q['loss_ratio']:.4f}); greedy identical prefixes "
+              f"{q['greedy_identical_prefix_of_200']} of 200")
+
+
+def plot(report: dict[str, Any], batches: list[int], png: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(report["models"]), figsize=(5 * len(report["models"]), 3.6), squeeze=False)
+    for ax, (name, m) in zip(axes[0], report["models"].items()):
+        x = range(len(batches))
+        for i, k in enumerate(("fp32", "int8")):
+            ax.bar([v + (i - 0.5) * 0.38 for v in x], [m[k][f"batch{n}"] for n in batches], 0.38, label=k)
+        ax.set_xticks(list(x), [f"batch {n}" for n in batches])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(name)
+        ax.legend()
+    fig.suptitle(f"fp32 vs int8 weights, same engine ({report['machine']['cpu']})", fontsize=10)
+    fig.tight_layout()
+    save_figure(fig, png)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

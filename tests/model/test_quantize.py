@@ -1,0 +1,84 @@
+"""Weight-only int8 (model/quantize.py): the per-row quantization against its own definition, `Int8Linear` (the
+kernel's rows and torch's) against the product with the dequantized weight, the bundled model's validation loss
+within 1% of fp32's, and a server started with --quantize int8."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from model import kernels
+from model.checkpoint import load_checkpoint
+from model.eval import score
+from model.kernels.loader import library
+from model.quantize import Int8Linear, quantize, quantize_rows
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
+
+
+def test_rows_are_scaled_symmetrically_into_int8() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * torch.linspace(0.01, 3, 48)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert torch.equal(q.abs().amax(dim=1), torch.full((48,), 127, dtype=torch.int8))  # each row uses the range
+    assert torch.allclose(scale, w.abs().amax(dim=1) / 127)
+    assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 64, 65, 200])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_equals_the_dequantized_product(rows: int, bias: bool) -> None:
+    kernels.load()
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    q = Int8Linear(lin)
+    x = torch.randn(rows, 96)
+    want = x.double() @ q.dequantized().double().T + (lin.bias.double() if bias else 0)
+    with torch.inference_mode():
+        got = q(x)
+        with kernels.disabled():
+            plain = q(x)
+    assert torch.allclose(got.double(), want, atol=1e-4) and torch.allclose(plain.double(), want, atol=1e-4)
+    path = "kernel" if library() is not None and rows <= 64 else "torch"
+    print(f"rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
+
+
+def test_int8_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir) -> None:
+    text = data_dir / "tinyshakespeare" / "input.txt"
+    if not text.is_file():
+        pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
+    ck = load_checkpoint(repo / "weights" / "shakespeare-char")
+    raw = text.read_text(encoding="utf-8")
+    ids = ck.tokenizer.encode(raw[int(len(raw) * 0.9):][:20_000])  # the validation split's start
+    kernels.load()
+    fp32 = score(ck.model, ck.tokenizer, ids)
+    int8_model = copy.deepcopy(ck.model)
+    quantize(int8_model, "int8")
+    int8 = score(int8_model, ck.tokenizer, ids)
+    ratio = int8.nll / fp32.nll
+    prompt = ck.tokenizer.encode("ROMEO:\n")
+    greedy = SamplingParams(max_new_tokens=200, greedy=True)
+    a = [t for t, _ in generate_naive(ck.model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
+    b = [t for t, _ in generate_naive(int8_model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
+    agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    print(f"\nval loss fp32 {fp32.nll / fp32.tokens:.4f}, int8 {int8.nll / int8.tokens:.4f} (x{ratio:.4f}); "
+          f"greedy tokens identical for the first {agree} of {len(a)}")
+    assert abs(ratio - 1) < 0.01
+
+
+def test_a_server_with_quantize_int8_serves_and_says_so(repo) -> None:
+    settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize="int8")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/info").json()["quantization"] == "int8"
+        engine = c.app.state.service.engine
+        assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
+        r = c.post("/generate", json={"inputs": "ROMEO:", "parameters": {"max_new_tokens": 20}})
+        assert r.status_code == 200 and len(r.json()["generated_text"]) == 20
+    with pytest.raises(ValueError, match="quantize"):
+        quantize(torch.nn.Linear(8, 8), "int4")
