@@ -22,6 +22,7 @@ from model import inspect as model_inspect
 from model.checkpoint import load_checkpoint
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
 from model.inspect import reference_attention
+from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
 from model.testing import make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
@@ -263,3 +264,36 @@ def test_a_running_stream_keeps_streaming_while_an_inspection_runs(bundled_clien
     assert len(answer["attention"]["maps"]) == 36
     first, last = order.index("job"), len(order) - order[::-1].index("job")
     assert order.count("job") == 7 and order[first:last].count("decode") >= 6  # a decode step between every two
+
+
+def test_attention_with_int8_weights_equals_the_reference_of_the_dequantized_model(
+        make_client: Callable[..., TestClient], bundled: Path) -> None:
+    """`--quantize int8`: the queries and keys come from the int8 products (the kernels' for up to 64 rows); the
+    weights equal the reference run with the dequantized weights, and so does the streamed attention."""
+    client = make_client(bundled, quantize="int8")
+    text = TEXT[:40]  # 40 tokens: the int8 kernel's range
+    answer = inspect(client, inputs=text, layers=[0, 5], lens=False)
+    ck = load_checkpoint(bundled)
+    quantize(ck.model, "int8")
+    for parent in list(ck.model.modules()):  # each Int8Linear as the nn.Linear of its dequantized weights
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                with torch.no_grad():
+                    linear.weight.copy_(child.dequantized())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias)
+                setattr(parent, name, linear)
+    ids = ck.tokenizer.encode(text)
+    maps = maps_of(answer)
+    for layer in (0, 5):
+        want = reference_attention(ck.model, ids, layer)
+        for head in range(6):
+            for q, row in enumerate(maps[layer, head]["weights"]):
+                torch.testing.assert_close(torch.tensor(row), want[head, q, : q + 1], rtol=0, atol=1e-5)
+    events = parse_sse(client.post("/generate_stream", json={"inputs": text, "parameters": {
+        "max_new_tokens": 8, "greedy": True, "attention": {"layers": [5], "heads": [2]}}}).text)
+    whole = maps_of(inspect(client, inputs=text + "".join(e["token"]["text"] for e in events), layers=[5],
+                            heads=[2], lens=False))[5, 2]["weights"]
+    for i, ev in enumerate(events):
+        assert ev["attention"]["weights"][0] == pytest.approx(whole[len(text) + i - 1], abs=2e-6)
