@@ -44,7 +44,7 @@ from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["inspect"])
 DECIMALS = 6  # of attention weights and lens probabilities: an error of at most 5e-7
-MAX_RESPONSE_BYTES = 16 * 2**20  # an answer's estimated size, at most
+MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 small's whole context fits (~27 MB)
 # the estimate's bytes per item, from the JSON written (a weight "0.123456," or key "1023,"; a lens entry
 # "[50256,0.123456]," and its text in `vocab`; a token with its offsets; an alternative)
 NUMBER_BYTES, LENS_BYTES, TOKEN_BYTES, ALTERNATIVE_BYTES = 10, 48, 120, 64
@@ -56,15 +56,17 @@ class InspectRequest(_Strict):
                                                   "and its generated tokens are inspected")
     truncate: int | None = Field(None, ge=1, description="inspect only the last N tokens")
     attention: bool = Field(True, description="return attention maps")
-    layers: list[int] | None = Field(None, max_length=1024, description="attention of these layers; unset: all")
-    heads: list[int] | None = Field(None, max_length=1024, description="attention of these heads; unset: all")
+    layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="attention of these layers; "
+                                     "unset: all")
+    heads: list[int] | None = Field(None, min_length=1, max_length=1024, description="attention of these heads; "
+                                    "unset: all")
     dense_max_tokens: int = Field(128, ge=0, le=4096, description="every weight up to this many tokens; beyond, "
                                   "per query the sparse_top largest weights of at least sparse_threshold")
     sparse_threshold: float = Field(0.02, gt=0, le=1, description="the smallest weight a sparse map keeps")
     sparse_top: int = Field(8, ge=1, le=MAX_TOP, description="the most weights a sparse map keeps per query")
     lens: bool = Field(True, description="return the logit lens")
-    lens_layers: list[int] | None = Field(None, max_length=1024, description="0 (the embeddings) to n_layer (the "
-                                          "last block's output); unset: all")
+    lens_layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="0 (the embeddings) to "
+                                          "n_layer (the last block's output); unset: all")
     lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens")
     top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token")
 
@@ -189,6 +191,9 @@ async def _generate(request: Request, service: GenerationService, body: InspectR
     if body.parameters.attention is not None:
         raise ValidationError("parameters.attention", "is for streams: /inspect answers with its own attention maps "
                                                       "(layers, heads)")
+    if (body.parameters.best_of or 1) > 1:
+        raise ValidationError("parameters.best_of", f"must be 1: /inspect looks into one sequence, got "
+                                                    f"{body.parameters.best_of}")
     params = body.parameters.to_sampling_params(service.defaults)
     prompt = ids[-body.parameters.truncate :] if body.parameters.truncate else ids
     total, context = len(prompt) + params.max_new_tokens, service.checkpoint.config.block_size

@@ -31,8 +31,9 @@ from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, token_spans
 
 # what one inspection may ask for, so that a client cannot make the server compute or send without bound
+# (both admit GPT-2 small's whole context with every layer and head: 144 x 1,024 rows, 13 x 1,024 x 50,257 logits)
 MAX_ATTENTION_ROWS = 200_000  # (layer, head, query) rows of attention in one answer
-MAX_LENS_LOGITS = 400_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
+MAX_LENS_LOGITS = 700_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
 MAX_TOP = 20
 LENS_STEP_LOGITS = 1_000_000  # the LM head's outputs in one engine step (positions x vocabulary): GPT-2's 19 rows
 

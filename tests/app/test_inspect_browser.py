@@ -21,7 +21,7 @@ import pytest
 from app.testing import serving
 from model.testing import make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
-from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.app.browser import launched, needs_chromium
 
 pytestmark = needs_chromium
 READY = "document.getElementById('inspect').dataset.ready === 'true'"
@@ -31,14 +31,8 @@ PROMPT = "ROMEO:\nBut soft, what light"
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched() as browser:
+        yield browser
 
 
 @pytest.fixture

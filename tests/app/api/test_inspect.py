@@ -8,7 +8,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,12 +18,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from app import inspect_api
-from app.inspect_api import InspectResponse
+from app.inspect_api import InspectRequest, InspectResponse, estimated_bytes
 from app.testing import assert_tgi_error, parse_sse, strict_json
 from model import inspect as model_inspect
 from model.checkpoint import load_checkpoint
+from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspect import reference_attention
+from model.inspect import InspectTooLarge, check_options, reference_attention
 from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
 from model.testing import make_gpt2_shaped_checkpoint
@@ -194,6 +197,7 @@ BAD = [
     ({"inputs": "caf\u00e9"}, "inputs:", "outside this model's vocabulary"),
     ({"inputs": "ab", "layers": [6]}, "layers:", "[0, 5]", "[6]"),
     ({"inputs": "ab", "heads": [-1, 2]}, "heads:", "[0, 5]", "[-1]"),
+    ({"inputs": "ab", "layers": []}, "layers:", "at least 1 item"),
     ({"inputs": "ab", "lens_layers": [7]}, "lens_layers:", "[0, 6]", "[7]"),
     ({"inputs": "ab", "top_n": 21}, "top_n:", "[0, 20]", "got 21"),
     ({"inputs": "ab", "lens_top": 0}, "lens_top:", "[1, 20]", "got 0"),
@@ -208,7 +212,20 @@ BAD = [
      "got 129"),
     ({"inputs": "ab", "parameters": {"temperature": -1}}, "parameters.temperature:", "got -1"),
     ({"inputs": "ab", "parameters": {"attention": {}}}, "parameters.attention:", "its own attention maps"),
+    ({"inputs": "ab", "parameters": {"best_of": 2, "do_sample": True}}, "parameters.best_of:", "must be 1", "got 2"),
 ]
+
+
+def test_the_defaults_admit_gpt2_smalls_whole_context() -> None:
+    """Every layer and head and the whole lens of a 1,024-token text on GPT-2 small: within each budget and the
+    answer's limit (sparse attention), so the limits refuse only what is larger than that."""
+    config = GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768)
+    options = InspectRequest(inputs="x").to_options()
+    check_options(options, 1024, SimpleNamespace(config=config), 50257)  # raises beyond a budget
+    attention, rest = estimated_bytes(1024, options, config)
+    assert attention + rest <= inspect_api.MAX_RESPONSE_BYTES
+    with pytest.raises(InspectTooLarge):  # one more layer's lens is beyond it
+        check_options(options, 1024, SimpleNamespace(config=replace(config, n_layer=13)), 50257)
 
 
 @pytest.mark.parametrize("case", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -226,7 +243,7 @@ def test_the_api_key_guards_inspect_not_its_limits(make_client: Callable[..., Te
     assert limits["model"] == {"n_layer": 2, "n_head": 2, "block_size": 64, "n_vocab": 96}
     assert limits["stream_attention"] == {"max_token_weights": MAX_TOKEN_WEIGHTS,
                                           "max_request_weights": MAX_REQUEST_WEIGHTS}
-    assert (limits["max_response_bytes"], limits["max_top"], limits["decimals"]) == (16 * 2**20, 20, 6)
+    assert (limits["max_response_bytes"], limits["max_top"], limits["decimals"]) == (32 * 2**20, 20, 6)
 
 
 def test_a_running_stream_keeps_streaming_while_an_inspection_runs(bundled_client: TestClient) -> None:
