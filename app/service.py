@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +23,7 @@ from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
 from model.tokenizer import Tokenizer
 
+T = TypeVar("T")
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
 
@@ -169,18 +171,24 @@ class GenerationService:
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""
-        task = asyncio.ensure_future(stream.collect(self.event_batches(stream)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    stream.cancel()
-                    raise ClientGone()
-        finally:
-            if not task.done():
-                task.cancel()
+        return await until_done(request, stream.collect(self.event_batches(stream)), stream.cancel)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+async def until_done(request: Request, work: Awaitable[T], cancel: Callable[[], None]) -> T:
+    """Await `work` (engine work for this request), calling `cancel` and raising `ClientGone` (499) if the client
+    disconnects meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
