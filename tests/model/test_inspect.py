@@ -108,7 +108,7 @@ def test_limits_are_refused_before_any_work(bundled, gpt2_shape) -> None:
     assert e.value.field == "layers" and str(MAX_ATTENTION_ROWS) in e.value.message
     with pytest.raises(InspectError) as e:  # the lens budget: lens layers x tokens x vocabulary
         check_options(InspectOptions(attention=False), 1024, GPT(GPTConfig(block_size=1024, vocab_size=50304,
-                      n_layer=12, n_head=2, n_embd=8)), 50304)
+                      n_layer=16, n_head=2, n_embd=8)), 50304)  # 17 x 1024 x 50304 > the budget
     assert e.value.field == "lens_layers"
 
 
