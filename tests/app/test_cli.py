@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import tomllib
-from importlib.metadata import PackageNotFoundError, distribution
+from importlib.metadata import distributions
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -31,12 +31,13 @@ from tests import REPO
 
 def installed_checkout() -> Path | None:
     """The directory the installed `folio` package was installed from (editable or not), if pip recorded one."""
-    try:
-        direct_url = distribution("folio").read_text("direct_url.json")
-    except PackageNotFoundError:
-        return None
-    url = json.loads(direct_url or "{}").get("url", "")
-    return Path(unquote(urlparse(url).path)).resolve() if url.startswith("file://") else None
+    # pip's record is in the installed dist-info; the checkout's own folio.egg-info (setuptools leaves it in the
+    # working directory, which is on sys.path) has none: look through every distribution named folio
+    for dist in distributions(name="folio"):
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            return Path(unquote(urlparse(url).path)).resolve()
+    return None
 
 
 def folio_command() -> tuple[list[str], str]:

@@ -26,9 +26,9 @@ def test_windows_score_each_position_at_most_once(n, block, stride) -> None:
         assert all(first - start >= min(first, block - stride) for start, end, first in spans)
 
 
-def test_score_equals_the_engines_prompt_logprobs(repo, tmp_path) -> None:
+def test_score_equals_the_engines_prompt_logprobs(repo, data_dir, tmp_path) -> None:
     ck = load_checkpoint(repo / "weights" / "shakespeare-char")
-    text = (repo.parent / "shared" / "data" / "tinyshakespeare" / "input.txt")
+    text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
         pytest.skip(f"{text} not found (see README: test data)")
     ids = ck.tokenizer.encode(text.read_text(encoding="utf-8")[:300])
