@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
-from model.engine import Engine
+from model.engine import Engine, EngineStats
 from model.registry import ModelInfo, ModelNotFound, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
@@ -89,11 +89,15 @@ class ServedModels:
     def default(self) -> GenerationService:
         return self.services[self.registry.default]
 
+    def shared(self, name: str | None) -> GenerationService:
+        """The service of model `name` (the default if None) as it is, loaded or not (ModelNotFound: 404)."""
+        return self.services[self.registry.slot_for(name)]
+
     async def service(self, name: str | None) -> GenerationService:
-        """The service of model `name` (the default if None), its model loaded (or the registry's error)."""
-        name = self.registry.slot_for(name)
-        await self.registry.acquire(name)
-        return self.services[name]
+        """A request's copy of model `name`'s service (the default's if None), pinned to the engine and checkpoint
+        that serve it now, loading it first if needed (or the registry's error: 404, 503)."""
+        name, engine, checkpoint = await self.registry.acquire(name)
+        return self.services[name].pinned(engine, checkpoint)
 
     def set_draining(self) -> None:
         for service in self.services.values():
@@ -116,6 +120,24 @@ def describe(info: ModelInfo) -> dict[str, Any]:
     out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
     out["checkpoint"] = info.path.name
     return out
+
+
+class CurrentEngine:
+    """The engine /metrics reads for a model: whichever serves it now (across reloads). While the model is
+    unloaded, an idle engine: nothing running or waiting, the counters where its last engine left them."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self._service = service
+        self._last_stats = EngineStats()
+
+    def __getattr__(self, name: str) -> Any:
+        engine = self._service.loaded_engine
+        if engine is not None:
+            self._last_stats = engine.stats  # the scheduler's small stats object, not the engine
+            return getattr(engine, name)
+        idle = {"stats": replace(self._last_stats, running=0, waiting=0), "reserved": 0,
+                "max_batch_size": self._service.settings.max_batch_size}
+        return idle[name]
 
 
 class ReloadCollector(Collector):
@@ -189,11 +211,10 @@ async def training(name: str, request: Request) -> dict[str, Any]:
     from app.deps import get_service
     from app.system import without_paths
 
-    service = await get_service(request)
     models = served_models(request)
     if models is not None:
         service = await models.service(name)
-    elif name != service.model_id:
+    elif name != (service := await get_service(request)).model_id:
         raise ModelNotFound(name, [service.model_id])
     ck = service.checkpoint
     rows = await run_in_threadpool(_metrics_tail, ck.path / METRICS_FILE) if ck.path else []
