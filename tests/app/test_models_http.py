@@ -1,6 +1,8 @@
 """Several checkpoints in one server and hot reload, over HTTP (app/models.py): each model's answers equal a server
-with that model alone, LRU unloading under --max-loaded, a broken checkpoint refused while the others serve, and
-a reload that lets a running stream finish on the old weights while new requests get the new. Reload under
+with that model alone, LRU unloading under --max-loaded (the default model loading again for requests that name
+none), a model at capacity refusing nothing to the others, a 503 with Retry-After while a model loads, a broken
+checkpoint refused while the others serve, and a reload that lets a running stream finish on the old weights
+while new requests get the new. Reload under
 load with the real trainer writing is a reliability section (bench/reliability/reload.py, tests/reliability)."""
 
 from __future__ import annotations
