@@ -99,6 +99,11 @@ def files_stamp(directory: Path) -> tuple:
         return ()
 
 
+def _known_broken(slot: _Slot) -> bool:
+    """Whether the model failed to load from the files it has now."""
+    return slot.failed is not None and slot.failed == files_stamp(slot.info.path)
+
+
 class ModelRegistry:
     def __init__(self, models: dict[str, Path], load: Loader, *, max_loaded: int | None = None,
                  load_wait: float = 30.0, drain_timeout: float = 30.0) -> None:
@@ -149,17 +154,19 @@ class ModelRegistry:
         """The engine serving `name` (the default model if None), loading it first if needed."""
         name = self.slot_for(name)
         slot = self._slots[name]
-        slot.info.last_used = time.monotonic()
-        if slot.engine is not None and slot.checkpoint is not None:
-            return name, slot.engine, slot.checkpoint
-        future = self._start_loading(name)
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.load_wait)
-        except TimeoutError:
-            raise ModelLoading(name, max(1, int(self.load_wait))) from None
-        if slot.engine is None or slot.checkpoint is None:
-            raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
-        return name, slot.engine, slot.checkpoint
+        deadline = time.monotonic() + self.load_wait
+        while True:
+            slot.info.last_used = time.monotonic()
+            engine, checkpoint = slot.engine, slot.checkpoint
+            if engine is not None and checkpoint is not None:
+                return name, engine, checkpoint
+            if slot.info.state == FAILED and _known_broken(slot):
+                raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
+            future = self._start_loading(name)  # again if another load unloaded it before this request got it
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline - time.monotonic())
+            except TimeoutError:
+                raise ModelLoading(name, max(1, int(self.load_wait))) from None
 
     def load_now(self, name: str) -> None:
         """Load `name` and wait (startup); raises ModelFailed if it cannot be."""
@@ -171,7 +178,7 @@ class ModelRegistry:
         slot = self._slots[name]
         with slot.lock:
             if slot.loading is None or slot.loading.done():
-                if slot.engine is not None or (slot.failed is not None and slot.failed == files_stamp(slot.info.path)):
+                if slot.engine is not None or _known_broken(slot):
                     done: Future = Future()
                     done.set_result(None)
                     return done
