@@ -75,6 +75,28 @@ def test_interleaved_requests_get_each_models_own_answer(dirs: dict[str, Path], 
         assert [m["name"] for m in info["models"]] == ["a", "b"] and all(m["config_sha256"] for m in info["models"])
 
 
+def test_concurrent_requests_to_several_models_each_get_their_models_answer(dirs: dict[str, Path],
+                                                                            alone: dict[str, str]) -> None:
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])]) as c:
+        got: list[tuple[str, str, str]] = []
+
+        def ask(name: str, api: str) -> None:
+            if api == "openai":
+                got.append((name, api, greedy(c, name)["choices"][0]["text"]))
+            else:
+                r = c.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}},
+                           headers={"X-Folio-Model": name})
+                got.append((name, api, "".join(e["token"]["text"] for e in parse_sse(r.text))))
+
+        workers = [threading.Thread(target=ask, args=(name, api)) for _ in range(3) for name in ("a", "b")
+                   for api in ("openai", "tgi")]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert len(got) == len(workers) and all(text == alone[name] for name, _, text in got), got
+
+
 def test_least_recently_used_model_is_unloaded_beyond_max_loaded(dirs: dict[str, Path],
                                                                  alone: dict[str, str]) -> None:
     with client(checkpoint=dirs["a"], models=[str(dirs["b"])], max_loaded=1) as c:
