@@ -33,7 +33,8 @@ from app.models import MODEL_HEADER
 from model.engine import Engine, Overloaded
 
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
-ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize"})
+ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
+                            "/inspect"})
 BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it
 
 

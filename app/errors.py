@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.requestlog import HEADER, current_request_id
 from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.inspect import InspectError, InspectTooLarge
 from model.registry import ModelFailed, ModelLoading, ModelNotFound
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError
@@ -65,6 +66,8 @@ OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens"
 # exception type -> (HTTP status, TGI error_type, OpenAI error type)
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     ValidationError: (422, "validation", "invalid_request_error"),
+    InspectTooLarge: (413, "payload_too_large", "invalid_request_error"),  # before its base class, InspectError
+    InspectError: (422, "validation", "invalid_request_error"),
     TokenizerError: (422, "validation", "invalid_request_error"),
     Overloaded: (429, "overloaded", "rate_limit_error"),
     GenerationError: (424, "generation", "server_error"),
@@ -112,10 +115,12 @@ def _ranges() -> dict[str, str]:
     """'parameters.temperature' -> '[0, 100]', from the request models' Field constraints."""
     import annotated_types as at
 
+    from app.inspect_api import InspectRequest
     from app.schemas import CompletionRequest, GenerateParameters, TokenizeRequest
 
     out: dict[str, str] = {}
-    for prefix, model in (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest)):
+    for prefix, model in (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest),
+                          ("", InspectRequest)):
         for name, f in model.model_fields.items():
             lo = hi = None
             lo_b, hi_b = "[", "]"
@@ -180,7 +185,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
         return error_response(request, exc, retry_after(request))
 
-    for cls in (ValidationError, TokenizerError, EngineError, Unavailable, Unauthorized, ModelNotFound,
+    for cls in (ValidationError, InspectError, TokenizerError, EngineError, Unavailable, Unauthorized, ModelNotFound,
                 ModelLoading, ModelFailed):
         app.add_exception_handler(cls, domain)
 

@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
+from app import inspect_api, openai_api, system, tgi, tokenizer_api
 from app import models as models_api
-from app import openai_api, system, tgi, tokenizer_api
 from app.admission import AdmissionMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
@@ -105,6 +106,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(openai_api.router)
     app.include_router(tokenizer_api.router)
     app.include_router(models_api.router)
+    app.include_router(inspect_api.router)
+    app.mount("/static", StaticFiles(directory=system.PLAYGROUND.parent), name="static")  # the playground's files
     _install_middleware(app, settings)
     return app
 

@@ -231,7 +231,7 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-@router.get("/models/{name}/training")
+@router.get("/models/{name}/training", responses={code: {"model": ErrorBody} for code in (404, 503)})
 async def training(name: str, request: Request) -> dict[str, Any]:
     """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
     serve it now, and the run's metrics (train loss per log interval, train/val loss per evaluation) from the

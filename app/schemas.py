@@ -17,7 +17,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
 from app.errors import OPENAI, TGI
-from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, SamplingParams, ValidationError, preview
+from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHARS} characters each; generation "
@@ -84,6 +84,18 @@ class _Strict(BaseModel):
         return value
 
 
+class AttentionRequest(_Strict):
+    """Folio: the attention weights each generated token was chosen with, sent with the token."""
+
+    layers: list[int] | None = Field(None, max_length=256, description="layers, 0-based; unset: all")
+    heads: list[int] | None = Field(None, max_length=256, description="heads, 0-based; unset: per layer, the mean "
+                                    "over its heads")
+
+    def to_spec(self) -> AttentionSpec:
+        return AttentionSpec(layers=None if self.layers is None else tuple(self.layers),
+                             heads=None if self.heads is None else tuple(self.heads))
+
+
 class GenerateParameters(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (server default if unset)")
     temperature: float | None = Field(None, ge=0, le=100, description="0 means greedy; unset means 1.0")
@@ -105,6 +117,8 @@ class GenerateParameters(_Strict):
                                 "not with streaming)")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted once per time a token was "
                                                                           "generated")
+    attention: AttentionRequest | None = Field(None, description="Folio: each token's attention weights, in its "
+                                               "stream event (/generate: in details, which it needs)")
     # accepted for TGI client compatibility; only their 'off' values are supported
     typical_p: float | None = Field(None, description="not supported (must be unset)")
     watermark: bool = Field(False, description="not supported (must be false)")
@@ -125,6 +139,7 @@ class GenerateParameters(_Strict):
                 seed=self.seed, stop=tuple(self.stop), top_n_tokens=self.top_n_tokens or 0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 prompt_logprobs=0 if self.details and self.decoder_input_details else None,
+                attention=None if self.attention is None else self.attention.to_spec(),
             )
 
     def samples(self, params: SamplingParams, stream: bool) -> int:
@@ -135,6 +150,11 @@ class GenerateParameters(_Strict):
                                                         f"top_k or top_p), got {best_of}")
         if best_of > 1 and stream:
             raise ValidationError(TGI.field("best_of"), f"must be 1 when streaming, got {best_of}")
+        if self.attention is not None and not stream and not self.details:
+            raise ValidationError(TGI.field("attention"), "a whole answer carries the attention in its details: set "
+                                                          "parameters.details, or stream (/generate_stream)")
+        if self.attention is not None and best_of > 1:
+            raise ValidationError(TGI.field("attention"), f"is for one sequence: not with best_of, got {best_of}")
         return best_of
 
 
@@ -157,6 +177,18 @@ class PrefillToken(BaseModel):
     logprob: float | None = None
 
 
+class TokenAttention(BaseModel):
+    """Folio: the attention a generated token was chosen with: that of the token before it, over the tokens before
+    it (within the context window)."""
+
+    start: int = Field(description="the index, among the prompt's and the generated tokens, of the token each "
+                                   "row's first weight is for")
+    layers: list[int]
+    heads: list[int] | None = Field(None, description="absent: each row is the mean over its layer's heads")
+    weights: list[list[float]] = Field(description="a row per layer and head (layers outer), over the tokens from "
+                                                   "`start` to the one before this token; 6 decimals")
+
+
 class SequenceDetails(BaseModel):
     """What TGI's details say of one generated sequence."""
 
@@ -175,6 +207,8 @@ class BestOfSequence(SequenceDetails):
 class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
     window_slides: int = Field(0, description="Folio: how often the context window slid")
+    attention: list[TokenAttention] | None = Field(None, description="Folio: with parameters.attention, each "
+                                                   "token's")
 
 
 class GenerateResponse(BaseModel):
@@ -195,6 +229,7 @@ class StreamResponse(BaseModel):
     top_tokens: list[Token] = Field(default_factory=list)
     generated_text: str | None = None
     details: StreamDetails | None = None
+    attention: TokenAttention | None = Field(None, description="Folio: with parameters.attention")
 
 
 class TokenizeRequest(_Strict):

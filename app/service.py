@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +24,7 @@ from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
 from model.tokenizer import Tokenizer
 
+T = TypeVar("T")
 INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
 
 
@@ -107,6 +109,14 @@ class GenerationService:
         return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit)
 
     # -- submitting -----------------------------------------------------------------------------------
+    def own_slot(self, reservation: Reservation | None) -> Reservation | None:
+        """`reservation` if its slot is in this request's engine; else None, a slot in another engine given back
+        (with the model registry, admission reserves before the body names the model, or before a reload)."""
+        if reservation is not None and reservation.owner is not self.engine:
+            reservation.release()
+            return None
+        return reservation
+
     async def encode(self, text: str, field: str = "inputs") -> list[int]:
         """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
         millisecond, less than the hand-off to a worker thread and back costs)."""
@@ -131,11 +141,8 @@ class GenerationService:
         self.check_ready()
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
         own = None
-        if self.registry is not None and (reservation is None or reservation.owner is not engine):
-            # admission held no slot, or one in another model's engine (it reserves before the body names the
-            # model, or before a reload): give that back and hold one here, before tokenising (429 at once)
-            if reservation is not None:
-                reservation.release()
+        reservation = self.own_slot(reservation)
+        if self.registry is not None and reservation is None:  # hold one here before tokenising (429 at once)
             reservation = own = engine.reserve()
         try:
             prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
@@ -201,18 +208,24 @@ class GenerationService:
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""
-        task = asyncio.ensure_future(stream.collect(self.event_batches(stream)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    stream.cancel()
-                    raise ClientGone()
-        finally:
-            if not task.done():
-                task.cancel()
+        return await until_done(request, stream.collect(self.event_batches(stream)), stream.cancel)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+async def until_done(request: Request, work: Awaitable[T], cancel: Callable[[], None]) -> T:
+    """Await `work` (engine work for this request), calling `cancel` and raising `ClientGone` (499) if the client
+    disconnects meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()

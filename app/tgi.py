@@ -27,6 +27,7 @@ from app.schemas import (
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
+from model.engine.events import TokenAttention as EngineAttention
 
 router = APIRouter(tags=["TGI"])
 CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
@@ -87,7 +88,9 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result,
         details = Details(**{k: v for k, v in seq.items() if k != "generated_text"},
                           window_slides=result.finished.window_slides,
                           best_of_sequences=[BestOfSequence(**_sequence(service, body, r)) for r in others]
-                          if others else None)
+                          if others else None,
+                          attention=[_attention(t.attention) for t in result.tokens if t.attention]
+                          if body.parameters.attention else None)
     return GenerateResponse(generated_text=seq["generated_text"], details=details)
 
 
@@ -116,7 +119,7 @@ def _token_sse(ev: TokenEvent, prefix: str) -> bytes:
     """One token's server-sent event: `sse(_stream_event(ev, prefix))`. A token that neither ends the stream nor
     carries alternatives (all but the last, without top_n_tokens) is formatted straight into the same bytes,
     without building and encoding the dict: the per-token path is the server's hot one."""
-    if ev.finished is not None or ev.top_tokens:
+    if ev.finished is not None or ev.top_tokens or ev.attention is not None:
         return sse(_stream_event(ev, prefix))
     return (b'data: {"index":%d,"token":{"id":%d,"text":%b,"logprob":%b,"special":%b},"top_tokens":[],'
             b'"generated_text":null,"details":null}\n\n'
@@ -125,9 +128,9 @@ def _token_sse(ev: TokenEvent, prefix: str) -> bytes:
 
 
 def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
-    """`StreamResponse(...).model_dump()` for one token, without building the model."""
+    """`StreamResponse(...).model_dump()` for one token, without building the model (`attention` only when asked)."""
     fin = ev.finished
-    return {
+    event = {
         "index": ev.index,
         "token": {"id": ev.id, "text": ev.text, "logprob": ev.logprob, "special": ev.special},
         "top_tokens": [{"id": a.id, "text": a.text, "logprob": a.logprob, "special": a.special}
@@ -137,6 +140,15 @@ def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
                                              "generated_tokens": fin.generated_tokens, "seed": fin.seed,
                                              "input_length": fin.prompt_tokens},
     }
+    if ev.attention is not None:
+        event["attention"] = _attention(ev.attention)
+    return event
+
+
+def _attention(att: EngineAttention) -> dict[str, Any]:
+    """`TokenAttention`'s JSON (without `heads` for the mean over them, as `model_dump_json(exclude_none=True)`)."""
+    heads = {} if att.heads is None else {"heads": list(att.heads)}
+    return {"start": att.start, "layers": list(att.layers), **heads, "weights": att.weights}
 
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})

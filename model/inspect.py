@@ -31,9 +31,11 @@ from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, token_spans
 
 # what one inspection may ask for, so that a client cannot make the server compute or send without bound
+# (both admit GPT-2 small's whole context with every layer and head: 144 x 1,024 rows, 13 x 1,024 x 50,257 logits)
 MAX_ATTENTION_ROWS = 200_000  # (layer, head, query) rows of attention in one answer
-MAX_LENS_LOGITS = 400_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
+MAX_LENS_LOGITS = 700_000_000  # lens rows (layers x positions) times the vocabulary: the LM head's work
 MAX_TOP = 20
+LENS_STEP_LOGITS = 1_000_000  # the LM head's outputs in one engine step (positions x vocabulary): GPT-2's 19 rows
 
 
 class InspectError(ValueError):
@@ -43,6 +45,11 @@ class InspectError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class InspectTooLarge(InspectError):
+    """An inspection over one of the budgets (attention rows, the logit lens' work): not a wrong value but too
+    much asked at once."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class InspectOptions:
     lens_layers: tuple[int, ...] | None = None  # 0 (embeddings) .. n_layer; None: all
     lens_top: int = 5
     top_n: int = 5  # alternatives of each actual next token
+    decimals: int | None = None  # attention weights and lens probabilities rounded to this many decimals
 
 
 @dataclass
@@ -99,11 +107,11 @@ def check_options(options: InspectOptions, n_tokens: int, model: GPT, n_vocab: i
             raise InspectError(name, f"must be in [0, {MAX_TOP}], got {value}")
     rows = len(options.layers or range(cfg.n_layer)) * len(options.heads or range(cfg.n_head)) * n_tokens
     if options.attention and rows > MAX_ATTENTION_ROWS:
-        raise InspectError("layers", f"layers x heads x tokens is {rows}, more than {MAX_ATTENTION_ROWS}: choose "
+        raise InspectTooLarge("layers", f"layers x heads x tokens is {rows}, more than {MAX_ATTENTION_ROWS}: choose "
                                      "fewer layers or heads, or a shorter text")
     lens_rows = len(options.lens_layers or range(cfg.n_layer + 1)) * n_tokens
     if options.lens and lens_rows * n_vocab > MAX_LENS_LOGITS:
-        raise InspectError("lens_layers", f"lens layers x tokens x vocabulary is {lens_rows * n_vocab}, more than "
+        raise InspectTooLarge("lens_layers", f"lens layers x tokens x vocabulary is {lens_rows * n_vocab}, more than "
                                           f"{MAX_LENS_LOGITS}: choose fewer lens layers or a shorter text")
 
 
@@ -127,13 +135,12 @@ class Inspector:
         with torch.inference_mode():
             tr = self.model.transformer
             x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(len(self.ids), device=device)))
-            self._lens(0, x)
+            yield from self._read_out(0, x)
             yield
             for layer, block in enumerate(tr.h):
                 x = self._block(layer, block, x)
-                self._lens(layer + 1, x)
+                yield from self._read_out(layer + 1, x)
                 yield
-            self._next_tokens(self.model.lm_head(tr.ln_f(x))[0])
 
     def run(self) -> Inspection:
         for _ in self.steps():
@@ -158,35 +165,51 @@ class Inspector:
             self.result.attention.append(self._head(layer, head, scores.masked_fill(~causal, float("-inf"))))
         return y
 
+    def _rounded(self, values: torch.Tensor) -> list:
+        d = self.options.decimals
+        return (values if d is None else values.double().round(decimals=d)).tolist()
+
     def _head(self, layer: int, head: int, scores: torch.Tensor) -> HeadAttention:
         weights = torch.softmax(scores, dim=-1)
         if self.result.dense:
-            rows = weights.tolist()
+            rows = self._rounded(weights)
             return HeadAttention(layer, head, [row[: q + 1] for q, row in enumerate(rows)])
         top = torch.topk(weights, min(self.options.sparse_top, weights.size(-1)), dim=-1)
         keys, kept = [], []
-        for values, positions in zip(top.values.tolist(), top.indices.tolist()):
+        for values, positions in zip(self._rounded(top.values), top.indices.tolist()):
             pairs = [(p, v) for p, v in zip(positions, values) if v >= self.options.sparse_threshold]
             keys.append([p for p, _ in pairs])
             kept.append([v for _, v in pairs])
         return HeadAttention(layer, head, kept, keys)
 
-    def _lens(self, layer: int, x: torch.Tensor) -> None:
-        if not (self.options.lens and layer in self.lens_layers):
+    def _read_out(self, layer: int, x: torch.Tensor) -> Iterator[None]:
+        """The residual stream after `layer` through the final LayerNorm and the LM head: the logit lens there (if
+        asked) and, after the last block, each token's score. A chunk of positions at a time, a step between two
+        chunks: the LM head is the largest work of an inspection (positions x vocabulary)."""
+        lens = self.options.lens and layer in self.lens_layers
+        last = layer == self.model.config.n_layer
+        if not (lens or last):
             return
-        logits = self.model.lm_head(self.model.transformer.ln_f(x))[0]
-        probs = torch.softmax(mask_unusable(logits.float(), self.tokenizer.n_vocab), dim=-1)
-        top = torch.topk(probs, self.options.lens_top, dim=-1)
-        self.result.lens.append(LensLayer(layer, [list(zip(i, p)) for i, p in
-                                                  zip(top.indices.tolist(), top.values.tolist())]))
+        rows = max(1, LENS_STEP_LOGITS // self.model.config.vocab_size)
+        scorer = PromptScorer(self.ids, self.options.top_n, self.tokenizer.n_vocab, self._describe)
+        top: list[list[tuple[int, float]]] = []
+        for start in range(0, x.size(1), rows):
+            if start:
+                yield
+            logits = self.model.lm_head(self.model.transformer.ln_f(x[:, start : start + rows]))[0]
+            if lens:
+                probs = torch.softmax(mask_unusable(logits.float(), self.tokenizer.n_vocab), dim=-1)
+                best = torch.topk(probs, self.options.lens_top, dim=-1)
+                top += [list(zip(i, p)) for i, p in zip(best.indices.tolist(), self._rounded(best.values))]
+            if last:
+                scorer.add(start, logits)
+        if lens:
+            self.result.lens.append(LensLayer(layer, top))
+        if last:
+            self.result.next_tokens = scorer.tokens
 
-    def _next_tokens(self, logits: torch.Tensor) -> None:
-        def describe(token: int) -> TopToken:
-            return TopToken(token, self.tokenizer.decode([token]), 0.0, token == self.tokenizer.eos_id)
-
-        scorer = PromptScorer(self.ids, self.options.top_n, self.tokenizer.n_vocab, describe)
-        scorer.add(0, logits)
-        self.result.next_tokens = scorer.tokens
+    def _describe(self, token: int) -> TopToken:
+        return TopToken(token, self.tokenizer.decode([token]), 0.0, token == self.tokenizer.eos_id)
 
 
 def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions | None = None) -> Inspection:

@@ -60,6 +60,16 @@ def check_stop_strings(stop: object) -> None:
                                           f"{len(s)}: {preview(s)}")
 
 @dataclass(frozen=True)
+class AttentionSpec:
+    """Which attention weights come with each generated token (`model.engine.attention`): those of these layers
+    (None: all) and heads (None: one row per layer, the mean over its heads). Checked against the model by the
+    engine."""
+
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Validated generation parameters for one request. `None` means 'not set' (TGI's semantics)."""
 
@@ -80,6 +90,7 @@ class SamplingParams:
     min_tokens: int = 0  # neither EOS nor a stop string ends generation before this many tokens
     min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one; 0 or None: off
     prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many alternatives
+    attention: AttentionSpec | None = None  # send each token's attention weights
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
@@ -109,6 +120,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be true or false, got {preview(getattr(self, name))}")
         check_stop_strings(self.stop)
+        if self.attention is not None and not isinstance(self.attention, AttentionSpec):
+            raise ValidationError("attention", f"must be an AttentionSpec, got {preview(self.attention)}")
 
     def _check_logit_bias(self) -> None:
         if isinstance(self.logit_bias, dict):

@@ -10,6 +10,9 @@
   whatever the prompt, greedy decoding cycles through single-byte tokens that spell "😀中" (F0 9F 98 80 E4 B8
   AD). Every character is split across tokens, which is what UTF-8-safe streaming must handle; a random model
   would mostly emit byte soup where U+FFFD is the right answer.
+- `make_gpt2_shaped_checkpoint`: a seeded random GPT over GPT-2's BPE with GPT-2's vocabulary (50304), GPT-2
+  small's shape by default (smaller for tests), its matrices scaled up like the char model's so that attention is
+  peaked rather than uniform.
 """
 
 from __future__ import annotations
@@ -76,3 +79,17 @@ def make_bpe_checkpoint(directory: Path, tok: BPETokenizer) -> Path:
         block.mlp.c_proj.bias.copy_(3 * u[0])
         model.transformer.ln_f.weight.fill_(10.0)
     return save_checkpoint(directory, model, tok, training={"note": "hand-wired UTF-8 cycle"})
+
+
+def make_gpt2_shaped_checkpoint(directory: Path, tok: BPETokenizer, *, n_layer: int = 12, n_head: int = 12,
+                                head_size: int = 64, block_size: int = 1024, scale: float = 4.0, seed: int = 0) -> Path:
+    """A random GPT with GPT-2's vocabulary (GPT-2 small's shape by default), written to `directory`."""
+    torch.manual_seed(seed)
+    config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head,
+                       n_embd=head_size * n_head)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(scale)
+    return save_checkpoint(directory, model, tok, training={"note": "random weights, GPT-2's shapes"})

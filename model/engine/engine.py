@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import Checkpoint
+from model.engine.attention import check_spec
 from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
 from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
@@ -139,9 +140,12 @@ class Engine:
                  params: SamplingParams | None = None) -> list[int]:
         """The prompt the model will see; `ValidationError` (field `prompt` or `truncate`) for an empty or too
         long prompt, a truncation outside the context or a token id outside the vocabulary, (field `logit_bias`) for
-        a bias on an id outside it, and (field `top_n_tokens` or `prompt_logprobs`) for more alternatives per token
-        than the model's vocabulary holds."""
+        a bias on an id outside it, (field `top_n_tokens` or `prompt_logprobs`) for more alternatives per token
+        than the model's vocabulary holds, and (field `attention...`) for streamed attention the model cannot give
+        or the limits refuse (`model.engine.attention.check_spec`)."""
         if params is not None:
+            if params.attention is not None:
+                check_spec(params.attention, self.config, params.max_new_tokens)
             for name in ("top_n_tokens", "prompt_logprobs"):
                 if (n := getattr(params, name)) is not None and n > self.n_vocab:
                     raise ValidationError(name, f"must be at most the model's vocabulary size, {self.n_vocab}, "

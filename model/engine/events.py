@@ -39,6 +39,17 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class TokenAttention:
+    """The attention with which a token was chosen (`model.engine.attention`): one row per layer asked for and
+    head (or per layer, the mean over its heads when `heads` is None), over the tokens before this one."""
+
+    start: int  # the index of the first weight's token among the prompt and generated tokens so far
+    layers: tuple[int, ...]
+    heads: tuple[int, ...] | None  # None: each row is the mean over the layer's heads
+    weights: list[list[float]]  # rows in order (layer, head), each over tokens start..this one's index - 1
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     id: int
     text: str  # the text this token releases: UTF-8 safe, stop strings held back
@@ -48,6 +59,7 @@ class TokenEvent:
     top_tokens: tuple[TopToken, ...] = ()
     finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
     prompt_logprobs: tuple[PromptToken, ...] | None = None  # on the first token, with `prompt_logprobs`
+    attention: TokenAttention | None = None  # with `SamplingParams.attention`
     created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
 
 

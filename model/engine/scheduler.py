@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.engine.attention import TokenAttention, watch
 from model.engine.batch import Batch
 from model.engine.events import EngineError, EngineStopped, Finished, GenerationError, Overloaded, TokenEvent, TopToken
 from model.engine.jobs import Job
@@ -342,16 +343,19 @@ class Scheduler:
     def _choose_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Choose every row's next token in one sampler pass and stream it; a row whose choice fails, fails alone."""
         out = self.sampler(logits, [req.sample_row() for req in reqs])
+        attention = watch(self.runner.model, self.runner.cache, reqs)
         for i, req in enumerate(reqs):
             try:
                 if i in out.errors:
                     raise out.errors[i]
-                self._emit(req, out, i)
+                if isinstance(seen := attention.get(req.id), Exception):
+                    raise seen
+                self._emit(req, out, i, seen)
             except Exception as e:
                 req.warn(log, "request %d failed choosing a token: %s", req.id, e)
                 self._fail(req, GenerationError(f"generation failed: {e}"))
 
-    def _emit(self, req: Request, out: SamplerOutput, i: int) -> None:
+    def _emit(self, req: Request, out: SamplerOutput, i: int, attention: TokenAttention | None = None) -> None:
         """Stream row `i`'s chosen token for `req` and finish the request if it should stop."""
         token = out.tokens[i]
         top = tuple(self._describe(t, lp) for t, lp in out.top[i])
@@ -365,7 +369,7 @@ class Scheduler:
         finished = None if check.reason is None else self._finished(req, check.reason, check.stop_sequence)
         scores = req.prompt_scores() if len(req.output) == 1 else None
         req.sink(TokenEvent(token, check.text, out.logprobs[i], self._special(token), len(req.output), top, finished,
-                            prompt_logprobs=scores))
+                            prompt_logprobs=scores, attention=attention))
         if finished is not None:
             self._leave(req)
             req.sink(finished)

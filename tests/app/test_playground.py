@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from app.testing import serving
-from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.app.browser import launched, needs_chromium
 
 pytestmark = needs_chromium
 API_KEY = "pl4yground-k3y"
@@ -25,14 +25,8 @@ SETTLED = f"({DONE} || {FAILED}) && !document.getElementById('go').disabled"
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     """One headless chromium for the module; each test gets its own context (its own session storage)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser
-        finally:
-            browser.close()
+    with launched() as browser:
+        yield browser
 
 
 @pytest.fixture

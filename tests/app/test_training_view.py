@@ -18,7 +18,7 @@ from app.testing import serving
 from model.testing import make_char_checkpoint
 from model.train import main as train_main
 from tests import REPO
-from tests.app.browser import CHROMIUM, CHROMIUM_ARGS, needs_chromium
+from tests.app.browser import launched, needs_chromium
 from tests.train.runs import tiny_argv
 
 pytestmark = [needs_chromium, pytest.mark.slow]
@@ -47,14 +47,8 @@ def server(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 @pytest.fixture
 def page() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield browser.new_context(viewport={"width": 1000, "height": 1300}).new_page()
-        finally:
-            browser.close()
+    with launched() as browser:
+        yield browser.new_context(viewport={"width": 1000, "height": 1300}).new_page()
 
 
 def rows(run: Path) -> list[dict[str, Any]]:

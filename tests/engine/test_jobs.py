@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -91,6 +92,10 @@ def test_liveness_says_when_the_engine_stalls_and_drain_finishes_what_runs(make_
     assert engine.liveness(1.0) == (False, "the engine thread is not running")
     engine.start()
     assert engine.generate([1], SamplingParams(max_new_tokens=2)).finished.generated_tokens == 2
+    # the last event arrives before the engine thread has finished its step: idle within moments of it
+    deadline = time.monotonic() + 5
+    while engine.liveness(1.0) != (True, "idle") and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert engine.liveness(1.0) == (True, "idle")
     release = threading.Event()
 

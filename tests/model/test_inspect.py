@@ -108,7 +108,7 @@ def test_limits_are_refused_before_any_work(bundled, gpt2_shape) -> None:
     assert e.value.field == "layers" and str(MAX_ATTENTION_ROWS) in e.value.message
     with pytest.raises(InspectError) as e:  # the lens budget: lens layers x tokens x vocabulary
         check_options(InspectOptions(attention=False), 1024, GPT(GPTConfig(block_size=1024, vocab_size=50304,
-                      n_layer=12, n_head=2, n_embd=8)), 50304)
+                      n_layer=16, n_head=2, n_embd=8)), 50304)  # 17 x 1024 x 50304 > the budget
     assert e.value.field == "lens_layers"
 
 
@@ -121,3 +121,37 @@ def test_the_command_writes_the_heatmaps(repo, tmp_path) -> None:
     assert all((out / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for f in files)
     assert main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--text", "\u00e9\u00e9",
                  "--out", str(out)]) == 2  # characters the model does not know: one error line
+
+
+def test_the_lm_head_runs_a_chunk_of_positions_per_step_with_the_same_answer(gpt2_shape, monkeypatch) -> None:
+    from model import inspect as module
+
+    model, tok = gpt2_shape
+    ids = tok.encode("It was the best of times")  # 24 tokens
+    whole = inspect(model, tok, ids, InspectOptions(attention=False, top_n=3))
+    monkeypatch.setattr(module, "LENS_STEP_LOGITS", 5 * model.config.vocab_size)  # 5 positions a step
+    inspector = module.Inspector(model, tok, ids, InspectOptions(attention=False, top_n=3))
+    # 3 read-outs (embeddings, 2 blocks) of 5 chunks each: 4 steps between chunks and 1 after each read-out
+    assert sum(1 for _ in inspector.steps()) == 3 * 5
+    chunked = inspector.result
+    assert [layer.layer for layer in chunked.lens] == [0, 1, 2]
+    for a, b in zip(whole.lens, chunked.lens):
+        assert [[i for i, _ in pos] for pos in a.top] == [[i for i, _ in pos] for pos in b.top]
+        assert [p for pos in a.top for _, p in pos] == pytest.approx([p for pos in b.top for _, p in pos], abs=1e-6)
+    assert [t.id for t in chunked.next_tokens] == ids and chunked.next_tokens[0].logprob is None
+    assert [t.logprob for t in chunked.next_tokens[1:]] == pytest.approx(
+        [t.logprob for t in whole.next_tokens[1:]], abs=1e-5)
+    assert [[a.id for a in t.top_tokens] for t in chunked.next_tokens] == [
+        [a.id for a in t.top_tokens] for t in whole.next_tokens]
+
+
+def test_weights_and_lens_probabilities_rounded_to_the_decimals_asked(bundled) -> None:
+    ids = bundled.tokenizer.encode("To be, or not to be")
+    exact = inspect(bundled.model, bundled.tokenizer, ids, InspectOptions(layers=(2,), heads=(3,)))
+    rounded = inspect(bundled.model, bundled.tokenizer, ids, InspectOptions(layers=(2,), heads=(3,), decimals=6))
+    for a, b in zip(exact.attention[0].weights, rounded.attention[0].weights):
+        assert b == pytest.approx([round(w, 6) for w in a], abs=1e-12) and b == pytest.approx(a, abs=5e-7)
+    for a, b in zip(exact.lens, rounded.lens):
+        assert [[i for i, _ in pos] for pos in a.top] == [[i for i, _ in pos] for pos in b.top]
+        assert [p for pos in b.top for _, p in pos] == pytest.approx([round(p, 6) for pos in a.top for _, p in pos],
+                                                                     abs=1e-12)

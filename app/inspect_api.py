@@ -1,0 +1,261 @@
+"""Looking inside the model over HTTP: `POST /inspect` (a text, or a prompt and a generation request, in; its
+tokens, attention maps, logit lens and each token's probability and alternatives out) and `GET /inspect/limits`.
+
+The work is `model.inspect`'s `Inspector`, run as an engine job: on the engine thread, one layer (or one chunk of
+the LM head) between two decode steps, so running streams keep streaming. The route holds a slot like a generation
+(admission, `app/admission.py`); with a generation request it takes a second slot for the inspection before the
+generation starts, so that a full server refuses the request before doing any of it.
+
+Everything is bounded before any work: the text's length (`--max-tokenize-chars`, 413), the model's context
+(422), layers x heads x tokens of attention and the logit lens' work (`model.inspect`'s budgets, 413), and the
+answer's size, estimated from the shapes asked for (`MAX_RESPONSE_BYTES`, 413). Weights and probabilities are
+written with 6 decimals; the answer's JSON is built off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.errors import TGI
+from app.responses import dumps
+from app.schemas import GenerateParameters, _Strict
+from app.service import GenerationService, until_done
+from app.tgi import ERRORS
+from model.config import GPTConfig
+from model.engine import Reservation
+from model.inspect import (
+    MAX_ATTENTION_ROWS,
+    MAX_LENS_LOGITS,
+    MAX_TOP,
+    InspectError,
+    Inspection,
+    InspectOptions,
+    InspectTooLarge,
+    check_options,
+)
+from model.sampling_params import ValidationError
+from model.tokenizer import Tokenizer
+
+router = APIRouter(tags=["inspect"])
+DECIMALS = 6  # of attention weights and lens probabilities: an error of at most 5e-7
+MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 small's whole context fits (~27 MB)
+# the estimate's bytes per item, from the JSON written (a weight "0.123456," or key "1023,"; a lens entry
+# "[50256,0.123456]," and its text in `vocab`; a token with its offsets; an alternative)
+NUMBER_BYTES, LENS_BYTES, TOKEN_BYTES, ALTERNATIVE_BYTES = 10, 48, 120, 64
+
+
+class InspectRequest(_Strict):
+    inputs: str = Field(description="the text to look into; with `parameters`, the prompt to generate from")
+    parameters: GenerateParameters | None = Field(None, description="generate first (TGI's parameters): the prompt "
+                                                  "and its generated tokens are inspected")
+    truncate: int | None = Field(None, ge=1, description="inspect only the last N tokens")
+    attention: bool = Field(True, description="return attention maps")
+    layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="attention of these layers; "
+                                     "unset: all")
+    heads: list[int] | None = Field(None, min_length=1, max_length=1024, description="attention of these heads; "
+                                    "unset: all")
+    dense_max_tokens: int = Field(128, ge=0, le=4096, description="every weight up to this many tokens; beyond, "
+                                  "per query the sparse_top largest weights of at least sparse_threshold")
+    sparse_threshold: float = Field(0.02, gt=0, le=1, description="the smallest weight a sparse map keeps")
+    sparse_top: int = Field(8, ge=1, le=MAX_TOP, description="the most weights a sparse map keeps per query")
+    lens: bool = Field(True, description="return the logit lens")
+    lens_layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="0 (the embeddings) to "
+                                          "n_layer (the last block's output); unset: all")
+    lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens")
+    top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token")
+
+    def to_options(self) -> InspectOptions:
+        distinct = lambda values: None if values is None else tuple(sorted(set(values)))  # noqa: E731
+        return InspectOptions(
+            layers=distinct(self.layers), heads=distinct(self.heads), attention=self.attention,
+            dense_max_tokens=self.dense_max_tokens, sparse_threshold=self.sparse_threshold,
+            sparse_top=self.sparse_top, lens=self.lens, lens_layers=distinct(self.lens_layers),
+            lens_top=self.lens_top, top_n=self.top_n, decimals=DECIMALS,
+        )
+
+
+class Alternative(BaseModel):
+    id: int
+    text: str
+    logprob: float | None
+
+
+class InspectToken(BaseModel):
+    id: int
+    text: str
+    start: int = Field(description="character offset of the token's text in the decoded text")
+    stop: int
+    logprob: float | None = Field(description="the model's log-probability of this token given those before it "
+                                              "(null for the first)")
+    top_tokens: list[Alternative] = Field(description="the most likely tokens at this position")
+    generated: bool = Field(description="generated by `parameters`, not part of `inputs`")
+
+
+class AttentionMap(BaseModel):
+    layer: int
+    head: int
+    weights: list[list[float]] = Field(description="per query position: dense, its weights over keys 0..query; "
+                                                   "sparse, the weights kept")
+    keys: list[list[int]] | None = Field(None, description="sparse only: the key positions of `weights`")
+
+
+class InspectAttention(BaseModel):
+    format: Literal["dense", "sparse"]
+    threshold: float | None = Field(description="sparse: the smallest weight kept")
+    top: int | None = Field(description="sparse: the most weights kept per query")
+    maps: list[AttentionMap]
+
+
+class LensLayer(BaseModel):
+    layer: int = Field(description="0: the embeddings; l: the output of block l")
+    top: list[list[tuple[int, float]]] = Field(description="per position, [id, probability] of the most likely "
+                                                           "next tokens")
+
+
+class InspectResponse(BaseModel):
+    tokens: list[InspectToken]
+    generated_text: str | None = Field(None, description="with `parameters`: the text generated")
+    attention: InspectAttention | None = None
+    lens: list[LensLayer] | None = None
+    vocab: dict[str, str] = Field(description="the text of every token id in `lens`")
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    tokens: int
+
+
+def estimated_bytes(n: int, options: InspectOptions, config: GPTConfig) -> tuple[int, int]:
+    """An estimate of the answer's size for `n` tokens, from the shapes asked for: (attention's bytes, the rest)."""
+    maps = len(options.layers or range(config.n_layer)) * len(options.heads or range(config.n_head))
+    per_map = NUMBER_BYTES * (n * (n + 1) // 2 if n <= options.dense_max_tokens else 2 * n * options.sparse_top)
+    lens = len(options.lens_layers or range(config.n_layer + 1)) * n * options.lens_top if options.lens else 0
+    return (maps * (per_map + 4 * n) if options.attention else 0,
+            lens * LENS_BYTES + n * (TOKEN_BYTES + options.top_n * ALTERNATIVE_BYTES))
+
+
+def check_request(service: GenerationService, options: InspectOptions, n: int) -> None:
+    """Everything about an inspection of `n` tokens that can be refused before any work: `InspectError` (422) or
+    `InspectTooLarge` (413), naming the request's fields."""
+    try:
+        check_options(options, n, service.engine.model, service.tokenizer.n_vocab)  # reads the model's config only
+    except InspectError as e:
+        if e.field != "text":
+            raise
+        raise type(e)("inputs", e.message + " (truncate keeps the last tokens)") from None
+    attention, rest = estimated_bytes(n, options, service.checkpoint.config)
+    if attention + rest > MAX_RESPONSE_BYTES:
+        field = "layers" if attention > rest else "lens_layers"
+        raise InspectTooLarge(field, f"the answer would be about {attention + rest} bytes, more than the limit of "
+                                     f"{MAX_RESPONSE_BYTES}: ask for fewer layers or heads, sparse attention (a lower "
+                                     "dense_max_tokens), fewer lens layers, or a shorter text")
+
+
+@router.post("/inspect", response_model=InspectResponse, responses=ERRORS)
+async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
+                  _: AuthDep) -> Response:
+    """Look inside the model for a text: its tokens, attention maps, logit lens, and each token's probability and
+    alternatives (with `parameters`: generate first, then inspect the prompt and its generated tokens)."""
+    service.check_ready()
+    reservation = service.own_slot(reservation)
+    limit = service.settings.max_tokenize_chars
+    if len(body.inputs) > limit:
+        raise InspectTooLarge("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
+                                        f"got {len(body.inputs)}")
+    ids = await service.encode(body.inputs)
+    options = body.to_options()
+    generated = None
+    if body.parameters is None:
+        check_request(service, options, min(len(ids), body.truncate or len(ids)))
+    else:
+        ids, generated, reservation = await _generate(request, service, body, ids, options, reservation)
+    ids = ids[-(body.truncate or len(ids)) :]
+    handle = service.engine.inspect(ids, options, reservation=reservation)
+    inspection = await until_done(request, handle.result(), handle.cancel)
+    answer = await run_in_threadpool(render, inspection, body, generated, service.tokenizer)
+    return Response(answer, media_type="application/json")
+
+
+async def _generate(request: Request, service: GenerationService, body: InspectRequest, ids: list[int],
+                    options: InspectOptions, reservation: Reservation | None,
+                    ) -> tuple[list[int], Generated, Reservation]:
+    """Generate from the prompt in the admission's slot, holding another for the inspection: (the prompt's and
+    the generated tokens, what was generated, the inspection's slot)."""
+    assert body.parameters is not None
+    if body.parameters.attention is not None:
+        raise ValidationError("parameters.attention", "is for streams: /inspect answers with its own attention maps "
+                                                      "(layers, heads)")
+    if (body.parameters.best_of or 1) > 1:
+        raise ValidationError("parameters.best_of", f"must be 1: /inspect looks into one sequence, got "
+                                                    f"{body.parameters.best_of}")
+    params = body.parameters.to_sampling_params(service.defaults)
+    prompt = ids[-body.parameters.truncate :] if body.parameters.truncate else ids
+    total, context = len(prompt) + params.max_new_tokens, service.checkpoint.config.block_size
+    if total > context and not body.truncate:
+        raise ValidationError("parameters.max_new_tokens", f"the prompt's {len(prompt)} tokens and the new ones must "
+                              f"fit the model's context of {context} to be inspected, got {total} (or set truncate)")
+    check_request(service, options, min(total, body.truncate or total))
+    slot = service.engine.reserve()  # 429 now if the server is full, before the generation runs
+    try:
+        stream = await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
+        result = await service.result(request, stream)
+    except BaseException:
+        slot.release()
+        raise
+    return list(result.finished.prefill) + result.token_ids, Generated(result.text, len(result.token_ids)), slot
+
+
+def render(inspection: Inspection, body: InspectRequest, generated: Generated | None, tokenizer: Tokenizer) -> bytes:
+    """The answer as JSON (`InspectResponse`). It can hold a million numbers: each map and lens layer is encoded by
+    its own call, so that the encoder, which holds the GIL for the whole of one call, lets the engine thread and
+    the event loop run between two of them (one call for 2 MB stalls every stream for ~0.1 s)."""
+    first_generated = len(inspection.tokens) - (generated.tokens if generated else 0)
+    tokens = [
+        {"id": t.id, "text": text, "start": start, "stop": stop, "logprob": t.logprob,
+         "top_tokens": [{"id": a.id, "text": a.text, "logprob": a.logprob} for a in t.top_tokens],
+         "generated": i >= first_generated}
+        for i, (t, (text, start, stop)) in enumerate(zip(inspection.next_tokens, inspection.spans))
+    ]
+    head = {"tokens": tokens, "generated_text": generated.text if generated else None}
+    parts = [dumps(head)[:-1], ',"attention":']
+    if body.attention:
+        about = {"format": "dense" if inspection.dense else "sparse", "threshold": inspection.sparse_threshold,
+                 "top": None if inspection.dense else body.sparse_top}
+        maps = (dumps({"layer": a.layer, "head": a.head, "weights": a.weights,
+                       **({} if a.keys is None else {"keys": a.keys})}) for a in inspection.attention)
+        parts += [dumps(about)[:-1], ',"maps":[', ",".join(maps), "]}"]
+    else:
+        parts.append("null")
+    vocab: dict[str, str] = {}
+    if body.lens:
+        lens = (dumps({"layer": layer.layer, "top": layer.top}) for layer in inspection.lens)
+        parts += [',"lens":[', ",".join(lens), "]"]
+        ids = {token for layer in inspection.lens for position in layer.top for token, _ in position}
+        vocab = {str(i): tokenizer.decode([i]) for i in sorted(ids)}
+    else:
+        parts.append(',"lens":null')
+    parts += [',"vocab":', dumps(vocab), "}"]
+    return "".join(parts).encode()
+
+
+@router.get("/inspect/limits")
+async def limits(service: ServiceDep) -> dict[str, Any]:
+    """What `POST /inspect` and streamed attention allow on this model and server."""
+    from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
+
+    cfg = service.checkpoint.config
+    return {
+        "max_chars": service.settings.max_tokenize_chars, "max_tokens": cfg.block_size,
+        "max_attention_rows": MAX_ATTENTION_ROWS, "max_lens_logits": MAX_LENS_LOGITS,
+        "max_response_bytes": MAX_RESPONSE_BYTES, "max_top": MAX_TOP, "decimals": DECIMALS,
+        "stream_attention": {"max_token_weights": MAX_TOKEN_WEIGHTS, "max_request_weights": MAX_REQUEST_WEIGHTS},
+        "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
+                  "n_vocab": service.tokenizer.n_vocab},
+    }
