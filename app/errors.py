@@ -116,7 +116,8 @@ def _ranges() -> dict[str, str]:
     import annotated_types as at
 
     from app.inspect_api import InspectRequest
-    from app.schemas import CompletionRequest, GenerateParameters, TokenizeRequest
+    from app.schemas import CompletionRequest, GenerateParameters
+    from app.tokenizer_api import TokenizeRequest
 
     out: dict[str, str] = {}
     for prefix, model in (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest),

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import AuthDep, ReservationDep, ServiceDep
 from app.errors import TGI
 from app.responses import dumps
-from app.schemas import GenerateParameters, _Strict
+from app.schemas import GenerateParameters, StrictModel
 from app.service import GenerationService, until_done
 from app.tgi import ERRORS
 from model.config import GPTConfig
@@ -50,7 +50,7 @@ MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 sm
 NUMBER_BYTES, LENS_BYTES, TOKEN_BYTES, ALTERNATIVE_BYTES = 10, 48, 120, 64
 
 
-class InspectRequest(_Strict):
+class InspectRequest(StrictModel):
     inputs: str = Field(description="the text to look into; with `parameters`, the prompt to generate from")
     parameters: GenerateParameters | None = Field(None, description="generate first (TGI's parameters): the prompt "
                                                   "and its generated tokens are inspected")

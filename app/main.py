@@ -101,6 +101,12 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.service = None
     app.state.models = None
     install_error_handlers(app)
+    _install_routes(app)
+    _install_middleware(app, settings)
+    return app
+
+
+def _install_routes(app: FastAPI) -> None:
     app.include_router(system.router)
     app.include_router(tgi.router)
     app.include_router(openai_api.router)
@@ -108,8 +114,6 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.include_router(models_api.router)
     app.include_router(inspect_api.router)
     app.mount("/static", StaticFiles(directory=system.PLAYGROUND.parent), name="static")  # the playground's files
-    _install_middleware(app, settings)
-    return app
 
 
 def _install_middleware(app: FastAPI, settings: Settings) -> None:

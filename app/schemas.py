@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 
@@ -61,7 +61,7 @@ class ServerDefaults:
         return value
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Request models: unknown fields, NaN and infinities are refused, and so are values of another JSON type
     ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them. Every
     string must be valid Unicode: JSON's `\\ud800` escape gives Python a lone surrogate, which no UTF-8 text (a
@@ -84,7 +84,7 @@ class _Strict(BaseModel):
         return value
 
 
-class AttentionRequest(_Strict):
+class AttentionRequest(StrictModel):
     """Folio: the attention weights each generated token was chosen with, sent with the token."""
 
     layers: list[int] | None = Field(None, max_length=256, description="layers, 0-based; unset: all")
@@ -96,7 +96,7 @@ class AttentionRequest(_Strict):
                              heads=None if self.heads is None else tuple(self.heads))
 
 
-class GenerateParameters(_Strict):
+class GenerateParameters(StrictModel):
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most (server default if unset)")
     temperature: float | None = Field(None, ge=0, le=100, description="0 means greedy; unset means 1.0")
     top_k: int | None = Field(None, ge=0, description="keep the k most likely tokens; 0 or unset: off")
@@ -158,7 +158,7 @@ class GenerateParameters(_Strict):
         return best_of
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictModel):
     inputs: str = Field(description="the prompt")
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = Field(False, description="POST / only: stream server-sent events")
@@ -232,54 +232,6 @@ class StreamResponse(BaseModel):
     attention: TokenAttention | None = Field(None, description="Folio: with parameters.attention")
 
 
-class TokenizeRequest(_Strict):
-    """TGI's `{"inputs"}` (answered with a list of tokens and their offsets) or vLLM's `{"prompt"}` (answered with
-    `{count, max_model_len, tokens}`, what lm-evaluation-harness's remote tokenizer reads)."""
-
-    inputs: str | None = Field(None, description="TGI: the text")
-    prompt: str | None = Field(None, description="vLLM: the text")
-    parameters: GenerateParameters | None = None
-    add_special_tokens: bool | None = None
-    model: str | None = None
-
-    @model_validator(mode="after")
-    def _one_text(self) -> TokenizeRequest:
-        if (self.inputs is None) == (self.prompt is None):
-            raise PydanticCustomError("one_text", "give the text as exactly one of inputs (TGI) or prompt (vLLM)")
-        return self
-
-    @property
-    def field(self) -> str:
-        return "inputs" if self.inputs is not None else "prompt"
-
-    @property
-    def text(self) -> str:
-        return self.inputs if self.inputs is not None else self.prompt  # type: ignore[return-value]
-
-
-class TokenizeResponse(BaseModel):
-    """vLLM's answer to /tokenize."""
-
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(_Strict):
-    tokens: list[int] = Field(description="token ids (vLLM's /detokenize shape)")
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class SimpleToken(BaseModel):
-    id: int
-    text: str
-    start: int
-    stop: int
-
-
 class ErrorBody(BaseModel):
     error: str
     error_type: str
@@ -289,11 +241,11 @@ class ErrorBody(BaseModel):
 # -- OpenAI ---------------------------------------------------------------------------------------------
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class CompletionRequest(_Strict):
+class CompletionRequest(StrictModel):
     model: str | None = Field(None, description="ignored beyond a check that it names this model, if given")
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description=f"the prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "

@@ -7,16 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.schemas import (
-    DetokenizeResponse,
-    ErrorBody,
-    GenerateResponse,
-    OpenAIError,
-    SimpleToken,
-    StreamResponse,
-    TokenizeResponse,
-)
+from app.schemas import ErrorBody, GenerateResponse, OpenAIError, StreamResponse
 from app.testing import parse_sse
+from app.tokenizer_api import DetokenizeResponse, SimpleToken, TokenizeResponse
 
 
 def _fits(model: Any, obj: Any) -> bool:

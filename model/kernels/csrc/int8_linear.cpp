@@ -8,38 +8,13 @@
 
 namespace folio {
 
-// 8 int8 weights at w -> 8 floats
-static inline __m256 widen8(const int8_t* w) {
-  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
-
-// rows o..o+R-1 of w for MB inputs; I % 8 == 0
-template <int R, int MB>
-static inline void tile8(const int8_t* w, const float* x, float* y, const float* scale, const float* b, int64_t I,
-                         int64_t O) {
-  __m256 acc[R][MB];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < I; i += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * I + i);
-    for (int r = 0; r < R; r++) {
-      __m256 wv = widen8(w + r * I + i);
-      for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MB; m++) y[m * O + r] = hsum(acc[r][m]) * scale[r] + (b ? b[r] : 0.f);
-}
-
 template <int R>
 static inline void rows8(const int8_t* w, const float* x, float* y, const float* s, const float* b, int64_t I,
                          int64_t O, int64_t M) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile8<R, 4>(w, x + m * I, y + m * O, s, b, I, O);
-  for (; m + 2 <= M; m += 2) tile8<R, 2>(w, x + m * I, y + m * O, s, b, I, O);
-  if (m < M) tile8<R, 1>(w, x + m * I, y + m * O, s, b, I, O);
+  for (; m + 4 <= M; m += 4) dot_tile<R, 4>(w, x + m * I, y + m * O, s, b, I, O);
+  for (; m + 2 <= M; m += 2) dot_tile<R, 2>(w, x + m * I, y + m * O, s, b, I, O);
+  if (m < M) dot_tile<R, 1>(w, x + m * I, y + m * O, s, b, I, O);
 }
 
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const OptionalTensor& bias) {

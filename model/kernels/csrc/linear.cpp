@@ -12,19 +12,7 @@ namespace folio {
 // y[m, o + r] = sum_i x[m, i] * w[o + r, i] (+ b[o + r]) for r < R, m < MB; I % 8 == 0
 template <int R, int MB>
 static inline void tile(const float* w, const float* x, float* y, const float* b, int64_t I, int64_t O) {
-  __m256 acc[R][MB];
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < I; i += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * I + i);
-    for (int r = 0; r < R; r++) {
-      __m256 wv = _mm256_loadu_ps(w + r * I + i);
-      for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < MB; m++) y[m * O + r] = hsum(acc[r][m]) + (b ? b[r] : 0.f);
+  dot_tile<R, MB>(w, x, y, nullptr, b, I, O);
 }
 
 // rows o..o+R-1 of w for all M inputs, three at a time (12 accumulators: enough independent FMAs in flight)
