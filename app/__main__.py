@@ -32,6 +32,7 @@ from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser
 from model.devices import resolve_device
 
+WATCH_DEFAULT_S = 1.0  # `--watch` without a value: how often the checkpoints' config.json are read
 FINAL_WRITES_S = 2  # after the drain: how long responses still being written may take before they are cut
 
 
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None) -> dict:
             p.add_argument(flag, nargs="*", help=help_)
         elif name == "checkpoint":
             p.add_argument(flag, action="append", help=help_ + "; give it several times to serve several")
+        elif name == "watch":
+            p.add_argument(flag, nargs="?", const=WATCH_DEFAULT_S, metavar="SECONDS",
+                           help=help_ + f"; --watch alone: every {WATCH_DEFAULT_S:g} s")
         else:
             p.add_argument(flag, help=help_)
     args = vars(p.parse_args(argv))

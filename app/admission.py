@@ -35,6 +35,7 @@ from model.engine import Engine, Overloaded
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
                             "/inspect"})
+BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it
 
 
 class AdmissionMiddleware:
@@ -90,14 +91,16 @@ class AdmissionMiddleware:
 
 def admitting_engine(app: Any, scope: Scope) -> Engine | None:
     """The engine a request's slot is held in: the one model's; with the model registry (app/models.py), the
-    engine of the model its `X-Folio-Model` header names (or the default model's), if loaded. None where the model
-    is not loaded: the route loads it and submits without a held slot. (OpenAI's `model` is in the body, which
-    is not parsed here: such a request holds the header's or the default model's slot, which the service does not
-    use for another engine.)"""
+    engine of the model its `X-Folio-Model` header names (else the default model's) if loaded. None where that is
+    not known yet, or not loaded: the route holds its slot once it has the model's engine, before tokenising
+    (`GenerationService.start_many`). An OpenAI request without the header is such a request, since its body's
+    `model` may name another model: a full model must not refuse requests to the others."""
     models = app.state.models
     if models is None:
         return app.state.service.engine
     name = dict(scope.get("headers") or []).get(MODEL_HEADER.encode(), b"").decode("latin-1") or None
+    if name is None and scope["path"] in BODY_NAMES_MODEL:
+        return None
     loaded = {n: e for n, e, _ in models.registry.loaded()}
     return loaded.get(name if name is not None else models.registry.default)
 

@@ -15,16 +15,21 @@ from app.service import GenerationService
 from model.engine import Reservation
 
 
-async def get_service(request: Request) -> GenerationService:
-    """The service of the model the request names in `X-Folio-Model` (app/models.py), loaded; else the default."""
+async def service_for(request: Request, model: str | None = None) -> GenerationService:
+    """The service. With the model registry (app/models.py): the request's copy of the service of the model
+    `model` names (OpenAI's field), else its `X-Folio-Model` header, else the default model's, that model loaded
+    first if it is not."""
     service = getattr(request.app.state, "service", None)
     if service is None:
         raise Unavailable("the model is still loading")
     models = getattr(request.app.state, "models", None)
-    name = request.headers.get(MODEL_HEADER)
-    if models is not None and name is not None:
-        return await models.service(name)
+    if models is not None:
+        return await models.service(model or request.headers.get(MODEL_HEADER))
     return service
+
+
+async def get_service(request: Request) -> GenerationService:
+    return await service_for(request)
 
 
 def check_api_key(request: Request) -> None:

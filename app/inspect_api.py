@@ -164,6 +164,7 @@ async def inspect(body: InspectRequest, request: Request, service: ServiceDep, r
     """Look inside the model for a text: its tokens, attention maps, logit lens, and each token's probability and
     alternatives (with `parameters`: generate first, then inspect the prompt and its generated tokens)."""
     service.check_ready()
+    reservation = service.own_slot(reservation)
     limit = service.settings.max_tokenize_chars
     if len(body.inputs) > limit:
         raise InspectTooLarge("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "

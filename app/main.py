@@ -4,9 +4,8 @@ starts the engine and warms it up. Nothing heavy happens at import time."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import torch
 from fastapi import FastAPI
@@ -22,7 +21,7 @@ from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.limits import BodyLimitMiddleware
 from app.metrics import Metrics, RequestMetricsMiddleware
-from app.models import ServedModels
+from app.models import CurrentEngine, ServedModels
 from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
@@ -139,7 +138,7 @@ async def _serve_models(app: FastAPI, settings: Settings) -> AsyncIterator[None]
     await run_in_threadpool(models.start)
     service = models.default
     app.state.models, app.state.service = models, service
-    current = EngineOf(lambda: service.engine)  # the metrics read whichever engine serves the default model now
+    current = CurrentEngine(service)  # the metrics read whichever engine serves the default model now
     metrics.bind(current)  # type: ignore[arg-type]
     metrics.vllm.bind(current, service.model_id)  # type: ignore[arg-type]
     log.info("serving %s (default %s)", ", ".join(models.registry.names), service.model_id)
@@ -149,12 +148,3 @@ async def _serve_models(app: FastAPI, settings: Settings) -> AsyncIterator[None]
         models.set_draining()
         await run_in_threadpool(models.registry.stop)
 
-
-class EngineOf:
-    """Stands for the engine `get()` returns at each use (the default model's, across reloads)."""
-
-    def __init__(self, get: Callable[[], Engine]) -> None:
-        self._get = get
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._get(), name)

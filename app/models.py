@@ -5,10 +5,13 @@ the single-checkpoint server without them is unchanged (no registry).
 - Names: a checkpoint's directory name, or NAME=DIR. OpenAI's `model` field picks the model; TGI's routes (which
   have no such field) read the `X-Folio-Model` header; without either, the first model (`--checkpoint`) serves.
   An unknown name is a 404 listing the models; a model still loading after `--load-wait` seconds a 503 with
-  `Retry-After`; one that cannot be loaded a 503 naming why, while the others serve.
-- Each model has one `GenerationService`, whose engine is whichever the registry serves it with now: a request
-  keeps the engine it was submitted to, so a reload (`--watch`, `POST /admin/reload`) lets running requests
-  finish on the old weights while new ones get the new.
+  `Retry-After`; one that cannot be loaded a 503 naming why (not tried again until its files change), while the
+  others serve. With `--watch`, checkpoints put into `--models-dir` later are served too.
+- Each model has one `GenerationService`; a request works with a copy pinned to the engine and checkpoint the
+  registry gave it, so a reload (`--watch`, `POST /admin/reload`) lets running requests finish on the old weights
+  (and name them) while new ones get the new, and an unload (`--max-loaded`) lets them finish too.
+- Admission (app/admission.py) holds a request's slot in its own model's engine: one model at capacity refuses
+  nothing to the others.
 - `GET /v1/models` and `/info` list every model with its state (loaded, loading, unloaded, failed) and the
   sha256 of the checkpoint it serves; answers name it too (OpenAI's `system_fingerprint`, the
   `X-Folio-Checkpoint` header); /metrics counts reloads by model and result.
@@ -17,9 +20,10 @@ the single-checkpoint server without them is unchanged (no registry).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +39,12 @@ from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
-from model.engine import Engine
+from model.engine import Engine, EngineStats
 from model.registry import ModelInfo, ModelNotFound, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
 MODEL_HEADER = "x-folio-model"
+log = logging.getLogger("folio.models")
 router = APIRouter(tags=["Models"])
 
 
@@ -61,17 +66,23 @@ def model_paths(settings: Settings) -> dict[str, Path]:
     if settings.models_dir is not None:
         if not settings.models_dir.is_dir():
             raise ValueError(f"--models-dir {settings.models_dir} is not a directory")
-        for path in sorted(p for p in settings.models_dir.iterdir() if (p / CONFIG_FILE).is_file()):
-            if path.resolve() not in {p.resolve() for p in out.values()}:
-                add(str(path))
+        for path in checkpoint_dirs(settings.models_dir, out):
+            add(str(path))
     return out
+
+
+def checkpoint_dirs(directory: Path, served: dict[str, Path]) -> list[Path]:
+    """The checkpoint directories (with a config.json) under `directory` that are not among `served`."""
+    known = {p.resolve() for p in served.values()}
+    return [p for p in sorted(directory.iterdir()) if (p / CONFIG_FILE).is_file() and p.resolve() not in known]
 
 
 class ServedModels:
     """The registry and one `GenerationService` per model name."""
 
     def __init__(self, settings: Settings, metrics: Metrics, build: Callable[[Settings, Checkpoint], Engine]) -> None:
-        self.settings = settings
+        self.settings, self.metrics = settings, metrics
+        self._skipped: set[Path] = set()  # directories `discover` found under a name already taken (logged once)
 
         def load(path: Path) -> tuple[Checkpoint, Engine]:
             checkpoint = load_checkpoint(path)
@@ -81,19 +92,42 @@ class ServedModels:
 
         self.registry = ModelRegistry(model_paths(settings), load, max_loaded=settings.max_loaded,
                                       load_wait=settings.load_wait, drain_timeout=settings.drain_timeout)
-        self.services = {name: GenerationService(None, None, settings, metrics, registry=self.registry, name=name)
-                         for name in self.registry.names}
+        self.services: dict[str, GenerationService] = {}
         metrics.registry.register(ReloadCollector(self.registry))
+
+    def shared(self, name: str) -> GenerationService:
+        """Model `name`'s service, made on first use (`--watch` adds the models put into --models-dir)."""
+        service = self.services.get(name)
+        if service is None:
+            service = GenerationService(None, None, self.settings, self.metrics, registry=self.registry, name=name)
+            service.ready = True
+            service = self.services.setdefault(name, service)
+        return service
 
     @property
     def default(self) -> GenerationService:
-        return self.services[self.registry.default]
+        return self.shared(self.registry.default)
 
     async def service(self, name: str | None) -> GenerationService:
-        """The service of model `name` (the default if None), its model loaded (or the registry's error)."""
-        name = self.registry.slot_for(name)
-        await self.registry.acquire(name)
-        return self.services[name]
+        """A request's copy of model `name`'s service (the default's if None), pinned to the engine and checkpoint
+        that serve it now, loading it first if needed (or the registry's error: 404, 503)."""
+        name, engine, checkpoint = await self.registry.acquire(name)
+        return self.shared(name).pinned(engine, checkpoint)
+
+    def discover(self) -> dict[str, Path]:
+        """The checkpoint directories put into `--models-dir` since it was last looked at, by name (`--watch`)."""
+        if self.settings.models_dir is None:
+            return {}
+        try:
+            found = checkpoint_dirs(self.settings.models_dir, self.registry.paths())
+        except OSError as e:
+            log.warning("cannot look into --models-dir %s: %s", self.settings.models_dir, e)
+            return {}
+        taken = set(self.registry.names)
+        for path in (p for p in found if p.name in taken and p not in self._skipped):
+            self._skipped.add(path)
+            log.warning("not serving %s: a model is named %r already", path, path.name)
+        return {p.name: p for p in found if p.name not in taken}
 
     def set_draining(self) -> None:
         for service in self.services.values():
@@ -102,10 +136,8 @@ class ServedModels:
     def start(self) -> None:
         """Load the default model now (a broken one fails the start-up) and start watching if asked."""
         self.registry.load_now(self.registry.default)
-        for service in self.services.values():
-            service.ready = True
         if self.settings.watch:
-            self.registry.watch(self.settings.watch)
+            self.registry.watch(self.settings.watch, self.discover)
 
     def describe(self) -> list[dict[str, Any]]:
         return [describe(info) for info in self.registry.info()]
@@ -116,6 +148,24 @@ def describe(info: ModelInfo) -> dict[str, Any]:
     out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
     out["checkpoint"] = info.path.name
     return out
+
+
+class CurrentEngine:
+    """The engine /metrics reads for a model: whichever serves it now (across reloads). While the model is
+    unloaded, an idle engine: nothing running or waiting, the counters where its last engine left them."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self._service = service
+        self._last_stats = EngineStats()
+
+    def __getattr__(self, name: str) -> Any:
+        engine = self._service.loaded_engine
+        if engine is not None:
+            self._last_stats = engine.stats  # the scheduler's small stats object, not the engine
+            return getattr(engine, name)
+        idle = {"stats": replace(self._last_stats, running=0, waiting=0), "reserved": 0,
+                "max_batch_size": self._service.settings.max_batch_size}
+        return idle[name]
 
 
 class ReloadCollector(Collector):
@@ -189,11 +239,10 @@ async def training(name: str, request: Request) -> dict[str, Any]:
     from app.deps import get_service
     from app.system import without_paths
 
-    service = await get_service(request)
     models = served_models(request)
     if models is not None:
         service = await models.service(name)
-    elif name != service.model_id:
+    elif name != (service := await get_service(request)).model_id:
         raise ModelNotFound(name, [service.model_id])
     ck = service.checkpoint
     rows = await run_in_threadpool(_metrics_tail, ck.path / METRICS_FILE) if ck.path else []

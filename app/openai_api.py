@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
-from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.deps import AuthDep, ReservationDep, get_service, service_for
 from app.errors import OPENAI, error_body, exception_body
 from app.models import served_models
 from app.responses import StrictJSONResponse
@@ -28,27 +28,27 @@ ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429
 
 
 @router.get("/models")
-async def models(request: Request, service: ServiceDep) -> dict[str, Any]:
-    """The models served: one, or with the registry every model and its state (app/models.py)."""
+async def models(request: Request) -> dict[str, Any]:
+    """The models served: one, or with the registry every model and its state (app/models.py; loads none)."""
     served = served_models(request)
     if served is not None:
         return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
                                             "owned_by": "folio", **m} for m in served.describe()]}
+    service = await get_service(request)
     created = int(service.checkpoint.path.stat().st_mtime) if service.checkpoint.path else 0
     return {"object": "list",
             "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
-async def completions(body: CompletionRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
+async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep,
                       _: AuthDep) -> Response:
     """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
-    of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt."""
+    of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt.
+    `model` picks one of the models served (app/models.py)."""
+    service = await service_for(request, body.model)
     service.check_ready()
-    served = served_models(request)
-    if served is not None and body.model is not None:
-        service = await served.service(body.model)
-    elif body.model is not None and body.model != service.model_id:
+    if served_models(request) is None and body.model is not None and body.model != service.model_id:
         msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
         return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
     params, samples = body.to_sampling_params(service.defaults), body.samples()

@@ -5,6 +5,7 @@ themselves into `SamplingParams` (app/schemas.py). No tensors here; the engine o
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -29,8 +30,9 @@ INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event
 
 class GenerationService:
     """One model's service. Its engine and checkpoint are fixed, or, with the model registry (app/models.py),
-    whichever the registry serves the model `name` with now (a reload swaps them; a request keeps the engine it
-    was submitted to)."""
+    whichever the registry serves the model `name` with now. A request works with a `pinned` copy: the engine
+    and checkpoint the registry gave it, whatever a reload or an unload does meanwhile, so that its tokenizer,
+    its engine and the checkpoint its answer names (`fingerprint`) are one model's."""
 
     def __init__(self, engine: Engine | None, checkpoint: Checkpoint | None, settings: Settings, metrics: Metrics,
                  *, registry: ModelRegistry | None = None, name: str | None = None) -> None:
@@ -42,20 +44,35 @@ class GenerationService:
         self.ready = False
         self.draining = False
         self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
+        self._origin: GenerationService | None = None  # the model's shared service, for a pinned copy
         if name is not None:
             self.model_id = name
         else:
             assert checkpoint is not None
             self.model_id = settings.model_id or checkpoint.path.name
 
+    def pinned(self, engine: Engine, checkpoint: Checkpoint) -> GenerationService:
+        """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it)."""
+        view = copy.copy(self)
+        view._engine, view._checkpoint, view._origin = engine, checkpoint, self._origin or self
+        return view
+
     def _current(self) -> tuple[Engine, Checkpoint]:
-        if self.registry is None:
-            assert self._engine is not None and self._checkpoint is not None
+        if self._engine is not None and self._checkpoint is not None:  # one model, or a request's pinned copy
             return self._engine, self._checkpoint
+        assert self.registry is not None
         for name, engine, checkpoint in self.registry.loaded():
             if name == self.name:
                 return engine, checkpoint
         raise Unavailable(f"the model {self.name!r} is not loaded (it was unloaded to make room); try again")
+
+    @property
+    def loaded_engine(self) -> Engine | None:
+        """The engine serving the model now, or None while it is not loaded (health and metrics: never loads)."""
+        try:
+            return self._current()[0]
+        except Unavailable:
+            return None
 
     @property
     def engine(self) -> Engine:
@@ -79,6 +96,9 @@ class GenerationService:
         return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
 
     def check_ready(self) -> None:
+        if self._origin is not None:  # a request's copy: the shared service knows whether the server drains
+            self._origin.check_ready()
+            return
         if self.draining:
             raise Unavailable("the server is shutting down and admits no new requests")
         if not self.ready:
@@ -89,6 +109,14 @@ class GenerationService:
         return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit)
 
     # -- submitting -----------------------------------------------------------------------------------
+    def own_slot(self, reservation: Reservation | None) -> Reservation | None:
+        """`reservation` if its slot is in this request's engine; else None, a slot in another engine given back
+        (with the model registry, admission reserves before the body names the model, or before a reload)."""
+        if reservation is not None and reservation.owner is not self.engine:
+            reservation.release()
+            return None
+        return reservation
+
     async def encode(self, text: str, field: str = "inputs") -> list[int]:
         """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
         millisecond, less than the hand-off to a worker thread and back costs)."""
@@ -112,20 +140,29 @@ class GenerationService:
         share the prompt's prefill (the prefix cache). If one cannot be submitted (429), none runs."""
         self.check_ready()
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
-        prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
-        with api.naming_fields():
-            for p in params:
-                prompt = engine.validate(prompt, truncate, p)
-        self.check_ready()
-        if reservation is not None and reservation.owner is not engine:
-            reservation = None  # held on another model's engine (admission reserves before the model is known)
+        own = None
+        reservation = self.own_slot(reservation)
+        if self.registry is not None and reservation is None:  # hold one here before tokenising (429 at once)
+            reservation = own = engine.reserve()
         try:
-            return self._submit(engine, prompt, params, truncate, reservation)
-        except EngineStopped:
-            if self.registry is None or self.draining or self.engine is engine:
-                raise
-            # a reload swapped the engine between the checks and the submission: the new one takes it
-            return self._submit(self.engine, prompt, params, truncate, None)
+            prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
+            with api.naming_fields():
+                for p in params:
+                    prompt = engine.validate(prompt, truncate, p)
+            self.check_ready()
+            try:
+                return self._submit(engine, prompt, params, truncate, reservation)
+            except EngineStopped:
+                if self.registry is None or self._origin is None or self._origin.draining:
+                    raise
+            # a reload retired the engine between the checks and the submission: the new one takes the request
+            assert self.name is not None
+            _, engine, checkpoint = await self.registry.acquire(self.name)
+            self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
+            return self._submit(engine, prompt, params, truncate, None)
+        finally:
+            if own is not None:
+                own.release()  # a no-op once submitted
 
     @staticmethod
     def _submit(engine: Engine, prompt: list[int], params: list[SamplingParams], truncate: int | None,

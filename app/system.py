@@ -6,7 +6,8 @@ The probes (what each answers is what the kubelet acts on; deploy/kubernetes/ us
   restarts the container, and a draining server must be left to finish);
 - `/health/ready`: send it new traffic: loaded, not draining, and not full (requests in flight below the
   capacity, `max_batch_size + max_waiting`: the engine's own figures, the ones /metrics exports);
-- `/health/live`: the engine thread is alive and no step has run longer than `--liveness-stall-seconds`.
+- `/health/live`: the engine thread is alive and no step has run longer than `--liveness-stall-seconds` (with
+  several models: every loaded model's).
 A 503 says why in its body: `{"status": ..., "reason": ...}`. None of them touches the engine's lock, so a
 wedged engine cannot hang the probes too.
 """
@@ -85,7 +86,10 @@ async def health_ready(request: Request) -> StrictJSONResponse:
         return _unavailable("loading", LOADING)
     if service.draining:
         return _unavailable("draining", "the server is shutting down and admits no new requests")
-    engine = service.engine
+    engine = service.loaded_engine
+    if engine is None:  # the default model was unloaded to make room (app/models.py): the next request loads it
+        return StrictJSONResponse({"status": "ok", "in_flight": 0,
+                                   "capacity": service.settings.max_batch_size + service.settings.max_waiting})
     in_flight, capacity = engine.stats.running + engine.stats.waiting, engine.max_batch_size + engine.max_waiting
     if in_flight >= capacity:
         return _unavailable("full", f"{in_flight} requests in flight, the capacity is {capacity} "
@@ -100,10 +104,15 @@ async def health_live(request: Request) -> StrictJSONResponse:
     service = getattr(request.app.state, "service", None)
     if service is None:
         return _unavailable("loading", "the engine has not started yet")
-    alive, why = service.engine.liveness(service.settings.liveness_stall_seconds)
-    if not alive:
-        return _unavailable("unhealthy", why)
-    return StrictJSONResponse({"status": why})
+    models = request.app.state.models  # with the registry (app/models.py): every model loaded now
+    engines = [(None, service.engine)] if models is None else [(n, e) for n, e, _ in models.registry.loaded()]
+    states = []
+    for name, engine in engines:
+        alive, why = engine.liveness(service.settings.liveness_stall_seconds)
+        if not alive:
+            return _unavailable("unhealthy", why if name is None else f"model {name!r}: {why}")
+        states.append(why)
+    return StrictJSONResponse({"status": "stepping" if "stepping" in states else "idle"})
 
 
 @router.get("/info")

@@ -8,16 +8,19 @@ unloaded least-recently-used beyond a budget, and swapped without dropping a req
   atomically, with the new weights' sha256) is loaded beside the old one and warmed up; then new requests go to
   it and the old engine drains. A checkpoint that fails to load is refused: the old one keeps serving, and the
   reason is kept (`ModelInfo.error`) and logged.
-- One model failing to load affects no other.
+- One model failing to load affects no other; it is not tried again until its files change (a request to it is a
+  fast `ModelFailed`, and evicts nothing to make room).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from model.sampling_params import preview
 log = logging.getLogger("folio.registry")
 
 UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
+RETIRE_COLLECTIONS = 20  # full garbage collections, 0.5 s apart, that a retired engine gets to be freed
 Loader = Callable[[Path], tuple[Checkpoint, Engine]]  # load, build, start and warm up an engine
 
 
@@ -73,6 +77,7 @@ class _Slot:
     checkpoint: Checkpoint | None = None
     loading: Future | None = None
     refused: str | None = None  # the config.json digest a reload refused (not retried until it changes)
+    failed: tuple | None = None  # the files (`files_stamp`) a load failed on: not tried again until they change
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the swap of engine and checkpoint
     reloading: threading.Lock = field(default_factory=threading.Lock)  # one reload at a time
 
@@ -82,6 +87,21 @@ def config_digest(directory: Path) -> str | None:
         return hashlib.sha256((directory / CONFIG_FILE).read_bytes()).hexdigest()
     except OSError:
         return None
+
+
+def files_stamp(directory: Path) -> tuple:
+    """The directory's files by name, size and modification time: a few stat calls, cheap enough for each request
+    to a model that failed to load (its weights may be complete now, its config.json unchanged)."""
+    try:
+        return tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in directory.iterdir()
+                            if p.is_file() and (st := p.stat())))
+    except OSError:
+        return ()
+
+
+def _known_broken(slot: _Slot) -> bool:
+    """Whether the model failed to load from the files it has now."""
+    return slot.failed is not None and slot.failed == files_stamp(slot.info.path)
 
 
 class ModelRegistry:
@@ -104,6 +124,19 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return list(self._slots)
 
+    def paths(self) -> dict[str, Path]:
+        return {name: slot.info.path for name, slot in self._slots.items()}
+
+    def add(self, name: str, path: Path) -> bool:
+        """Serve one more model (not loaded until first used); False if the name is taken."""
+        with self._lock:
+            if name in self._slots:
+                return False
+            # a new dict, not a change to the one the event loop may be iterating over
+            self._slots = {**self._slots, name: _Slot(ModelInfo(name, Path(path)))}
+        log.info("serving model %s from %s (loaded on first use)", name, path)
+        return True
+
     def info(self) -> list[ModelInfo]:
         return [slot.info for slot in self._slots.values()]
 
@@ -121,17 +154,19 @@ class ModelRegistry:
         """The engine serving `name` (the default model if None), loading it first if needed."""
         name = self.slot_for(name)
         slot = self._slots[name]
-        slot.info.last_used = time.monotonic()
-        if slot.engine is not None and slot.checkpoint is not None:
-            return name, slot.engine, slot.checkpoint
-        future = self._start_loading(name)
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.load_wait)
-        except TimeoutError:
-            raise ModelLoading(name, max(1, int(self.load_wait))) from None
-        if slot.engine is None or slot.checkpoint is None:
-            raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
-        return name, slot.engine, slot.checkpoint
+        deadline = time.monotonic() + self.load_wait
+        while True:
+            slot.info.last_used = time.monotonic()
+            engine, checkpoint = slot.engine, slot.checkpoint
+            if engine is not None and checkpoint is not None:
+                return name, engine, checkpoint
+            if slot.info.state == FAILED and _known_broken(slot):
+                raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
+            future = self._start_loading(name)  # again if another load unloaded it before this request got it
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline - time.monotonic())
+            except TimeoutError:
+                raise ModelLoading(name, max(1, int(self.load_wait))) from None
 
     def load_now(self, name: str) -> None:
         """Load `name` and wait (startup); raises ModelFailed if it cannot be."""
@@ -143,7 +178,7 @@ class ModelRegistry:
         slot = self._slots[name]
         with slot.lock:
             if slot.loading is None or slot.loading.done():
-                if slot.engine is not None:
+                if slot.engine is not None or _known_broken(slot):
                     done: Future = Future()
                     done.set_result(None)
                     return done
@@ -155,15 +190,16 @@ class ModelRegistry:
 
     def _load_into(self, name: str, future: Future) -> None:
         slot = self._slots[name]
+        stamp = files_stamp(slot.info.path)
         try:
             self._make_room(keep=name)
             digest = config_digest(slot.info.path)
             checkpoint, engine = self._load(slot.info.path)
-            slot.checkpoint, slot.engine = checkpoint, engine
+            slot.checkpoint, slot.engine, slot.failed = checkpoint, engine, None
             self._loaded(slot.info, checkpoint, digest)
         except Exception as e:  # this model alone fails; the others serve
             log.error("model %s could not be loaded from %s: %s", name, slot.info.path, e)
-            slot.info.state, slot.info.error = FAILED, str(e)
+            slot.info.state, slot.info.error, slot.failed = FAILED, str(e), stamp
         finally:
             future.set_result(None)
 
@@ -193,7 +229,23 @@ class ModelRegistry:
             self._retire(engine)
 
     def _retire(self, engine: Engine) -> None:
-        threading.Thread(target=engine.drain, args=(self.drain_timeout,), name="folio-drain", daemon=True).start()
+        """Let `engine` finish what it runs, stop it, and free it. An engine sits in reference cycles (its
+        scheduler's callback, each request's event sink) that reference counting never frees: left to the garbage
+        collector's own schedule, old engines' weights stayed in memory reload after reload (a server's RSS grew by
+        the weights twice over per reload, the packed copy included). So collect until it is gone (a response still
+        being written may hold it a moment longer)."""
+        gone = weakref.ref(engine)
+
+        def retire(held: list[Engine]) -> None:
+            held.pop().drain(self.drain_timeout)
+            for _ in range(RETIRE_COLLECTIONS):
+                gc.collect()
+                if gone() is None:
+                    return
+                time.sleep(0.5)
+            log.warning("a retired engine is still referenced; its memory is freed when the reference goes")
+
+        threading.Thread(target=retire, args=([engine],), name="folio-retire", daemon=True).start()
 
     # -- hot reload -----------------------------------------------------------------------------------
     def reload(self, name: str) -> bool:
@@ -220,10 +272,13 @@ class ModelRegistry:
             self._retire(old)
         return True
 
-    def watch(self, interval: float) -> None:
-        """Check every loaded model's files every `interval` seconds (a background thread) and reload changed ones."""
+    def watch(self, interval: float, discover: Callable[[], dict[str, Path]] | None = None) -> None:
+        """Check every loaded model's files every `interval` seconds (a background thread) and reload changed ones;
+        serve the models `discover` finds (a models directory's new checkpoints) as well."""
         def loop() -> None:
             while not self._stop.wait(interval):
+                for name, path in (discover() if discover else {}).items():
+                    self.add(name, path)
                 for name, slot in list(self._slots.items()):
                     if slot.engine is not None:
                         self.reload(name)

@@ -31,10 +31,12 @@ TRAINING = {"note": "random weights for the app tests", "iters": 0, "seed": 1234
 EMOJI_CJK = "😀中"
 
 
-def make_char_checkpoint(directory: Path, *, seed: int = 1234, chars: list[str] = CHARS) -> Path:
-    """The seeded random character-level checkpoint, written to `directory` (returned)."""
+def make_char_checkpoint(directory: Path, *, seed: int = 1234, chars: list[str] = CHARS, n_layer: int = 2,
+                         n_embd: int = 32) -> Path:
+    """The seeded random character-level checkpoint, written to `directory` (returned); larger with more layers
+    or a wider embedding (memory tests)."""
     torch.manual_seed(seed)
-    config = GPTConfig(block_size=64, vocab_size=len(chars), n_layer=2, n_head=2, n_embd=32)
+    config = GPTConfig(block_size=64, vocab_size=len(chars), n_layer=n_layer, n_head=2, n_embd=n_embd)
     model = GPT(config).eval()
     with torch.no_grad():
         for p in model.parameters():

@@ -20,14 +20,14 @@ from bench.reliability.training import TRAIN_ARGS, _trainer, training_text
 WATCH_S = 0.2
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-class _Clients:
+class StreamingClients:
     """Streaming clients in a loop until stopped: what they were served, what failed, which weights answered."""
 
     def __init__(self, base: str, http: httpx.Client, n: int) -> None:
@@ -88,8 +88,8 @@ def run(workdir: Path, clients: int, iters: int) -> dict[str, Any]:
         return {"problems": ["the first training run failed"], "problem_count": 1}
     with serving(out_dir, workdir / "reload-server.log", "--watch", str(WATCH_S)) as (base, proc), \
             httpx.Client(timeout=60) as http:
-        rss_before = _rss_mb(proc.pid)
-        load = _Clients(base, http, clients)
+        rss_before = rss_mb(proc.pid)
+        load = StreamingClients(base, http, clients)
         trainer_done, latencies = threading.Event(), []
         monitor = threading.Thread(target=lambda: latencies.extend(
             _swap_latencies(base, http, out_dir / "config.json", trainer_done)))
@@ -101,7 +101,7 @@ def run(workdir: Path, clients: int, iters: int) -> dict[str, Any]:
         monitor.join(60)
         load.join()
         last = http.post(f"{base}/generate", json={"inputs": "ROMEO:"}).headers["x-folio-checkpoint"]
-        rss_after = _rss_mb(proc.pid)
+        rss_after = rss_mb(proc.pid)
         reloads = http.get(f"{base}/info").json()["models"][0]["reloads"]
     if trained != 0:
         problems.add(f"the resumed training run exited {trained}")

@@ -1,6 +1,8 @@
 """Several checkpoints in one server and hot reload, over HTTP (app/models.py): each model's answers equal a server
-with that model alone, LRU unloading under --max-loaded, a broken checkpoint refused while the others serve, and
-a reload that lets a running stream finish on the old weights while new requests get the new. Reload under
+with that model alone, LRU unloading under --max-loaded (the default model loading again for requests that name
+none), a model at capacity refusing nothing to the others, a 503 with Retry-After while a model loads, a broken
+checkpoint refused while the others serve, and a reload that lets a running stream finish on the old weights
+while new requests get the new. Reload under
 load with the real trainer writing is a reliability section (bench/reliability/reload.py, tests/reliability)."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def client(**settings: Any) -> TestClient:
-    return TestClient(create_app(Settings(**BASE, **settings)))
+    return TestClient(create_app(Settings(**{**BASE, **settings})))
 
 
 def greedy(c: TestClient, model: str | None = None, prompt: str = PROMPT, n: int = 12) -> dict[str, Any]:
@@ -71,6 +73,28 @@ def test_interleaved_requests_get_each_models_own_answer(dirs: dict[str, Path], 
         assert r.status_code == 404 and r.json()["error_type"] == "not_found"
         info = c.get("/info").json()
         assert [m["name"] for m in info["models"]] == ["a", "b"] and all(m["config_sha256"] for m in info["models"])
+
+
+def test_concurrent_requests_to_several_models_each_get_their_models_answer(dirs: dict[str, Path],
+                                                                            alone: dict[str, str]) -> None:
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])]) as c:
+        got: list[tuple[str, str, str]] = []
+
+        def ask(name: str, api: str) -> None:
+            if api == "openai":
+                got.append((name, api, greedy(c, name)["choices"][0]["text"]))
+            else:
+                r = c.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}},
+                           headers={"X-Folio-Model": name})
+                got.append((name, api, "".join(e["token"]["text"] for e in parse_sse(r.text))))
+
+        workers = [threading.Thread(target=ask, args=(name, api)) for _ in range(3) for name in ("a", "b")
+                   for api in ("openai", "tgi")]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert len(got) == len(workers) and all(text == alone[name] for name, _, text in got), got
 
 
 def test_least_recently_used_model_is_unloaded_beyond_max_loaded(dirs: dict[str, Path],
@@ -148,3 +172,68 @@ def test_a_checkpoint_that_fails_to_load_is_refused_and_the_old_one_serves(
     assert after["choices"] == before["choices"] and after["system_fingerprint"] == before["system_fingerprint"]
     assert after["choices"][0]["text"] == alone["a"]
     assert metric(c.get("/metrics").text, "folio_model_reloads_total", model="live", result="refused") == 1
+
+
+def test_the_default_model_unloaded_to_make_room_serves_requests_that_name_no_model(
+        dirs: dict[str, Path], alone: dict[str, str]) -> None:
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])], max_loaded=1) as c:
+        greedy(c, "b")
+        assert states(c) == {"a": "unloaded", "b": "loaded"}
+        # the probes and /metrics answer without loading it, and say it is idle
+        assert c.get("/health/ready").status_code == 200 and c.get("/health/live").status_code == 200
+        assert metric(c.get("/metrics").text, "folio_running_batch_size") == 0
+        assert states(c) == {"a": "unloaded", "b": "loaded"}
+        # a request that names no model is the default model's: it loads it again (before: 503 until one named it)
+        r = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}})
+        assert r.status_code == 200 and r.json()["generated_text"] == alone["a"]
+        assert states(c) == {"a": "loaded", "b": "unloaded"}
+        greedy(c, "b")
+        assert greedy(c)["choices"][0]["text"] == alone["a"] and states(c)["a"] == "loaded"
+
+
+def test_a_model_at_capacity_refuses_nothing_to_the_others(dirs: dict[str, Path], alone: dict[str, str]) -> None:
+    """Admission holds a request's slot in its own model's engine: a long stream to b must not fill a."""
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])], max_batch_size=1, max_waiting=0) as c:
+        greedy(c, "b")
+        engine_b = next(e for n, e, _ in c.app.state.models.registry.loaded() if n == "b")
+        gate, entered = threading.Event(), threading.Event()
+        engine_b.on_step = lambda reqs: (entered.set(), gate.wait(10))
+        body = {"prompt": PROMPT, "model": "b", "max_tokens": 5, "stream": True}
+        worker = threading.Thread(target=lambda: c.post("/v1/completions", json=body))
+        worker.start()
+        try:
+            assert entered.wait(10)
+            assert greedy(c, "a")["choices"][0]["text"] == alone["a"]  # was 429: b's request held a's slot
+            r = c.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 12}})
+            assert r.status_code == 200 and r.json()["generated_text"] == alone["a"]
+            full = c.post("/v1/completions", json={"prompt": PROMPT, "model": "b", "max_tokens": 5})
+            assert full.status_code == 429  # b itself is full
+            full = c.post("/generate", json={"inputs": PROMPT}, headers={"X-Folio-Model": "b"})
+            assert full.status_code == 429
+        finally:
+            engine_b.on_step = None
+            gate.set()
+            worker.join(30)
+        assert c.app.state.service.engine.reserved == engine_b.reserved == 0
+
+
+def test_a_model_still_loading_after_the_wait_is_a_503_with_retry_after(
+        dirs: dict[str, Path], alone: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.main
+
+    gate = threading.Event()
+    build = app.main.build_engine
+
+    def slow_build(settings: Settings, checkpoint: Any) -> Any:
+        if checkpoint.path.name == "b":
+            assert gate.wait(30)
+        return build(settings, checkpoint)
+
+    monkeypatch.setattr(app.main, "build_engine", slow_build)
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"])], load_wait=0.2) as c:
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "b"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "is loading" in r.text
+        assert states(c) == {"a": "loaded", "b": "loading"}
+        assert greedy(c, "a")["choices"][0]["text"] == alone["a"]  # the others serve meanwhile
+        gate.set()
+        assert greedy(c, "b")["choices"][0]["text"] == alone["b"]

@@ -96,3 +96,10 @@ def test_compare_view_shows_two_models_answers(server: str, page: Any) -> None:
                 for m in ("mine", "other")]
     assert texts == want and texts[0] != texts[1]
     page.screenshot(path=str(RESULTS / "compare_view.png"), full_page=True)
+
+
+def test_the_playground_links_to_the_training_view(server: str, page: Any) -> None:
+    page.goto(f"{server}/")
+    page.click("#training_link")
+    page.wait_for_url(f"{server}/training")
+    page.wait_for_function("document.getElementById('cmpB').options.length === 2", timeout=30_000)

@@ -15,7 +15,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.engine import Engine
 from model.gpt import GPT
-from model.registry import FAILED, LOADED, UNLOADED, ModelLoading, ModelNotFound, ModelRegistry
+from model.registry import FAILED, LOADED, UNLOADED, ModelFailed, ModelLoading, ModelNotFound, ModelRegistry
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
 
@@ -129,5 +129,41 @@ def test_reload_swaps_weights_running_requests_finish_on_the_old_ones(models, tm
         (models["a"] / "config.json").write_text((models["a"] / "config.json").read_text() + " ")
         assert reg.reload("a") is False
         assert run(reg.acquire("a"))[1] is new and "reload refused" in reg.info()[0].error
+    finally:
+        reg.stop()
+
+
+def test_a_model_unloaded_before_its_waiter_got_it_is_loaded_again(models) -> None:
+    reg = ModelRegistry(models, loader(), max_loaded=2)
+    loads, unloaded = [], []
+
+    def loaded(info, checkpoint, digest) -> None:  # another load makes room by unloading it, at once (once)
+        ModelRegistry._loaded(info, checkpoint, digest)
+        loads.append(info.name)
+        if not unloaded:
+            unloaded.append(info.name)
+            reg.unload(info.name)
+
+    reg._loaded = loaded
+    try:
+        name, engine, _ = run(reg.acquire("b"))
+        assert name == "b" and loads == ["b", "b"] and not engine.scheduler.stopping
+        assert [i.state for i in reg.info()] == [UNLOADED, LOADED]
+    finally:
+        reg.stop()
+
+
+def test_a_model_that_failed_to_load_is_not_loaded_again_until_its_files_change(models, tmp_path) -> None:
+    calls: list[Path] = []
+    load = loader()
+    reg = ModelRegistry(models, lambda path: (calls.append(path), load(path))[1])
+    (models["b"] / "model.safetensors").write_bytes(b"torn")
+    try:
+        for _ in range(3):
+            with pytest.raises(ModelFailed, match="could not be loaded"):
+                run(reg.acquire("b"))
+        assert len(calls) == 1 and reg.info()[1].state == FAILED
+        write_model(models["b"], 2)
+        assert run(reg.acquire("b"))[0] == "b" and len(calls) == 2
     finally:
         reg.stop()
