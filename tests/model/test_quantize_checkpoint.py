@@ -1,0 +1,50 @@
+"""An offline int8 checkpoint (`python -m model.quantize`): config.json says so, it loads without quantizing
+again, and its model equals the one quantized at load, logits bit for bit and greedy tokens one for one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model.checkpoint import CheckpointError, load_checkpoint
+from model.quantize import Int8Linear, main, quantize
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
+
+
+def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"] == "int8"
+    offline = load_checkpoint(tmp_path / "q8").model
+    at_load = load_checkpoint(repo / "weights" / "shakespeare-char").model
+    quantize(at_load, "int8")
+    assert sum(isinstance(m, Int8Linear) for m in offline.modules()) == 4 * offline.config.n_layer + 1
+    assert all(type(m) is not torch.nn.Linear for m in offline.modules())
+    for (name, a), (_, b) in zip(offline.state_dict().items(), at_load.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    idx = torch.randint(0, offline.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(offline(idx), at_load(idx))
+    greedy = SamplingParams(max_new_tokens=64, greedy=True)
+    prompt = [1, 2, 3]
+    a = [t for t, _ in generate_naive(offline, prompt, greedy, n_vocab=offline.config.vocab_size)]
+    b = [t for t, _ in generate_naive(at_load, prompt, greedy, n_vocab=at_load.config.vocab_size)]
+    assert a == b and len(a) == 64
+
+
+def test_an_unknown_quantization_in_config_is_refused(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    config = tmp_path / "q8" / "config.json"
+    meta = json.loads(config.read_text())
+    meta["quantization"] = "int4"
+    config.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="quantization must be one of"):
+        load_checkpoint(tmp_path / "q8")
+
+
+def test_an_int8_checkpoint_is_not_quantized_twice(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    with pytest.raises(ValueError, match="already quantized"):
+        main(["--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "again")])
