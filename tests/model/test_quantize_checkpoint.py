@@ -7,7 +7,10 @@ import json
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from app.main import create_app
+from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.quantize import Int8Linear, main, quantize
 from model.reference import generate_naive
@@ -48,3 +51,17 @@ def test_an_int8_checkpoint_is_not_quantized_twice(repo, tmp_path) -> None:
     main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
     with pytest.raises(ValueError, match="already quantized"):
         main(["--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "again")])
+
+
+def test_a_server_on_an_int8_checkpoint_says_int8_and_generates_as_quantize_at_load(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    body = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 24, "greedy": True}}
+    texts = []
+    for checkpoint, kind in ((tmp_path / "q8", "none"), (repo / "weights" / "shakespeare-char", "int8")):
+        settings = Settings(checkpoint=checkpoint, device="cpu", threads=1, quantize=kind)
+        with TestClient(create_app(settings)) as c:
+            assert c.get("/info").json()["quantization"] == "int8"
+            r = c.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["generated_text"])
+    assert texts[0] == texts[1] and len(texts[0]) == 24
