@@ -1,5 +1,6 @@
-"""An offline int8 checkpoint (`python -m model.quantize`): config.json says so, it loads without quantizing
-again, and its model equals the one quantized at load, logits bit for bit and greedy tokens one for one."""
+"""The int8 kernels of every variant this CPU runs against the dequantized product; an offline int8
+checkpoint (`python -m model.quantize`): config.json says so, it loads without quantizing again, and its model
+equals the one quantized at load, logits bit for bit and greedy tokens one for one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.kernels import build
 from model.quantize import Int8Linear, main, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
@@ -65,3 +67,22 @@ def test_a_server_on_an_int8_checkpoint_says_int8_and_generates_as_quantize_at_l
             assert r.status_code == 200, r.text
             texts.append(r.json()["generated_text"])
     assert texts[0] == texts[1] and len(texts[0]) == 24
+
+
+@pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_each_kernel_variants_int8_product_equals_the_dequantized_one(variant: build.Variant, rows: int) -> None:
+    """Every variant this CPU runs (built here if need be), the others skipped naming the flags it lacks."""
+    missing = sorted(variant.cpu_flags - build.cpu_flags())
+    if build.best_variant() is None or missing:
+        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
+    try:
+        lib = build.build(variant)
+    except Exception as e:  # no compiler here: the kernels are not used either
+        pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
+    torch.manual_seed(rows)
+    q = Int8Linear(torch.nn.Linear(96, 40))
+    x = torch.randn(rows, 96)
+    want = x.double() @ q.dequantized().double().T + q.bias.double()
+    got = lib.linear_int8(x, q.weight_int8, q.scale, q.bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
