@@ -135,7 +135,7 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "cpu_kernels": engine.cpu_kernels,
-        "quantization": service.settings.quantize,
+        "quantization": ck.meta.get("quantization") or service.settings.quantize,  # stored, or done at load
         "packed_weight_bytes": engine.packed_bytes,  # the kernels' second copy of the linear weights
         "max_batch_size": engine.max_batch_size,
         "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,

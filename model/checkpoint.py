@@ -63,8 +63,11 @@ def save_checkpoint(
     *,
     training: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    quantization: str = "none",
 ) -> Path:
-    """Write weights, tokenizer and config.json into `directory` (created if needed)."""
+    """Write weights, tokenizer and config.json into `directory` (created if needed). `quantization` names what
+    `model.quantize` did to `model` ("int8": its linears are `Int8Linear`s); it is recorded in config.json so the
+    weights load as they are, without quantizing again."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if tokenizer.n_vocab > model.config.vocab_size:
@@ -92,6 +95,8 @@ def save_checkpoint(
                 "weights_sha256": sha256_file(tmp),
                 "training": training or {},
             }
+            if quantization != "none":
+                config["quantization"] = quantization
             atomic_write_json(next_config, config)
     except BaseException:
         next_config.unlink(missing_ok=True)  # the old pair is intact; the pending config would only mislead
@@ -162,7 +167,8 @@ def load_checkpoint(
         raise CheckpointError(
             f"{directory}: tokenizer has {tokenizer.n_vocab} tokens but vocab_size is {config.vocab_size}"
         )
-    state = load_weights(directory / WEIGHTS_FILE, config, device=device)
+    quantization = meta.get("quantization", "none")
+    state = load_weights(directory / WEIGHTS_FILE, config, device=device, quantization=quantization)
     want = meta.get("weights_sha256")
     if want and (got := sha256_file(directory / WEIGHTS_FILE)) != want:
         raise CheckpointError(
@@ -172,21 +178,33 @@ def load_checkpoint(
     for name, t in state.items():  # after the hash: damaged bytes are reported as damage, not as the NaNs they make
         if name not in TIED_KEYS:
             _check_finite(directory / WEIGHTS_FILE, name, t)
-    with torch.device("meta"):
-        model = GPT(config)
+    model = _empty_model(config, quantization)
     model.load_state_dict(state, assign=True, strict=True)
-    model.lm_head.weight = model.transformer.wte.weight  # re-tie after assign
+    if quantization == "none":
+        model.lm_head.weight = model.transformer.wte.weight  # re-tie after assign
     if dtype is not None:
         model.to(dtype=dtype)
     model.eval()
     return Checkpoint(path=directory, config=config, tokenizer=tokenizer, model=model, meta=meta)
 
 
+def _empty_model(config: GPTConfig, quantization: str) -> GPT:
+    """`config`'s model on the meta device, with the modules `quantization` puts in (its state dict's names)."""
+    from model.quantize import QUANTIZATIONS, quantize  # lazily: model.quantize reaches into the kernels
+
+    if quantization not in QUANTIZATIONS:
+        raise CheckpointError(f"{CONFIG_FILE}: quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    with torch.device("meta"):
+        model = GPT(config)
+        quantize(model, quantization)
+    return model
+
+
 def load_weights(
-    path: Path, config: GPTConfig, *, device: torch.device | str = "cpu"
+    path: Path, config: GPTConfig, *, device: torch.device | str = "cpu", quantization: str = "none"
 ) -> dict[str, torch.Tensor]:
     """Read `model.safetensors`, checking its size against what `config` implies (before building anything),
-    then names, shapes and dtypes against what `config` builds."""
+    then names, shapes and dtypes against what `config` builds (quantized as `quantization` says)."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     state: dict[str, torch.Tensor] = {}
@@ -194,8 +212,8 @@ def load_weights(
         with safe_open(path, framework="pt", device=str(device)) as f:
             keys = set(f.keys())
             _check_size(path, config, {k: f.get_slice(k).get_shape() for k in keys - set(TIED_KEYS)})
-            with torch.device("meta"):
-                expected = {k: v for k, v in GPT(config).state_dict().items() if k not in TIED_KEYS}
+            model = _empty_model(config, quantization)
+            expected = {k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}
             missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected) - set(TIED_KEYS))
             if missing or unexpected:
                 raise CheckpointError(
@@ -209,8 +227,10 @@ def load_weights(
                     raise CheckpointError(
                         f"{path}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}"
                     )
-                if not t.is_floating_point():
-                    raise CheckpointError(f"{path}: tensor {k} has dtype {t.dtype}, expected a float type")
+                floating = want.is_floating_point()  # any float type; an int8 weight must be int8
+                if t.is_floating_point() != floating or (not floating and t.dtype != want.dtype):
+                    expected_dtype = "a float type" if floating else want.dtype
+                    raise CheckpointError(f"{path}: tensor {k} has dtype {t.dtype}, expected {expected_dtype}")
                 state[k] = t
     except SafetensorError as e:
         raise CheckpointError(
@@ -220,7 +240,8 @@ def load_weights(
         ) from None
     except OSError as e:
         raise CheckpointError(f"{path} could not be read: {e}") from None
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    if quantization == "none":
+        state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
 
 

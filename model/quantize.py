@@ -12,6 +12,9 @@ kernels). Quality is measured, not assumed: `bench/quantize.py`, tests/model/tes
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -73,3 +76,28 @@ def quantize(model: nn.Module, kind: str) -> int:
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {kind!r}")
     return quantize_int8(model) if kind == "int8" else 0
+
+
+def convert(checkpoint: str | Path, out: str | Path, kind: str = "int8") -> Path:
+    """Write `checkpoint` quantized (`kind`) into `out`: a Folio checkpoint whose config.json says
+    `"quantization": kind`, loaded as it is (no quantizing at load)."""
+    from model.checkpoint import load_checkpoint, save_checkpoint  # lazily: model.checkpoint imports this module
+
+    ck = load_checkpoint(checkpoint)
+    if ck.meta.get("quantization", "none") != "none":
+        raise ValueError(f"{checkpoint} is already quantized ({ck.meta['quantization']})")
+    quantize(ck.model, kind)
+    return save_checkpoint(out, ck.model, ck.tokenizer, training=ck.meta.get("training"), quantization=kind)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m model.quantize", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="a Folio checkpoint directory (fp32)")
+    parser.add_argument("--out", required=True, help="the directory to write the quantized checkpoint into")
+    parser.add_argument("--kind", default="int8", choices=[q for q in QUANTIZATIONS if q != "none"])
+    args = parser.parse_args(argv)
+    print(f"wrote {convert(args.checkpoint, args.out, args.kind)}")
+
+
+if __name__ == "__main__":
+    main()

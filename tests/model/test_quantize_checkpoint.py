@@ -1,0 +1,88 @@
+"""The int8 kernels of every variant this CPU runs against the dequantized product; an offline int8
+checkpoint (`python -m model.quantize`): config.json says so, it loads without quantizing again, and its model
+equals the one quantized at load, logits bit for bit and greedy tokens one for one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from model.checkpoint import CheckpointError, load_checkpoint
+from model.kernels import build
+from model.quantize import Int8Linear, main, quantize
+from model.reference import generate_naive
+from model.sampling_params import SamplingParams
+
+
+def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    assert json.loads((tmp_path / "q8" / "config.json").read_text())["quantization"] == "int8"
+    offline = load_checkpoint(tmp_path / "q8").model
+    at_load = load_checkpoint(repo / "weights" / "shakespeare-char").model
+    quantize(at_load, "int8")
+    assert sum(isinstance(m, Int8Linear) for m in offline.modules()) == 4 * offline.config.n_layer + 1
+    assert all(type(m) is not torch.nn.Linear for m in offline.modules())
+    for (name, a), (_, b) in zip(offline.state_dict().items(), at_load.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    idx = torch.randint(0, offline.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(offline(idx), at_load(idx))
+    greedy = SamplingParams(max_new_tokens=64, greedy=True)
+    prompt = [1, 2, 3]
+    a = [t for t, _ in generate_naive(offline, prompt, greedy, n_vocab=offline.config.vocab_size)]
+    b = [t for t, _ in generate_naive(at_load, prompt, greedy, n_vocab=at_load.config.vocab_size)]
+    assert a == b and len(a) == 64
+
+
+def test_an_unknown_quantization_in_config_is_refused(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    config = tmp_path / "q8" / "config.json"
+    meta = json.loads(config.read_text())
+    meta["quantization"] = "int4"
+    config.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="quantization must be one of"):
+        load_checkpoint(tmp_path / "q8")
+
+
+def test_an_int8_checkpoint_is_not_quantized_twice(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    with pytest.raises(ValueError, match="already quantized"):
+        main(["--checkpoint", str(tmp_path / "q8"), "--out", str(tmp_path / "again")])
+
+
+def test_a_server_on_an_int8_checkpoint_says_int8_and_generates_as_quantize_at_load(repo, tmp_path) -> None:
+    main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
+    body = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 24, "greedy": True}}
+    texts = []
+    for checkpoint, kind in ((tmp_path / "q8", "none"), (repo / "weights" / "shakespeare-char", "int8")):
+        settings = Settings(checkpoint=checkpoint, device="cpu", threads=1, quantize=kind)
+        with TestClient(create_app(settings)) as c:
+            assert c.get("/info").json()["quantization"] == "int8"
+            r = c.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["generated_text"])
+    assert texts[0] == texts[1] and len(texts[0]) == 24
+
+
+@pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_each_kernel_variants_int8_product_equals_the_dequantized_one(variant: build.Variant, rows: int) -> None:
+    """Every variant this CPU runs (built here if need be), the others skipped naming the flags it lacks."""
+    missing = sorted(variant.cpu_flags - build.cpu_flags())
+    if build.best_variant() is None or missing:
+        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
+    try:
+        lib = build.build(variant)
+    except Exception as e:  # no compiler here: the kernels are not used either
+        pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
+    torch.manual_seed(rows)
+    q = Int8Linear(torch.nn.Linear(96, 40))
+    x = torch.randn(rows, 96)
+    want = x.double() @ q.dequantized().double().T + q.bias.double()
+    got = lib.linear_int8(x, q.weight_int8, q.scale, q.bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
