@@ -28,7 +28,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import Unavailable, error_response
+from app.errors import Unavailable, client_gone_response, error_response
 from app.models import MODEL_HEADER
 from model.engine import Engine, Overloaded
 
@@ -70,8 +70,7 @@ class AdmissionMiddleware:
                 engine.check_capacity()
             body = await read_body(receive)
             if body is None:  # the client went away (or its body timed out) before the whole body arrived
-                await send({"type": "http.response.start", "status": 499, "headers": []})
-                await send({"type": "http.response.body", "body": b""})
+                await client_gone_response()(scope, receive, send)
                 return
             service.check_ready()
             reservation = engine.reserve() if engine is not None else None

@@ -3,7 +3,6 @@ app/tokenizer_api.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,13 +45,8 @@ async def _start(service: GenerationService, body: GenerateRequest, reservation:
 
 async def _generate(service: GenerationService, body: GenerateRequest, request: Request,
                     reservation: Reservation | None) -> GenerateResponse:
-    streams = await _start(service, body, reservation)
-    try:
-        results = await asyncio.gather(*(service.result(request, s) for s in streams))
-    finally:
-        for s in streams:
-            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
-    ranked = best(list(results), len(results))
+    results = await service.results(request, await _start(service, body, reservation))
+    ranked = best(results, len(results))
     return _response(service, body, ranked[0], ranked[1:] if len(ranked) > 1 else None)
 
 
