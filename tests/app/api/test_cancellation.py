@@ -11,7 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from app.testing import assert_openai_error, assert_tgi_error
+from app.testing import assert_openai_error, assert_tgi_error, http_scope
 from tests.app.api.calls import LIMIT, PROMPT, engine_of, wait_until
 
 SEED = 1234
@@ -66,13 +66,7 @@ async def _cut_short(app: object, path: str) -> int:
         if message["type"] == "http.response.start":
             status = message["status"]
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000), "server": ("testserver", 80), "state": {},
-    }
+    scope = http_scope("POST", path, len(body))
     await asyncio.wait_for(app(scope, receive, send), 5)  # type: ignore[operator]
     return status
 
