@@ -16,6 +16,7 @@ from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_bloc
 from app.deps import AuthDep, ReservationDep, get_service, service_for
 from app.errors import OPENAI, exception_body
 from app.models import served_models
+from app.requestlog import RequestRecord, request_record
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
 from app.service import GenerationService, cancel_all
@@ -65,7 +66,7 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(cid, created, service.model_id, include_usage, service.fingerprint)
-        gen = _stream(service, streams, echoes, chunks, body.logprobs is not None)
+        gen = _stream(service, streams, echoes, chunks, body.logprobs is not None, request_record(request))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     return StrictJSONResponse(await _complete(request, service, body, streams, echoes, cid, created))
 
@@ -120,10 +121,10 @@ class ChunkWriter:
                     "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _pump(service: GenerationService, stream: GenerationStream, index: int,
+async def _pump(service: GenerationService, stream: GenerationStream, index: int, record: RequestRecord | None,
                 out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
     try:
-        async for batch in service.event_batches(stream):
+        async for batch in service.event_batches(stream, record):
             await out.put((index, batch))
     except EngineError as e:
         await out.put(e)
@@ -132,12 +133,12 @@ async def _pump(service: GenerationService, stream: GenerationStream, index: int
 
 
 async def _stream(service: GenerationService, streams: list[list[GenerationStream]], echoes: list[str],
-                  chunks: ChunkWriter, logprobs: bool) -> AsyncIterator[bytes]:
+                  chunks: ChunkWriter, logprobs: bool, record: RequestRecord | None) -> AsyncIterator[bytes]:
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
     queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(service, s, i, queue)) for i, s in enumerate(flat)]
+    pumps = [asyncio.ensure_future(_pump(service, s, i, record, queue)) for i, s in enumerate(flat)]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
     completion_tokens, running = 0, len(flat)

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import Api, ClientGone, Unavailable
 from app.metrics import Metrics
-from app.requestlog import current_request
+from app.requestlog import RequestRecord, request_record
 from app.schemas import ServerDefaults
 from app.settings import Settings
 from model.checkpoint import Checkpoint
@@ -178,11 +178,11 @@ class GenerationService:
         return streams
 
     # -- running --------------------------------------------------------------------------------------
-    async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:
+    async def event_batches(self, stream: GenerationStream, record: RequestRecord | None,
+                            ) -> AsyncIterator[list[TokenEvent | Finished]]:
         """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
         with time to first token and inter-token latency recorded from when the engine made each token, and the
-        request's record (app/requestlog.py) kept up to date."""
-        record = current_request.get()
+        request's `record` (app/requestlog.py) kept up to date."""
         if record is not None:
             record.prompt_tokens = stream.prompt_tokens
         last = time.perf_counter()
@@ -207,7 +207,8 @@ class GenerationService:
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""
-        return await until_done(request, stream.collect(self.event_batches(stream)), stream.cancel)
+        batches = self.event_batches(stream, request_record(request))
+        return await until_done(request, stream.collect(batches), stream.cancel)
 
     async def results(self, request: Request, streams: list[GenerationStream]) -> list[Result]:
         """`result` of each of a request's streams (its samples, its prompts), in order. When one fails or the
