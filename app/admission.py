@@ -28,7 +28,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import Unavailable, error_response
+from app.errors import Unavailable, client_gone_response, error_response
 from app.models import MODEL_HEADER
 from model.engine import Engine, Overloaded
 
@@ -43,14 +43,12 @@ class AdmissionMiddleware:
         self.app = app
         self.get_app = get_app  # the FastAPI app, for its state: the service and the settings
 
-    async def _refuse(self, scope: Scope, send: Send, e: Exception, retry_after: int) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, e: Exception, retry_after: int) -> None:
         # rendered for each refusal: the body holds the request's ID
         response = error_response(Request(scope), e, retry_after)
-        headers = response.raw_headers
         if response.status_code == 503:  # a client kept alive on a draining server reconnects (elsewhere)
-            headers = [*headers, (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": bytes(response.body)})
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ADMITTED_PATHS):
@@ -70,13 +68,12 @@ class AdmissionMiddleware:
                 engine.check_capacity()
             body = await read_body(receive)
             if body is None:  # the client went away (or its body timed out) before the whole body arrived
-                await send({"type": "http.response.start", "status": 499, "headers": []})
-                await send({"type": "http.response.body", "body": b""})
+                await client_gone_response()(scope, receive, send)
                 return
             service.check_ready()
             reservation = engine.reserve() if engine is not None else None
         except (Unavailable, Overloaded) as e:
-            await self._refuse(scope, send, e, app.state.settings.retry_after)
+            await self._refuse(scope, receive, send, e, app.state.settings.retry_after)
             return
         # the route finds the slot in its request's state (`app.deps.ReservationDep`)
         scope.setdefault("state", {})[RESERVATION] = reservation

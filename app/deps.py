@@ -1,5 +1,5 @@
-"""FastAPI dependencies as `Annotated` aliases: the service, the optional API key check, and the engine slot
-admission reserved for the request."""
+"""FastAPI dependencies as `Annotated` aliases: the service, the optional API key check, the engine slot
+admission reserved for the request, and the request's record (app/requestlog.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from app.admission import RESERVATION
 from app.errors import Unauthorized, Unavailable
 from app.models import MODEL_HEADER
+from app.requestlog import RequestRecord, request_record
 from app.service import GenerationService
 from model.engine import Reservation
 
@@ -51,3 +52,4 @@ def get_reservation(request: Request) -> Reservation | None:
 ServiceDep = Annotated[GenerationService, Depends(get_service)]
 AuthDep = Annotated[None, Depends(check_api_key)]
 ReservationDep = Annotated[Reservation | None, Depends(get_reservation)]
+RecordDep = Annotated[RequestRecord | None, Depends(request_record)]

@@ -40,7 +40,8 @@ class ClientGone(Exception):
 
 @dataclass(frozen=True)
 class Api:
-    """How one API names the engine's fields (`prompt`, `max_new_tokens`, ...) in its error messages."""
+    """How one API names the model's fields (`prompt`, `max_new_tokens`, `text`, ...) in its error messages: the
+    one place where the neutral names of `model/` become an API's."""
 
     renamed: dict[str, str]
     prefix: str = ""  # for the fields not renamed
@@ -51,16 +52,20 @@ class Api:
 
     @contextmanager
     def naming_fields(self) -> Iterator[None]:
-        """Re-raise the engine's `ValidationError`s with this API's field names (and the truncation hint)."""
+        """Re-raise `model/`'s `ValidationError`s and `InspectError`s (of the same type) with this API's field
+        names, and the truncation hint on a prompt longer than the model's context."""
         try:
             yield
-        except ValidationError as e:
-            hint = self.truncate_hint if e.field == "prompt" and "context" in e.message else ""
-            raise ValidationError(self.field(e.field), e.message + hint) from None
+        except (ValidationError, InspectError) as e:
+            field = self.field(e.field)
+            hint = self.truncate_hint if field == self.field("prompt") and "context" in e.message else ""
+            raise type(e)(field, e.message + hint) from None
 
 
 TGI = Api({"prompt": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
 OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
+# POST /inspect: the text looked into is `inputs` (its generation request, `parameters`, is TGI's)
+INSPECT = Api({"prompt": "inputs", "text": "inputs"}, truncate_hint=" (truncate keeps the last tokens)")
 
 
 # exception type -> (HTTP status, TGI error_type, OpenAI error type)
@@ -109,6 +114,11 @@ def error_response(request: Request, exc: Exception, retry_after: int = 1) -> St
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return StrictJSONResponse(body, status_code=status, headers=headers)
+
+
+def client_gone_response() -> Response:
+    """The answer to a client that went away (`ClientGone`, or a body cut short before admission): 499."""
+    return Response(status_code=499)
 
 
 def _ranges() -> dict[str, str]:
@@ -191,7 +201,7 @@ def install_error_handlers(app: FastAPI) -> None:
         app.add_exception_handler(cls, domain)
 
     async def client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)
+        return client_gone_response()
 
     app.add_exception_handler(ClientGone, client_gone)
 

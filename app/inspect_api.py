@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import AuthDep, ReservationDep, ServiceDep
-from app.errors import TGI
+from app.errors import INSPECT, TGI
 from app.responses import dumps
 from app.schemas import GenerateParameters, StrictModel
 from app.service import GenerationService, until_done
@@ -33,7 +33,6 @@ from model.inspect import (
     MAX_ATTENTION_ROWS,
     MAX_LENS_LOGITS,
     MAX_TOP,
-    InspectError,
     Inspection,
     InspectOptions,
     InspectTooLarge,
@@ -144,12 +143,8 @@ def estimated_bytes(n: int, options: InspectOptions, config: GPTConfig) -> tuple
 def check_request(service: GenerationService, options: InspectOptions, n: int) -> None:
     """Everything about an inspection of `n` tokens that can be refused before any work: `InspectError` (422) or
     `InspectTooLarge` (413), naming the request's fields."""
-    try:
+    with INSPECT.naming_fields():
         check_options(options, n, service.engine.model, service.tokenizer.n_vocab)  # reads the model's config only
-    except InspectError as e:
-        if e.field != "text":
-            raise
-        raise type(e)("inputs", e.message + " (truncate keeps the last tokens)") from None
     attention, rest = estimated_bytes(n, options, service.checkpoint.config)
     if attention + rest > MAX_RESPONSE_BYTES:
         field = "layers" if attention > rest else "lens_layers"
@@ -169,7 +164,7 @@ async def inspect(body: InspectRequest, request: Request, service: ServiceDep, r
     if len(body.inputs) > limit:
         raise InspectTooLarge("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
                                         f"got {len(body.inputs)}")
-    ids = await service.encode(body.inputs)
+    ids = await service.encode(body.inputs, INSPECT)
     options = body.to_options()
     generated = None
     if body.parameters is None:

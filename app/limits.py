@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_body
-from app.responses import dumps
+from app.responses import StrictJSONResponse
 
 
 class BodyLimitMiddleware:
@@ -23,7 +23,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _too_large(scope, send, self.max_bytes, int(length))
+            await _too_large(scope, receive, send, self.max_bytes, int(length))
             return
         seen = 0
         too_large = False
@@ -56,17 +56,14 @@ class BodyLimitMiddleware:
             if not (too_large and not started):
                 raise
         if too_large and not started:
-            await _too_large(scope, send, self.max_bytes, seen)
+            await _too_large(scope, receive, send, self.max_bytes, seen)
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-async def _too_large(scope: Scope, send: Send, limit: int, got: int) -> None:
+async def _too_large(scope: Scope, receive: Receive, send: Send, limit: int, got: int) -> None:
     msg = f"request body is {got} bytes, more than the limit of {limit} bytes"
-    data = dumps(error_body(scope.get("path", ""), 413, "payload_too_large", "invalid_request_error", msg,
-                            None)).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})
+    body = error_body(scope.get("path", ""), 413, "payload_too_large", "invalid_request_error", msg, None)
+    await StrictJSONResponse(body, status_code=413)(scope, receive, send)

@@ -14,14 +14,15 @@ from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
 from app.deps import AuthDep, ReservationDep, get_service, service_for
-from app.errors import OPENAI, error_body, exception_body
+from app.errors import OPENAI, exception_body
 from app.models import served_models
+from app.requestlog import RequestRecord, request_record
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, OpenAIError
-from app.service import GenerationService
+from app.service import GenerationService, cancel_all
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
-from model.sampling_params import preview
+from model.registry import ModelNotFound
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
@@ -49,8 +50,7 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
     service = await service_for(request, body.model)
     service.check_ready()
     if served_models(request) is None and body.model is not None and body.model != service.model_id:
-        msg = f"model: the model {preview(body.model)} does not exist; this server serves {service.model_id!r}"
-        return StrictJSONResponse(error_body("/v1/", 404, "not_found", "invalid_request_error", msg, "model"), 404)
+        raise ModelNotFound(body.model, [service.model_id])
     params, samples = body.to_sampling_params(service.defaults), body.samples()
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
@@ -60,14 +60,13 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
             streams.append(await service.start_many(prompt, sample_params(params, samples), None, OPENAI,
                                                     reservation if k == 0 else None))
     except BaseException:
-        for s in (s for group in streams for s in group):
-            s.cancel()
+        cancel_all([s for group in streams for s in group])
         raise
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkWriter(cid, created, service.model_id, include_usage, service.fingerprint)
-        gen = _stream(service, streams, echoes, chunks, body.logprobs is not None)
+        gen = _stream(service, streams, echoes, chunks, body.logprobs is not None, request_record(request))
         return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
     return StrictJSONResponse(await _complete(request, service, body, streams, echoes, cid, created))
 
@@ -75,12 +74,7 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
 async def _complete(request: Request, service: GenerationService, body: CompletionRequest,
                     streams: list[list[GenerationStream]], echoes: list[str], cid: str, created: int,
                     ) -> dict[str, Any]:
-    flat = [s for group in streams for s in group]
-    try:
-        results = await asyncio.gather(*(service.result(request, s) for s in flat))
-    finally:
-        for s in flat:
-            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
+    results = await service.results(request, [s for group in streams for s in group])
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for k, echo in enumerate(echoes):
         mine = results[k * len(streams[0]):(k + 1) * len(streams[0])]
@@ -127,10 +121,10 @@ class ChunkWriter:
                     "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _pump(service: GenerationService, stream: GenerationStream, index: int,
+async def _pump(service: GenerationService, stream: GenerationStream, index: int, record: RequestRecord | None,
                 out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
     try:
-        async for batch in service.event_batches(stream):
+        async for batch in service.event_batches(stream, record):
             await out.put((index, batch))
     except EngineError as e:
         await out.put(e)
@@ -139,12 +133,12 @@ async def _pump(service: GenerationService, stream: GenerationStream, index: int
 
 
 async def _stream(service: GenerationService, streams: list[list[GenerationStream]], echoes: list[str],
-                  chunks: ChunkWriter, logprobs: bool) -> AsyncIterator[bytes]:
+                  chunks: ChunkWriter, logprobs: bool, record: RequestRecord | None) -> AsyncIterator[bytes]:
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
     queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(service, s, i, queue)) for i, s in enumerate(flat)]
+    pumps = [asyncio.ensure_future(_pump(service, s, i, record, queue)) for i, s in enumerate(flat)]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
     completion_tokens, running = 0, len(flat)
@@ -184,7 +178,6 @@ async def _stream(service: GenerationService, streams: list[list[GenerationStrea
                 yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
     finally:
-        for s in flat:
-            s.cancel()
+        cancel_all(flat)
         for p in pumps:
             p.cancel()

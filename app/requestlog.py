@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from model.engine import Finished, TokenEvent
 
 HEADER = "X-Request-Id"
 SAFE_ID = re.compile(r"[A-Za-z0-9._~:+/=-]{1,128}")
+RECORD = "record"  # the key of the request's state that holds its `RequestRecord`
 QUIET_ROUTES = frozenset({"/health", "/health/startup", "/health/ready", "/health/live", "/metrics"})
 TRACE = 5  # uvicorn's trace level: each ASGI message (bodies and headers as placeholders)
 access_log = logging.getLogger("folio.access")
@@ -44,7 +46,8 @@ access_log = logging.getLogger("folio.access")
 
 @dataclass
 class RequestRecord:
-    """What one request did, filled in as it runs (the generation routes record their tokens, app/service.py)."""
+    """What one request did, filled in as it runs (the generation routes record their tokens, app/service.py,
+    finding it in the request's state: `request_record`, `app.deps.RecordDep`)."""
 
     id: str
     method: str
@@ -97,6 +100,11 @@ class RequestRecord:
 current_request: ContextVar[RequestRecord | None] = ContextVar("folio_request", default=None)
 
 
+def request_record(request: Request) -> RequestRecord | None:
+    """The request's record (None for a request that did not come through `RequestLogMiddleware`)."""
+    return getattr(request.state, RECORD, None)
+
+
 def current_request_id() -> str | None:
     record = current_request.get()
     return None if record is None else record.id
@@ -129,6 +137,7 @@ class RequestLogMiddleware:
         record = RequestRecord(request_id(scope.get("headers") or ()), scope["method"],
                                client=client[0] if client else None)
         current_request.set(record)
+        scope.setdefault("state", {})[RECORD] = record  # the routes find it in the request's state
         header = (b"x-request-id", record.id.encode())
 
         async def send_with_id(message: Message) -> None:

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.errors import Api, ClientGone, Unavailable
 from app.metrics import Metrics
-from app.requestlog import current_request
+from app.requestlog import RequestRecord, request_record
 from app.schemas import ServerDefaults
 from app.settings import Settings
 from model.checkpoint import Checkpoint
@@ -117,15 +117,15 @@ class GenerationService:
             return None
         return reservation
 
-    async def encode(self, text: str, field: str = "inputs") -> list[int]:
+    async def encode(self, text: str, api: Api) -> list[int]:
         """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
-        millisecond, less than the hand-off to a worker thread and back costs)."""
+        millisecond, less than the hand-off to a worker thread and back costs). Errors name `api`'s prompt field."""
         try:
             if len(text) <= INLINE_ENCODE_CHARS:
                 return self.tokenizer.encode(text)
             return await run_in_threadpool(self.tokenizer.encode, text)
         except ValueError as e:
-            raise ValidationError(field, str(e)) from None
+            raise ValidationError(api.field("prompt"), str(e)) from None
 
     async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None, api: Api,
                     reservation: Reservation | None) -> GenerationStream:
@@ -145,7 +145,7 @@ class GenerationService:
         if self.registry is not None and reservation is None:  # hold one here before tokenising (429 at once)
             reservation = own = engine.reserve()
         try:
-            prompt = await self.encode(text, api.field("prompt")) if isinstance(text, str) else text
+            prompt = await self.encode(text, api) if isinstance(text, str) else text
             with api.naming_fields():
                 for p in params:
                     prompt = engine.validate(prompt, truncate, p)
@@ -173,17 +173,16 @@ class GenerationService:
                 streams.append(engine.submit(prompt, p, truncate=truncate,
                                              reservation=reservation if i == 0 else None))
         except BaseException:
-            for s in streams:
-                s.cancel()
+            cancel_all(streams)
             raise
         return streams
 
     # -- running --------------------------------------------------------------------------------------
-    async def event_batches(self, stream: GenerationStream) -> AsyncIterator[list[TokenEvent | Finished]]:
+    async def event_batches(self, stream: GenerationStream, record: RequestRecord | None,
+                            ) -> AsyncIterator[list[TokenEvent | Finished]]:
         """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
         with time to first token and inter-token latency recorded from when the engine made each token, and the
-        request's record (app/requestlog.py) kept up to date."""
-        record = current_request.get()
+        request's `record` (app/requestlog.py) kept up to date."""
         if record is not None:
             record.prompt_tokens = stream.prompt_tokens
         last = time.perf_counter()
@@ -208,10 +207,25 @@ class GenerationService:
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499)."""
-        return await until_done(request, stream.collect(self.event_batches(stream)), stream.cancel)
+        batches = self.event_batches(stream, request_record(request))
+        return await until_done(request, stream.collect(batches), stream.cancel)
+
+    async def results(self, request: Request, streams: list[GenerationStream]) -> list[Result]:
+        """`result` of each of a request's streams (its samples, its prompts), in order. When one fails or the
+        client disconnects, the others are cancelled too (a no-op for those already finished)."""
+        try:
+            return list(await asyncio.gather(*(self.result(request, s) for s in streams)))
+        finally:
+            cancel_all(streams)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def cancel_all(streams: list[GenerationStream]) -> None:
+    """Cancel every stream of a request: a no-op for those finished, the others stop and free their slots."""
+    for s in streams:
+        s.cancel()
 
 
 async def until_done(request: Request, work: Awaitable[T], cancel: Callable[[], None]) -> T:

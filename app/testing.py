@@ -135,6 +135,18 @@ def probe(client: httpx.Client, route: str) -> tuple[int, dict[str, Any]] | str:
 # -- what comes over the wire ---------------------------------------------------------------------------------
 
 
+def http_scope(method: str, path: str, content_length: int) -> dict[str, Any]:
+    """The ASGI scope uvicorn would give the app for a JSON request to `path`, for a test that drives the app
+    message by message (a client that hangs up mid-body or mid-answer)."""
+    return {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
+                    (b"content-length", str(content_length).encode())],
+        "client": ("127.0.0.1", 50000), "server": ("testserver", 80), "state": {},
+    }
+
+
 def _not_json(constant: str) -> Any:
     raise AssertionError(f"{constant} is not JSON (JSON has no NaN or infinities)")
 

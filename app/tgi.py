@@ -3,7 +3,6 @@ app/tokenizer_api.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,8 +11,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import best, sample_params
-from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.deps import AuthDep, RecordDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
+from app.requestlog import RequestRecord, request_record
 from app.responses import json_number
 from app.schemas import (
     BestOfSequence,
@@ -46,13 +46,8 @@ async def _start(service: GenerationService, body: GenerateRequest, reservation:
 
 async def _generate(service: GenerationService, body: GenerateRequest, request: Request,
                     reservation: Reservation | None) -> GenerateResponse:
-    streams = await _start(service, body, reservation)
-    try:
-        results = await asyncio.gather(*(service.result(request, s) for s in streams))
-    finally:
-        for s in streams:
-            s.cancel()  # a no-op for those finished; the rest stop if one failed or the client left
-    ranked = best(list(results), len(results))
+    results = await service.results(request, await _start(service, body, reservation))
+    ranked = best(results, len(results))
     return _response(service, body, ranked[0], ranked[1:] if len(ranked) > 1 else None)
 
 
@@ -102,10 +97,11 @@ async def generate(body: GenerateRequest, request: Request, service: ServiceDep,
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
 
 
-async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream) -> AsyncIterator[bytes]:
+async def _events(service: GenerationService, body: GenerateRequest, stream: GenerationStream,
+                  record: RequestRecord | None) -> AsyncIterator[bytes]:
     prefix = body.inputs if body.parameters.return_full_text else ""
     try:
-        async for batch in service.event_batches(stream):
+        async for batch in service.event_batches(stream, record):
             # every event that has arrived, in one write; each is StreamResponse's JSON (built as a dict: the
             # per-token path is the hot one)
             yield b"".join(_token_sse(ev, prefix) for ev in batch if isinstance(ev, TokenEvent))
@@ -153,10 +149,10 @@ def _attention(att: EngineAttention) -> dict[str, Any]:
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
 async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
-                          _: AuthDep) -> StreamingResponse:
+                          record: RecordDep, _: AuthDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
     [stream] = await _start(service, body, reservation, stream=True)
-    return StreamingResponse(_events(service, body, stream), media_type="text/event-stream",
+    return StreamingResponse(_events(service, body, stream, record), media_type="text/event-stream",
                              headers={**SSE_HEADERS, CHECKPOINT_HEADER: service.fingerprint})
 
 
@@ -166,7 +162,7 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep, r
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""
     if body.stream:
-        return await generate_stream(body, service, reservation, None)
+        return await generate_stream(body, service, reservation, request_record(request), None)
     response = await _generate(service, body, request, reservation)
     return Response("[" + response.model_dump_json(exclude_none=True) + "]",
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})

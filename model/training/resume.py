@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import save_checkpoint
+from model.files import atomic_path
 from model.gpt import GPT
 from model.tokenizer import Tokenizer
 
@@ -53,11 +54,8 @@ def write_last(out: Path, model: GPT, tokenizer: Tokenizer, training: dict[str, 
     tmp, last, old = out / "last.tmp", out / "last", out / "last.old"
     shutil.rmtree(tmp, ignore_errors=True)
     save_checkpoint(tmp, model, tokenizer, training=training)
-    with open(tmp / (RESUME_FILE + ".tmp"), "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp / (RESUME_FILE + ".tmp"), tmp / RESUME_FILE)
+    with atomic_path(tmp / RESUME_FILE) as path:
+        torch.save(state, path)
     shutil.rmtree(old, ignore_errors=True)
     if last.exists():
         os.replace(last, old)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.testing import assert_openai_error, assert_tgi_error, metric, parse_sse
+from app.testing import assert_openai_error, assert_tgi_error, http_scope, metric, parse_sse
 from tests.app.api.calls import LIMIT, PROMPT, engine_of, generate, wait_until
 
 
@@ -104,13 +104,7 @@ async def asgi_call(app: Any, path: str, payload: dict, *, hang_up: Callable[[by
             if hang_up(bytes(received)):
                 gone.set()
 
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-        "client": ("127.0.0.1", 50000), "server": ("testserver", 80), "state": {},
-    }
+    scope = http_scope("POST", path, len(body))
     asyncio.get_running_loop().call_later(0.3, gone.set)  # a non-streaming client gives up waiting
     await app(scope, receive, send)
     return status, bytes(received)
