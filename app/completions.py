@@ -56,16 +56,14 @@ def sample_params(params: SamplingParams, samples: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for i in range(samples)]
 
 
+def ranked(results: list[Result]) -> list[Result]:
+    """Results by mean log-probability per generated token, highest first (`best_of`'s order)."""
+    return sorted(results, key=lambda r: sum(t.logprob for t in r.tokens) / max(1, len(r.tokens)), reverse=True)
+
+
 def best(results: list[Result], n: int) -> list[Result]:
-    """The n results of highest mean log-probability per generated token (OpenAI's `best_of`), best first; all of
-    them, in order, when there are only n."""
-    if len(results) == n:
-        return results
-
-    def score(r: Result) -> float:
-        return sum(t.logprob for t in r.tokens) / max(1, len(r.tokens))
-
-    return sorted(results, key=score, reverse=True)[:n]
+    """OpenAI's choices: the n best (`ranked`), or all of them in their order when there are only n."""
+    return results if len(results) == n else ranked(results)[:n]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

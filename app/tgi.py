@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from app.completions import best, sample_params
+from app.completions import ranked, sample_params
 from app.deps import AuthDep, RecordDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
 from app.requestlog import RequestRecord, request_record
@@ -47,8 +47,8 @@ async def _start(service: GenerationService, body: GenerateRequest, reservation:
 async def _generate(service: GenerationService, body: GenerateRequest, request: Request,
                     reservation: Reservation | None) -> GenerateResponse:
     results = await service.results(request, await _start(service, body, reservation))
-    ranked = best(results, len(results))
-    return _response(service, body, ranked[0], ranked[1:] if len(ranked) > 1 else None)
+    ordered = ranked(results)  # best_of: the best answers, the others follow
+    return _response(service, body, ordered[0], ordered[1:] if len(ordered) > 1 else None)
 
 
 def _token(ev: TokenEvent, text: str | None = None) -> Token:

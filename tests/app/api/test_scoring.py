@@ -158,15 +158,19 @@ def test_tgi_best_of_answers_the_best_and_lists_the_others(client: TestClient) -
             "max_new_tokens": 6, "do_sample": True, "seed": seed, "details": True}})
         return r.json()
 
-    singles = [sample(11), sample(12)]
-    means = [sum(t["logprob"] for t in s["details"]["tokens"]) / 6 for s in singles]
-    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {
-        "max_new_tokens": 6, "do_sample": True, "seed": 11, "best_of": 2, "details": True}})
-    body = r.json()
-    best, other = (0, 1) if means[0] >= means[1] else (1, 0)
-    assert body["generated_text"] == singles[best]["generated_text"]
-    (seq,) = body["details"]["best_of_sequences"]
-    assert seq["generated_text"] == singles[other]["generated_text"] and seq["seed"] == 11 + other
+    orders = set()
+    for seed in range(11, 19):  # seeds where the first sample is the better one, and where the second is
+        singles = [sample(seed), sample(seed + 1)]
+        means = [sum(t["logprob"] for t in s["details"]["tokens"]) / 6 for s in singles]
+        r = client.post("/generate", json={"inputs": PROMPT, "parameters": {
+            "max_new_tokens": 6, "do_sample": True, "seed": seed, "best_of": 2, "details": True}})
+        body = r.json()
+        best, other = (0, 1) if means[0] >= means[1] else (1, 0)
+        orders.add(best)
+        assert body["generated_text"] == singles[best]["generated_text"], seed
+        (seq,) = body["details"]["best_of_sequences"]
+        assert seq["generated_text"] == singles[other]["generated_text"] and seq["seed"] == seed + other
+    assert orders == {0, 1}  # both cases were exercised
     stream = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}})
     assert stream.status_code == 422 and "best_of" in stream.json()["error"]
 
