@@ -14,17 +14,14 @@ from typing import Any
 import httpx
 
 from app.testing import parse_sse, serving
-from bench.reliability.harness import Problems
+from bench.reliability.harness import Problems, rss_kib
 from bench.reliability.training import TRAIN_ARGS, _trainer, training_text
 
 WATCH_S = 0.2
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return rss_kib(pid) / 1024
 
 
 class StreamingClients:
