@@ -25,6 +25,15 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
 
 
+def together(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list[Result]:
+    """Submit every (prompt, params) at once (they share steps) and collect each result."""
+    async def main() -> list[Result]:
+        streams = [engine.submit(p, q) for p, q in jobs]
+        return await asyncio.gather(*(s.collect() for s in streams))
+
+    return run(main())
+
+
 def naive(ck: Checkpoint, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[torch.Tensor]]:
     """The oracle: nanoGPT's cropping loop, full forward every step."""
     steps = list(generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab, eos_id=ck.tokenizer.eos_id))

@@ -1,16 +1,23 @@
-"""The engine on a CUDA device (bf16 by default there): skipped, with the reason, on machines without one."""
+"""The engine, quantized weights and training on a CUDA device (bf16 by default there): skipped, with the reason,
+on machines without one."""
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from model.checkpoint import Checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
+from model.quantize import quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
+from tests.engine.references import together
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +33,8 @@ def test_fp32_greedy_on_cuda_equals_the_naive_loop_on_cuda(
     params = SamplingParams(max_new_tokens=40)
     prompt = [1, 2, 3, 4, 5]
     naive = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
-    engine = make_engine(ck, device="cuda", dtype=torch.float32, max_batch_size=4)
+    # past the window (5 + 40 > 32 tokens): a shift of 1 slides as the naive loop crops
+    engine = make_engine(ck, device="cuda", dtype=torch.float32, max_batch_size=4, window_shift=1)
     assert engine.generate(prompt, params).token_ids == naive
 
 
@@ -37,3 +45,73 @@ def test_bf16_engine_serves_and_reproduces_seeds(make_engine: Callable[..., Engi
     a = engine.generate([1, 2, 3], params).token_ids
     b = engine.generate([1, 2, 3], params).token_ids
     assert a == b and len(a) == 30
+
+
+def test_concurrent_requests_on_cuda_each_equal_the_naive_loop(
+    make_checkpoint: Callable[..., Checkpoint], make_engine: Callable[..., Engine]
+) -> None:
+    """Continuous batching on the GPU: requests of different lengths sharing steps, each its own naive run."""
+    ck = make_checkpoint(block_size=32)
+    ck.model.to("cuda")
+    engine = make_engine(ck, device="cuda", dtype=torch.float32, max_batch_size=4, window_shift=1)
+    jobs = [([1 + i, 2, 3 + 2 * i][: 1 + i % 3] * (1 + i), SamplingParams(max_new_tokens=8 + 5 * i)) for i in range(6)]
+    results = together(engine, jobs)
+    for (prompt, params), got in zip(jobs, results, strict=True):
+        want = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
+        assert got.token_ids == want, prompt
+
+
+def test_prefix_reuse_on_cuda_gives_the_cold_tokens(
+    make_checkpoint: Callable[..., Checkpoint], make_engine: Callable[..., Engine]
+) -> None:
+    ck = make_checkpoint(block_size=32)
+    engine = make_engine(ck, device="cuda", dtype=torch.float32)
+    cold = make_engine(ck, device="cuda", dtype=torch.float32, prefix_cache=False)
+    prompt, params = list(range(1, 21)), SamplingParams(max_new_tokens=10)
+    want = cold.generate(prompt, params).token_ids
+    assert engine.generate(prompt, params).token_ids == want
+    assert engine.generate(prompt, params).token_ids == want
+    assert engine.stats.cached_prompt_tokens_total == 19
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_quantized_weights_on_cuda_equal_the_naive_loop(
+    make_checkpoint: Callable[..., Checkpoint], make_engine: Callable[..., Engine], kind: str
+) -> None:
+    """Stored int8 / bf16 weights on the GPU (torch's product with the dequantized weight): the engine's tokens are
+    the naive loop's on the same quantized model."""
+    ck = make_checkpoint()
+    quantize(ck.model, kind)
+    ck.model.to("cuda", dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=30)
+    prompt = [4, 5, 6]
+    naive = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
+    engine = make_engine(ck, device="cuda", dtype=torch.float32, max_batch_size=2)
+    assert engine.generate(prompt, params).token_ids == naive
+
+
+def test_training_on_cuda_lowers_the_loss_and_the_checkpoint_serves_on_cpu(repo: Path, data_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """`python -m model.train --device cuda` (bf16 autocast where the GPU has it) for 40 steps, then the checkpoint
+    loads on the CPU and its greedy tokens are the naive loop's."""
+    text = data_dir / "tinyshakespeare" / "input.txt"
+    if not text.is_file():
+        pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "model.train", "--preset", "shakespeare-char-cpu", "--data", str(text),
+           "--out", str(out), "--device", "cuda", "--max-iters", "40", "--eval-interval", "20", "--eval-iters", "2",
+           "--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--block-size", "64", "--batch-size", "16"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ck = load_checkpoint(out)
+    training = ck.meta["training"]
+    assert training["device"] == torch.cuda.get_device_name()
+    assert training["val_loss"] < math.log(ck.tokenizer.n_vocab) - 0.5
+    params = SamplingParams(max_new_tokens=20)
+    prompt = ck.tokenizer.encode("ROMEO:")
+    want = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
+    engine = Engine(ck, device="cpu", threads=1).start()
+    try:
+        assert engine.generate(prompt, params).token_ids == want
+    finally:
+        engine.stop()

@@ -3,25 +3,13 @@ equal a cold engine's (no reuse) token for token; the counters say how many prom
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
 
 from model.engine.prefix_cache import RowContents, common_prefix, shares_prefix
 from model.sampling_params import SamplingParams
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 30.0))
-
-
-def together(engine, jobs):
-    async def main():
-        streams = [engine.submit(p, q) for p, q in jobs]
-        return await asyncio.gather(*(s.collect() for s in streams))
-
-    return run(main())
+from tests.engine.references import together
 
 
 def params_list():
