@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from model import kernels
 from model.config import GPTConfig
 from model.gpt import GPT, KVCache
+from model.kernels import build, loader
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -68,19 +69,26 @@ def test_packed_copy_is_not_used_once_the_weight_changes(built: None) -> None:
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+def new_threads_count() -> int:
+    """torch's thread count as a thread started now sees it (what earlier tests' servers left it at)."""
+    seen: list[int] = []
+    other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    other.start()
+    other.join()
+    return seen[0]
+
+
 def test_serial_torch_ops_is_per_thread_and_restores(built: None) -> None:
-    threads = torch.get_num_threads()
+    threads, elsewhere = torch.get_num_threads(), new_threads_count()
     seen = []
     with kernels.serial_torch_ops():
         seen.append(torch.get_num_threads())
-        other = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-        other.start()
-        other.join()
+        seen.append(new_threads_count())
         x, w = torch.randn(32, 64), torch.randn(16, 64)
         with torch.inference_mode():
             torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert seen[0] == 1
-    assert seen[1] == threads or threads == 1  # another thread keeps torch's count
+    assert seen[1] == elsewhere  # another thread keeps its count
     assert torch.get_num_threads() == threads
 
 
@@ -107,9 +115,23 @@ def test_linear_hands_other_cases_to_torch(built: None) -> None:
 
 
 def test_disabled_restores(built: None) -> None:
+    loaded = f"loaded ({kernels.variant().name})"
     with kernels.disabled():
-        assert kernels.status() != "loaded"
-    assert kernels.status() == "loaded"
+        assert kernels.status() != loaded
+    assert kernels.status() == loaded
+
+
+@pytest.mark.parametrize("setting", ["1", "0", "avx2", "avx512", "sse"])
+def test_folio_cpu_kernels_picks_a_variant_or_says_why_not(setting: str) -> None:
+    variant, why_not = loader.chosen_variant(setting)
+    flags = build.cpu_flags()
+    if setting == "1":
+        assert variant == build.best_variant() and why_not is None
+    elif setting in ("avx2", "avx512"):
+        runs = {v.name: v.cpu_flags <= flags for v in build.VARIANTS}[setting]
+        assert (variant is not None and variant.name == setting) if runs else "this CPU lacks" in why_not
+    else:
+        assert variant is None and ("turned off" if setting == "0" else "none of 0, 1, avx2, avx512") in why_not
 
 
 @pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16), (2, 256), (1, 72)])
