@@ -13,6 +13,7 @@ the C++ as `-D` defines.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 # from this many rows a weight's packed copy is used: below, the dot products are as fast
 PACKED_MIN_ROWS = 4
+# a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
+PANEL = 16
 # a cached forward of up to this many tokens (rows x chunk) runs its blocks fused, each token a row: where the
 # kernels do its products (a short prompt gains the most: torch's path makes a call per op); a longer chunk is
 # faster through torch's attention
@@ -83,7 +86,8 @@ def best_variant(flags: frozenset[str] | None = None) -> Variant | None:
 
 
 def cflags(variant: Variant) -> list[str]:
-    return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}"]
+    return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}",
+            f"-DFOLIO_PANEL={PANEL}"]
 
 
 def sources() -> list[Path]:
@@ -128,6 +132,14 @@ def build(variant: Variant) -> ModuleType:
 
     directory = build_directory(variant)
     directory.mkdir(parents=True, exist_ok=True)
-    log.info("building the CPU decode kernels (%s) once into %s (about a minute)", variant.name, directory)
-    return load(library_name(variant), [str(p) for p in sources() if p.suffix == ".cpp"],
-                extra_cflags=cflags(variant), build_directory=str(directory), verbose=False)
+    # One build at a time, under a lock the OS releases when its holder dies: torch's own lock file (`lock`) stays
+    # behind when a build is killed (Ctrl-C during a first start), and every later build would wait on it forever.
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        module = import_built(variant)  # another process may have built it while this one waited
+        if module is not None:
+            return module
+        (directory / "lock").unlink(missing_ok=True)  # a killed build's; no build runs now
+        log.info("building the CPU decode kernels (%s) once into %s (about a minute)", variant.name, directory)
+        return load(library_name(variant), [str(p) for p in sources() if p.suffix == ".cpp"],
+                    extra_cflags=cflags(variant), build_directory=str(directory), verbose=False)
