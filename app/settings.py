@@ -91,9 +91,10 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     log_format: Literal["text", "json"] = Field("text", description="text: a readable line per event; json: one "
                                                 "JSON object per line, for log collectors (app/requestlog.py)")
-    quantize: Literal["none", "int8"] = Field("none", description="int8: weight-only int8 (a scale per output row) "
-                                              "for the blocks' products and the LM head, quantized at load "
-                                              "(model/quantize.py)")
+    quantize: Literal["none", "int8", "bf16"] = Field(
+        "none", description="weights of the blocks' products and the LM head stored as int8 (a scale per output "
+        "row; a quarter of fp32's bytes) or bf16 (half), quantized at load; activations stay fp32 "
+        "(model/quantize.py)")
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
 

@@ -1,28 +1,30 @@
-"""Weight-only int8 quantization, installed as module swaps (like gpt-fast's `WeightOnlyInt8QuantHandler`):
-`quantize_int8(model)` puts an `Int8Linear` in place of every `nn.Linear` of the transformer blocks and of the LM
-head. Each output row's weights are scaled symmetrically into [-127, 127] (one fp32 scale per row:
-max |w| / 127) and rounded; activations stay fp32. The LM head (tied to the token embedding, ~30% of GPT-2
-small's bytes) gets its own int8 copy; the embedding lookup keeps the fp32 table (it reads one row a token).
+"""Weight-only quantization, installed as module swaps (like gpt-fast's `WeightOnlyInt8QuantHandler`):
+`quantize(model, kind)` puts a `StoredLinear` in place of every `nn.Linear` of the transformer blocks and of the
+LM head; activations stay fp32.
+- "int8": each output row's weights scaled symmetrically into [-127, 127] (one fp32 scale per row,
+  max |w| / 127) and rounded (`Int8Linear`): a decode step reads 1 byte per weight instead of 4;
+- "bf16": each weight rounded to bfloat16 (`Bf16Linear`): 2 bytes per weight.
+The LM head (tied to the token embedding, ~30% of GPT-2 small's bytes) gets its own copy; the embedding lookup
+keeps the fp32 table (it reads one row a token).
 
-A decode step reads 1 byte per weight instead of 4. The products run in the CPU kernels' `linear_int8` (the int8
-values widened to fp32 in registers, so the sum is exactly the fp32 product with the dequantized weight) for up
-to `MAX_ROWS` rows, and through torch with the dequantized weight otherwise (a prompt's prefill, or without the
-kernels). Quality is measured, not assumed: `bench/quantize.py`, tests/model/test_quantize.py.
+The products run in the CPU kernels' `linear` (the stored values widened to fp32 in registers, so the sum is the
+fp32 product with the weight as stored) for up to `MAX_ROWS` rows, and through torch with the dequantized weight
+otherwise (a long prompt's prefill, or without the kernels). Quality is measured, not assumed: `bench/quantize.py`,
+tests/model/test_quantize.py.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.nn import functional as F
 
-from model.kernels.build import MAX_ROWS
-from model.kernels.loader import library
+from model.kernels.modules import StoredLinear
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "bf16")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,49 +35,65 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(StoredLinear):
     """`nn.Linear` with int8 weights and a scale per output row; fp32 in and out."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         q, scale = quantize_rows(linear.weight)
         self.register_buffer("weight_int8", q.to(linear.weight.device))
         self.register_buffer("scale", scale.to(linear.weight.device))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.weight_int8.float() * self.scale[:, None]
+    @property
+    def stored(self) -> torch.Tensor:
+        return self.weight_int8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = library()
-        rows = x.numel() // self.in_features
-        if (lib is not None and x.device.type == "cpu" and x.dtype == torch.float32 and rows <= MAX_ROWS
-                and self.in_features % 8 == 0 and not torch.is_grad_enabled()):
-            y = lib.linear_int8(x.reshape(rows, self.in_features).contiguous(), self.weight_int8, self.scale,
-                                self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+    @property
+    def scale_or_none(self) -> torch.Tensor | None:
+        return self.scale
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output row"
 
 
-def quantize_int8(model: nn.Module) -> int:
-    """Swap every `nn.Linear` of `model` (the blocks' products and the LM head) for an `Int8Linear`, in place;
-    the weights it reads at a decode step shrink 4x. Returns the bytes of the int8 weights and their scales."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, Int8Linear(child))
-    return sum(m.weight_int8.numel() + 4 * m.scale.numel() for m in model.modules() if isinstance(m, Int8Linear))
+class Bf16Linear(StoredLinear):
+    """`nn.Linear` with bfloat16 weights (round to nearest even); fp32 in and out."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
+
+    @property
+    def stored(self) -> torch.Tensor:
+        return self.weight_bf16
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> Bf16Linear:
+        # `.to(dtype)` converts every floating tensor; the stored weight stays bf16 (bf16 -> fp32 -> bf16 is exact)
+        super()._apply(fn, recurse)
+        self.weight_bf16 = self.weight_bf16.to(torch.bfloat16)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
+
+
+SWAPS: dict[str, type[StoredLinear]] = {"int8": Int8Linear, "bf16": Bf16Linear}
 
 
 def quantize(model: nn.Module, kind: str) -> int:
-    """`kind` ('none' or 'int8') applied to `model` in place; the bytes of quantized weights (0 for none)."""
+    """`kind` (one of QUANTIZATIONS) applied to `model` in place: every `nn.Linear` (the blocks' products and the
+    LM head) swapped for its stored form. Returns the bytes of the stored weights and their scales (0 for none)."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {kind!r}")
-    return quantize_int8(model) if kind == "int8" else 0
+    if kind == "none":
+        return 0
+    swap = SWAPS[kind]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, swap(child))
+    stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
+    return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)
 
 
 def convert(checkpoint: str | Path, out: str | Path, kind: str = "int8") -> Path:

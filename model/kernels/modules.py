@@ -4,8 +4,10 @@
 inside `forward`:
 - each fp32 CPU `nn.Linear` becomes a `KernelLinear`: the same parameters (the LM head stays tied to the token
   embedding), computed by `ops.linear`, with a packed copy of its weight as a buffer that is not saved;
-- each `Block` (head size a multiple of 8) becomes a `FusedBlock`: a cached forward of up to `FUSED_MAX_TOKENS`
-  tokens at inference runs the whole block in one kernel call; anything else runs `Block.forward`.
+- quantized weights (`model/quantize.py`: int8, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
+- each `Block` (head size a multiple of 8) whose products are either becomes a `FusedBlock`: a cached forward of
+  up to `FUSED_MAX_TOKENS` tokens at inference runs the whole block in one kernel call; anything else runs
+  `Block.forward`.
 Parameter names and the state dict are unchanged. Within `kernels.disabled()` both serve torch's ops.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,6 +67,55 @@ class KernelLinear(nn.Linear):
         return ops.linear(x, self.weight, self.bias, self.current_packed())
 
 
+class StoredLinear(nn.Module):
+    """A linear layer whose weight is stored in another type than fp32 (`stored`: int8 with a fp32 `scale` per
+    output row, or bf16); fp32 in and out, computed by `ops.linear` (the kernels widen the weights in registers;
+    torch's linear with the dequantized weight elsewhere). `pack()` makes the kernels' packed copy (a buffer that
+    is not saved). Subclasses name the stored tensors (their state-dict keys) and make them."""
+
+    packed: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.register_buffer("packed", None, persistent=False)
+
+    @property
+    def stored(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def scale_or_none(self) -> torch.Tensor | None:
+        return None
+
+    def dequantized(self) -> torch.Tensor:
+        return ops.dequantize(self.stored, self.scale_or_none)
+
+    def pack(self) -> None:
+        if self.packed is None:
+            self.packed = ops.pack(self.stored)
+
+    def current_packed(self) -> torch.Tensor | None:
+        return self.packed
+
+    @property
+    def packed_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.stored, self.bias, self.packed, self.scale_or_none)
+
+
+def _product_args(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                              torch.Tensor | None]:
+    """A kernel-backed linear's weight as stored, bias, scale and packed copy: what `decode_block` takes."""
+    if isinstance(linear, StoredLinear):
+        return linear.stored, linear.bias, linear.scale_or_none, linear.packed
+    assert isinstance(linear, KernelLinear)
+    return linear.weight, linear.bias, None, linear.current_packed()
+
+
 class FusedBlock(Block):
     """A `Block` (the same submodules) whose cached forwards at inference run in one kernel call: the B x T new
     tokens as rows, each attending to its own cache row up to its position, as `Block.forward` computes it.
@@ -82,20 +134,28 @@ class FusedBlock(Block):
                 or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype != torch.float32):
             return super().forward(x, cache)
         k_cache, v_cache = cache.layer(self.attn.layer)
-        attn, mlp = self.attn, self.mlp
-        y = lib.decode_block(
-            x.reshape(B * T, C).contiguous(), self.ln_1.weight, self.ln_1.bias, attn.c_attn.weight, attn.c_attn.bias,
-            attn.c_proj.weight, attn.c_proj.bias, self.ln_2.weight, self.ln_2.bias, mlp.c_fc.weight, mlp.c_fc.bias,
-            mlp.c_proj.weight, mlp.c_proj.bias, k_cache, v_cache, cache.token_rows, cache.token_pos, attn.n_head,
-            [linear.current_packed() for linear in _linears(self)])
+        y = lib.decode_block(x.reshape(B * T, C).contiguous(), *self.kernel_args(), k_cache, v_cache, cache.token_rows,
+                             cache.token_pos, self.attn.n_head)
         return y.view(B, T, C)
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        """`decode_block`'s parameters after x: the layer norms', then the four products' weights, biases, scales
+        and packed copies. Kept between steps (gathering them costs ~200 module attribute lookups, as much as a
+        small model's whole block), made again once a weight changed in place or `install` repacked."""
+        cached = self.__dict__.get("_kernel_args")
+        if cached is not None and [_version(w) for w in cached[0]] == cached[1]:
+            return cached[2]
+        weights, biases, scales, packed = (list(t) for t in zip(*(_product_args(lin) for lin in _linears(self))))
+        args = (self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias, weights, biases, scales, packed)
+        self.__dict__["_kernel_args"] = (weights, [_version(w) for w in weights], args)
+        return args
 
 
 @dataclass(frozen=True)
 class InstallReport:
     """What runs on the kernels after `install`."""
 
-    linears: int  # KernelLinear layers
+    linears: int  # kernel-backed linear layers (KernelLinear, StoredLinear)
     blocks: int  # FusedBlocks
     packed_bytes: int  # the current packed weight copies' memory
 
@@ -126,7 +186,8 @@ def _linears(block: Block) -> tuple[nn.Module, ...]:
 def _fused_block(module: nn.Module) -> FusedBlock | None:
     if type(module) is not Block or module.attn.n_embd // module.attn.n_head % 8 != 0:
         return None
-    fits = all(isinstance(linear, KernelLinear) for linear in _linears(module)) and _on_cpu_in_fp32(module)
+    kernel_backed = all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in _linears(module))
+    fits = kernel_backed and _on_cpu_in_fp32(module)
     return FusedBlock(module) if fits else None
 
 
@@ -139,9 +200,12 @@ def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
         return InstallReport(linears=0, blocks=0, packed_bytes=0)
     _swap(model, _kernel_linear)
     _swap(model, _fused_block)  # after the linears: a fused block reads their packed copies
-    linears = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    linears = [m for m in model.modules() if isinstance(m, (KernelLinear, StoredLinear))]
     if pack:
         for linear in linears:
             linear.pack()
+        for block in model.modules():
+            if isinstance(block, FusedBlock):
+                block.__dict__.pop("_kernel_args", None)  # the new packed copies
     blocks = sum(isinstance(m, FusedBlock) for m in model.modules())
     return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(m.packed_bytes for m in linears))

@@ -8,32 +8,44 @@ from collections.abc import Iterator
 import torch
 from torch.nn import functional as F
 
+from model.kernels.build import PANEL
 from model.kernels.loader import library
+
+# the weight types the kernels read (widened to fp32 in registers); activations are fp32
+KERNEL_WEIGHTS = (torch.float32, torch.int8, torch.bfloat16)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A stored weight (fp32, bf16, or int8 with a scale per output row) as `dtype`: what the kernels compute with."""
+    w = weight.to(dtype)
+    return w if scale is None else w * scale.to(dtype)[:, None]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`. At inference with fp32 CPU tensors, up to `MAX_ROWS` rows (all leading dims
-    together) go through the kernels: from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from
-    `pack` when given, else dot products from the weight itself (when its width is a multiple of 8). Anything
-    else is `F.linear`. Equal to torch's result up to float summation order."""
+           packed: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, dequantize(weight, scale), bias)`. At inference with fp32 CPU inputs and a weight stored as
+    fp32, int8 (with `scale`) or bf16, up to `MAX_ROWS` rows (all leading dims together) go through the kernels:
+    from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
+    from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
+    weight. Equal to that up to float summation order."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32):
-        return F.linear(x, weight, bias)
+            or weight.dtype not in KERNEL_WEIGHTS):
+        return F.linear(x, dequantize(weight, scale, x.dtype), bias)
     *lead, n_in = x.shape
     # the library picks (its `linear`): a kernel for <= MAX_ROWS rows, else torch's linear
-    y = lib.linear(x.reshape(-1, n_in).contiguous(), weight.contiguous(), bias, packed)
+    y = lib.linear(x.reshape(-1, n_in).contiguous(), weight.contiguous(), bias, packed, scale)
     return y.view(*lead, weight.shape[0])
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A 2-D fp32 weight (O, I) packed for `linear`: panels of 16 outputs, (ceil(O / 16), I, 16), the last one
-    zero-padded. As much memory again as the weight."""
-    lib = library()
-    assert lib is not None, "pack needs the kernels loaded"
+    """A 2-D weight (O, I) of any type packed for `linear`: panels of 16 outputs, (ceil(O / 16), I, 16), the last
+    one zero-padded. As much memory again as the weight."""
     with torch.no_grad():
-        return lib.pack(weight.detach())
+        out, n_in = weight.shape
+        panels = -(-out // PANEL)
+        padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - out))
+        return padded.view(panels, PANEL, n_in).transpose(1, 2).contiguous()
 
 
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,

@@ -1,6 +1,6 @@
-"""Weight-only int8 (model/quantize.py): the per-row quantization against its own definition, `Int8Linear` (the
-kernel's rows and torch's) against the product with the dequantized weight, the bundled model's validation loss
-within 1% of fp32's, and a server started with --quantize int8."""
+"""Weight-only int8 and bf16 (model/quantize.py): the per-row quantization against its own definition, the stored
+linears (the kernel's dot products, its packed panels and torch's) against the product with the dequantized weight,
+the bundled model's validation loss within 1% of fp32's, and a server started with --quantize."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.eval import score
 from model.kernels.loader import library
-from model.quantize import Int8Linear, quantize, quantize_rows
+from model.quantize import SWAPS, Bf16Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 
@@ -31,14 +31,28 @@ def test_rows_are_scaled_symmetrically_into_int8() -> None:
     assert (q.float() * scale[:, None] - w).abs().max() <= scale.max() / 2 + 1e-6  # rounding: half a step
 
 
+def test_bf16_weights_are_the_rounded_fp32_ones() -> None:
+    lin = torch.nn.Linear(64, 24)
+    q = Bf16Linear(lin)
+    assert q.weight_bf16.dtype == torch.bfloat16 and torch.equal(q.weight_bf16, lin.weight.detach().bfloat16())
+    assert torch.equal(q.dequantized(), lin.weight.detach().bfloat16().float())
+    q.to(dtype=torch.float32)  # a model's .to(dtype) leaves the stored weight as it is
+    assert q.weight_bf16.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dot", "packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 64, 65, 200])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_linear_equals_the_dequantized_product(rows: int, bias: bool) -> None:
+def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, rows: int, bias: bool) -> None:
+    """Widths 104 (a multiple of 8, not of 16: AVX-512's half-vector end) and 200 outputs (a partial panel)."""
     kernels.load()
     torch.manual_seed(rows)
-    lin = torch.nn.Linear(96, 200, bias=bias)
-    q = Int8Linear(lin)
-    x = torch.randn(rows, 96)
+    lin = torch.nn.Linear(104, 200, bias=bias)
+    q = SWAPS[kind](lin)
+    if packed and library() is not None:
+        q.pack()
+    x = torch.randn(rows, 104)
     want = x.double() @ q.dequantized().double().T + (lin.bias.double() if bias else 0)
     with torch.inference_mode():
         got = q(x)
@@ -46,10 +60,11 @@ def test_int8_linear_equals_the_dequantized_product(rows: int, bias: bool) -> No
             plain = q(x)
     assert torch.allclose(got.double(), want, atol=1e-4) and torch.allclose(plain.double(), want, atol=1e-4)
     path = "kernel" if library() is not None and rows <= 64 else "torch"
-    print(f"rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
+    print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
 
-def test_int8_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir) -> None:
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir, kind: str) -> None:
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
         pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
@@ -59,7 +74,7 @@ def test_int8_keeps_the_bundled_models_validation_loss_within_1_percent(repo, da
     kernels.load()
     fp32 = score(ck.model, ck.tokenizer, ids)
     int8_model = copy.deepcopy(ck.model)
-    quantize(int8_model, "int8")
+    quantize(int8_model, kind)
     int8 = score(int8_model, ck.tokenizer, ids)
     ratio = int8.nll / fp32.nll
     prompt = ck.tokenizer.encode("ROMEO:\n")
@@ -67,17 +82,18 @@ def test_int8_keeps_the_bundled_models_validation_loss_within_1_percent(repo, da
     a = [t for t, _ in generate_naive(ck.model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
     b = [t for t, _ in generate_naive(int8_model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
     agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    print(f"\nval loss fp32 {fp32.nll / fp32.tokens:.4f}, int8 {int8.nll / int8.tokens:.4f} (x{ratio:.4f}); "
+    print(f"\nval loss fp32 {fp32.nll / fp32.tokens:.4f}, {kind} {int8.nll / int8.tokens:.4f} (x{ratio:.4f}); "
           f"greedy tokens identical for the first {agree} of {len(a)}")
     assert abs(ratio - 1) < 0.01
 
 
-def test_a_server_with_quantize_int8_serves_and_says_so(repo) -> None:
-    settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize="int8")
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_a_server_with_quantize_serves_and_says_so(repo, kind: str) -> None:
+    settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize=kind)
     with TestClient(create_app(settings)) as c:
-        assert c.get("/info").json()["quantization"] == "int8"
+        assert c.get("/info").json()["quantization"] == kind
         engine = c.app.state.service.engine
-        assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
+        assert any(isinstance(m, SWAPS[kind]) for m in engine.runner.model.modules())
         r = c.post("/generate", json={"inputs": "ROMEO:", "parameters": {"max_new_tokens": 20}})
         assert r.status_code == 200 and len(r.json()["generated_text"]) == 20
     with pytest.raises(ValueError, match="quantize"):

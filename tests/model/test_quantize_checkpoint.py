@@ -1,4 +1,4 @@
-"""The int8 kernels of every variant this CPU runs against the dequantized product; an offline int8
+"""The products of every kernel variant this CPU runs against the dequantized product; an offline int8
 checkpoint (`python -m model.quantize`): config.json says so, it loads without quantizing again, and its model
 equals the one quantized at load, logits bit for bit and greedy tokens one for one."""
 
@@ -14,7 +14,8 @@ from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.kernels import build
-from model.quantize import Int8Linear, main, quantize
+from model.kernels.ops import dequantize, pack
+from model.quantize import SWAPS, Int8Linear, main, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 
@@ -70,9 +71,13 @@ def test_a_server_on_an_int8_checkpoint_says_int8_and_generates_as_quantize_at_l
 
 
 @pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_each_kernel_variants_int8_product_equals_the_dequantized_one(variant: build.Variant, rows: int) -> None:
-    """Every variant this CPU runs (built here if need be), the others skipped naming the flags it lacks."""
+@pytest.mark.parametrize("kind", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 64])
+@pytest.mark.parametrize("width", [96, 104])
+def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.Variant, kind: str, rows: int,
+                                                                  width: int) -> None:
+    """Every variant this CPU runs (built here if need be), the others skipped naming the flags it lacks; fp32,
+    int8 and bf16 weights, from the weight and from its packed copy, widths a multiple of 16 and of 8 only."""
     missing = sorted(variant.cpu_flags - build.cpu_flags())
     if build.best_variant() is None or missing:
         pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
@@ -81,8 +86,13 @@ def test_each_kernel_variants_int8_product_equals_the_dequantized_one(variant: b
     except Exception as e:  # no compiler here: the kernels are not used either
         pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
     torch.manual_seed(rows)
-    q = Int8Linear(torch.nn.Linear(96, 40))
-    x = torch.randn(rows, 96)
-    want = x.double() @ q.dequantized().double().T + q.bias.double()
-    got = lib.linear_int8(x, q.weight_int8, q.scale, q.bias)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    lin = torch.nn.Linear(width, 40)  # 40 outputs: two whole panels and a partial one
+    stored, scale = (lin.weight.detach(), None) if kind == "fp32" else (SWAPS[kind](lin).stored, None)
+    if kind == "int8":
+        stored, scale = quantize_rows(lin.weight)
+    x = torch.randn(rows, width)
+    want = x.double() @ dequantize(stored, scale).double().T + lin.bias.double()
+    with torch.inference_mode():
+        for packed in (None, pack(stored)):
+            got = lib.linear(x, stored, lin.bias.detach(), packed, scale)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -6,8 +6,8 @@
 #include <vector>
 
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
-#if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS)
-#error "build with model/kernels/build.py: it defines FOLIO_MAX_ROWS and FOLIO_PACKED_MIN_ROWS"
+#if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL)
+#error "build with model/kernels/build.py: it defines FOLIO_MAX_ROWS, FOLIO_PACKED_MIN_ROWS and FOLIO_PANEL"
 #endif
 
 namespace folio {
@@ -18,27 +18,24 @@ using OptionalTensor = c10::optional<at::Tensor>;
 static constexpr int64_t MAX_ROWS = FOLIO_MAX_ROWS;
 // from this many rows a weight's packed copy is used: below, the dot products are as fast
 static constexpr int64_t PACKED_MIN_ROWS = FOLIO_PACKED_MIN_ROWS;
-// a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL)
-static constexpr int64_t PANEL = 16;
+// a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
+static constexpr int64_t PANEL = FOLIO_PANEL;
+static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");
 
-// w (O, I) -> its packed copy, (ceil(O / 16), I, 16), the last panel zero-padded
-at::Tensor pack(at::Tensor w);
-
-// x (M, I) @ w.T + b -> (M, O), through the packed copy, the dot products or torch's linear (see linear.cpp)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed);
-
-// x (M, I) fp32 @ (w (O, I) int8 * scale (O)).T + b -> (M, O), for M <= MAX_ROWS (see int8_linear.cpp)
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const OptionalTensor& b);
+// x (M, I) fp32 @ (w (O, I) * scale (O)).T + b -> (M, O): w fp32, int8 (a scale per output row) or bf16, through the
+// packed copy, the dot products or torch's linear with the dequantized weight (see linear.cpp)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
+                  const OptionalTensor& scale);
 
 // attention for B new tokens, writing their keys and values to the cache first: qkv (B, 3C) -> (B, C)
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head);
 
-// a GPT-2 transformer block for B new tokens, x (B, C) -> (B, C) (see block.cpp)
-at::Tensor decode_block(at::Tensor x, at::Tensor ln1_w, OptionalTensor ln1_b, at::Tensor attn_w, OptionalTensor attn_b,
-                        at::Tensor proj_w, OptionalTensor proj_b, at::Tensor ln2_w, OptionalTensor ln2_b,
-                        at::Tensor fc_w, OptionalTensor fc_b, at::Tensor fc2_w, OptionalTensor fc2_b,
-                        at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos, int64_t n_head,
-                        std::vector<OptionalTensor> packed);
+// a GPT-2 transformer block for B new tokens, x (B, C) -> (B, C) (see block.cpp); its four products (qkv,
+// attention projection, MLP up and down) as weights, biases, scales and packed copies (each list in that order)
+at::Tensor decode_block(at::Tensor x, at::Tensor ln1_w, OptionalTensor ln1_b, at::Tensor ln2_w, OptionalTensor ln2_b,
+                        std::vector<at::Tensor> weights, std::vector<OptionalTensor> biases,
+                        std::vector<OptionalTensor> scales, std::vector<OptionalTensor> packed, at::Tensor k_cache,
+                        at::Tensor v_cache, at::Tensor rows, at::Tensor pos, int64_t n_head);
 
 }  // namespace folio

@@ -1,4 +1,7 @@
-// Small AVX2 helpers shared by the kernels.
+// The vector type the kernels compute with, chosen by the build variant: 16 fp32 lanes where the compiler may use
+// AVX-512 (the "avx512" variant), else 8 (AVX2). Every kernel is written once against these helpers. Weights come
+// as fp32, int8 (with a scale per output row) or bf16 (raw bits); each is widened to fp32 in registers, exactly,
+// so a product is the fp32 product with the weight as stored.
 #pragma once
 
 #include <immintrin.h>
@@ -7,7 +10,7 @@
 
 namespace folio {
 
-// the sum of a vector's eight lanes
+// the sum of an 8-lane vector's lanes (attention works in 8 lanes: head sizes are multiples of 8)
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_hadd_ps(s, s);
@@ -15,31 +18,89 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// 8 weights as floats: fp32 as they are, int8 widened (exactly)
-static inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
-static inline __m256 load8(const int8_t* w) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+// a bfloat16's bits: the upper half of an fp32
+using bf16 = uint16_t;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FOLIO_VEC512 1
+using Vec = __m512;
+static constexpr int LANES = 16;
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+static inline Vec vset1(const float* p) { return _mm512_set1_ps(*p); }
+static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+static inline Vec vload(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// the first 8 lanes from p, the others zero: the end of a row whose length is a multiple of 8 but not of 16
+static inline Vec vload8(const float* p) { return _mm512_maskz_loadu_ps(0xFF, p); }
+static inline Vec vload8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline Vec vload8(const bf16* p) {
+  const __m256i half = _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#else
+using Vec = __m256;
+static constexpr int LANES = 8;
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+static inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+static inline Vec vset1(const float* p) { return _mm256_broadcast_ss(p); }
+static inline float vsum(Vec v) { return hsum(v); }
+static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline Vec vload(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+template <typename W>
+static inline Vec vload8(const W* p) { return vload(p); }
+#endif
 
 // y[m * O + r] = (sum_i x[m, i] * w[r, i]) * scale[r] + b[r] for r < R, m < MB (no scale or bias where nullptr);
 // each weight row streamed once for all MB inputs; I % 8 == 0
 template <int R, int MB, typename W>
 static inline void dot_tile(const W* w, const float* x, float* y, const float* scale, const float* b, int64_t I,
                             int64_t O) {
-  __m256 acc[R][MB];
+  Vec acc[R][MB];
   for (int r = 0; r < R; r++)
-    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < I; i += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_ps(x + m * I + i);
+    for (int m = 0; m < MB; m++) acc[r][m] = vzero();
+  int64_t i = 0;
+  for (; i + LANES <= I; i += LANES) {
+    Vec xv[MB];
+    for (int m = 0; m < MB; m++) xv[m] = vload(x + m * I + i);
     for (int r = 0; r < R; r++) {
-      __m256 wv = load8(w + r * I + i);
-      for (int m = 0; m < MB; m++) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      const Vec wv = vload(w + r * I + i);
+      for (int m = 0; m < MB; m++) acc[r][m] = vfma(wv, xv[m], acc[r][m]);
+    }
+  }
+  if constexpr (LANES > 8) {
+    if (i < I) {  // the last 8 of a row
+      Vec xv[MB];
+      for (int m = 0; m < MB; m++) xv[m] = vload8(x + m * I + i);
+      for (int r = 0; r < R; r++) {
+        const Vec wv = vload8(w + r * I + i);
+        for (int m = 0; m < MB; m++) acc[r][m] = vfma(wv, xv[m], acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) {
-      const float sum = scale ? hsum(acc[r][m]) * scale[r] : hsum(acc[r][m]);
+      const float sum = scale ? vsum(acc[r][m]) * scale[r] : vsum(acc[r][m]);
       y[m * O + r] = sum + (b ? b[r] : 0.f);
     }
 }
