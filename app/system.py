@@ -134,7 +134,8 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "max_total_tokens": cfg.block_size + service.settings.max_new_tokens_limit,
         "device": str(engine.device),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "cpu_kernels": engine.cpu_kernels,
+        "cpu_kernels": engine.cpu_kernels,  # "loaded (avx512)", or why not
+        "threads": engine.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
         "quantization": ck.meta.get("quantization") or service.settings.quantize,  # stored, or done at load
         "packed_weight_bytes": engine.packed_bytes,  # the kernels' second copy of the linear weights
         "max_batch_size": engine.max_batch_size,

@@ -68,6 +68,7 @@ class Engine:
     device = property(lambda self: self.runner.device)
     dtype = property(lambda self: self.runner.dtype)
     cpu_kernels = property(lambda self: self.runner.cpu_kernels)
+    threads = property(lambda self: self.runner.threads)
     packed_bytes = property(lambda self: self.runner.packed_bytes)
 
     @property

@@ -15,14 +15,28 @@ from model.devices import default_dtype, resolve_device
 from model.engine.prefix_cache import RowContents
 from model.gpt import KVCache
 
+# a CPU thread pays off from about this many parameters a model has: below, handing a small product's pieces to a
+# second thread costs more than it saves (bench/threads.py measures it: bench/results/threads.json)
+PARAMS_PER_THREAD = 8_000_000
+
+
+def default_threads(n_params: int, cores: int | None = None) -> int:
+    """Threads for a model of `n_params` parameters on `cores` cores (default: this machine's): one per
+    PARAMS_PER_THREAD parameters, at least 1, at most the cores."""
+    cores = cores or os.cpu_count() or 1
+    return max(1, min(cores, n_params // PARAMS_PER_THREAD))
+
 
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, threads: int | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
+        # CPU threads: as asked, else by the model's size (the kernels' pool takes torch's count at its first use)
+        self.threads = 0
         if self.device.type == "cpu":
-            torch.set_num_threads(threads or os.cpu_count() or 1)
+            self.threads = threads or default_threads(checkpoint.config.num_params())
+            torch.set_num_threads(self.threads)
         # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
         self.cpu_kernels = "not used on this device"
         if self.device.type == "cpu" and self.dtype == torch.float32:

@@ -1,7 +1,8 @@
 """The one kernel library a process uses: loaded once (the best variant this CPU runs), or why it is not.
 
 Where the kernels cannot be used (no compiler for a first build, a CPU without AVX2, FOLIO_CPU_KERNELS=0),
-`load()` logs why and torch's own ops serve everywhere: slower, same results.
+`load()` logs why and torch's own ops serve everywhere: slower, same results. FOLIO_CPU_KERNELS=avx2 (a
+variant's name) picks that variant instead of the best this CPU runs.
 """
 
 from __future__ import annotations
@@ -33,13 +34,8 @@ def load() -> bool:
     with _lock:
         if _library is not None or _why_not is not None:
             return _library is not None
-        variant = build.best_variant()
-        if os.environ.get("FOLIO_CPU_KERNELS", "1") == "0":
-            _why_not = "turned off (FOLIO_CPU_KERNELS=0)"
-        elif variant is None:
-            _why_not = f"needs an x86-64 CPU with AVX2 (this one: {platform.machine()}, "
-            _why_not += f"{torch.backends.cpu.get_cpu_capability()})"
-        else:
+        variant, _why_not = chosen_variant(os.environ.get("FOLIO_CPU_KERNELS", "1"))
+        if variant is not None:
             try:
                 _library, _variant = build.build(variant), variant
             except Exception as e:  # no compiler, no ninja, a read-only cache: serve with torch's ops
@@ -49,6 +45,25 @@ def load() -> bool:
         else:
             log.info("CPU decode kernels loaded (%s)", variant.name)
         return _library is not None
+
+
+def chosen_variant(setting: str) -> tuple[build.Variant | None, str | None]:
+    """The variant FOLIO_CPU_KERNELS's value asks for ("1": the best this CPU runs, "0": none, or a variant's
+    name, e.g. "avx2" to measure it on a CPU that has more), or None and why not."""
+    best = build.best_variant()
+    names = [v.name for v in build.VARIANTS]
+    if setting == "0":
+        return None, "turned off (FOLIO_CPU_KERNELS=0)"
+    if best is None:
+        return None, (f"needs an x86-64 CPU with AVX2 (this one: {platform.machine()}, "
+                      f"{torch.backends.cpu.get_cpu_capability()})")
+    if setting == "1":
+        return best, None
+    if setting not in names:
+        return None, f"FOLIO_CPU_KERNELS={setting!r} is none of 0, 1, {', '.join(names)}"
+    variant = build.VARIANTS[names.index(setting)]
+    missing = sorted(variant.cpu_flags - build.cpu_flags())
+    return (None, f"FOLIO_CPU_KERNELS={setting}: this CPU lacks {', '.join(missing)}") if missing else (variant, None)
 
 
 def library() -> ModuleType | None:
@@ -62,8 +77,8 @@ def variant() -> build.Variant | None:
 
 
 def status() -> str:
-    """'loaded', 'not loaded' or why the kernels cannot be used (for /info and logs)."""
-    return "loaded" if library() is not None else (_why_not or "not loaded")
+    """'loaded (VARIANT)', 'not loaded' or why the kernels cannot be used (for /info and logs)."""
+    return f"loaded ({_variant.name})" if library() is not None and _variant else (_why_not or "not loaded")
 
 
 @contextlib.contextmanager

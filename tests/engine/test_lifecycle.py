@@ -11,6 +11,7 @@ import pytest
 
 from model import sampler as sampler_module
 from model.engine import Engine, EngineStopped, GenerationError, GenerationStream, Overloaded, Result
+from model.engine.runner import default_threads
 from model.sampling_params import SamplingParams
 from tests.engine.references import assert_logprobs_match, hold_steps, naive, run, wait_until, windowed_reference
 
@@ -311,3 +312,14 @@ def test_stream_type_and_prompt_tokens(make_engine) -> None:
         return await stream.collect()
 
     assert run(main()).finished.prompt_tokens == 4
+
+
+@pytest.mark.parametrize("params, cores, want", [(100_000, 2, 1), (10_700_000, 2, 1), (16_000_000, 2, 2),
+                                                 (124_000_000, 2, 2), (124_000_000, 16, 15), (124_000_000, 64, 15)])
+def test_default_threads_is_one_per_8m_parameters_within_the_cores(params: int, cores: int, want: int) -> None:
+    assert default_threads(params, cores) == want
+
+
+def test_an_engine_without_threads_takes_the_rule(make_checkpoint, make_engine) -> None:
+    ck = make_checkpoint()
+    assert make_engine(ck, threads=None, start=False).threads == default_threads(ck.config.num_params()) == 1
