@@ -53,13 +53,15 @@ class Variant:
     cpu_flags: frozenset[str]  # what the CPU must have to run it, as Linux's /proc/cpuinfo names them
 
 
-# from the least to the most capable; every variant builds from the same sources. simd.h's tiles are written with
-# AVX2 intrinsics (8 lanes), so "avx512" is that same code compiled with AVX-512 allowed: the compiler may use the
-# wider registers and instructions where it vectorizes on its own (the loops outside the intrinsics), no more.
+# from the least to the most capable; every variant builds from the same sources, which pick their code by the
+# compiler's flags (simd.h): "avx2" computes in 8 fp32 lanes, "avx512" in 16 (and 12-row panel tiles), and
+# "avx512vnni" also multiplies int8 weights with int16-rounded activations in VNNI's vpdpwssd.
 VARIANTS = (
     Variant("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
     Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"),
             frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})),
+    Variant("avx512vnni", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
 )
 
 

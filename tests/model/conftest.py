@@ -22,3 +22,11 @@ def built() -> None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CPU kernels: apt-get install g++ (.ci/run installs "
                     f"it); the server then serves with torch's ops")
     assert kernels.load(), f"the CPU kernels should build on this machine: {kernels.status()}"
+
+
+def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far an int8 product may be from the fp32 product with the dequantized weight `w` (O, I) when the kernels
+    round each row of x (M, I) to int16 (the avx512vnni variant): half a step (max |x_m| / 32767 / 2) per value,
+    times sum_i |w[o, i]|, plus fp32 summation slack. (M, O)."""
+    step = x.abs().amax(dim=1, keepdim=True).double() / 32767
+    return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5

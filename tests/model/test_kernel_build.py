@@ -19,6 +19,9 @@ def test_the_best_variant_is_the_most_capable_one_the_cpu_runs() -> None:
     x86 = platform.machine() in build.X86_64
     assert avx2.name == "avx2" and avx2.cpu_flags == {"avx2", "fma"}
     assert build.best_variant(frozenset({"sse2", "avx", "avx2", "fma", "avx512f"})) == (avx2 if x86 else None)
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    assert build.best_variant(frozenset(avx512)) == (build.VARIANTS[1] if x86 else None)
+    assert build.best_variant(frozenset(avx512 | {"avx512_vnni"})) == (build.VARIANTS[2] if x86 else None)
     assert build.best_variant(frozenset({"sse2", "avx", "avx2"})) is None  # no FMA
     assert build.best_variant(frozenset()) is None
 

@@ -18,6 +18,7 @@ from model.kernels.ops import dequantize, pack
 from model.quantize import SWAPS, Int8Linear, main, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
+from tests.model.conftest import int16_rounding_bound
 
 
 def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
@@ -95,4 +96,6 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
     with torch.inference_mode():
         for packed in (None, pack(stored)):
             got = lib.linear(x, stored, lin.bias.detach(), packed, scale)
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+            # int8 dot products of the avx512vnni variant round x to int16: within that rounding's bound
+            slack = int16_rounding_bound(x, dequantize(stored, scale)) if kind == "int8" else 2e-5
+            assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())

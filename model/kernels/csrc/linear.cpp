@@ -3,6 +3,7 @@
 // every weight type: fp32, int8 with a scale per output row (weight-only quantization: a quarter of the bytes)
 // and bf16 (half), each widened to fp32 in registers (simd.h), so the result is the fp32 product with the weight
 // as stored; and for both vector widths (simd.h's Vec: AVX2's 8 lanes or AVX-512's 16).
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -34,21 +35,35 @@ static int64_t grain_for(int64_t bytes, int64_t flops) {
                                        int64_t(2000000) / std::max<int64_t>(1, flops)));
 }
 
+// one tile of dot products: fp32 activations (any weight type), or int16 ones with a scale per row (int8 weights)
+template <int R, int MB, typename W>
+static inline void tile(const W* w, const float* x, const float*, float* y, const float* s, const float* b, int64_t I,
+                        int64_t O) {
+  dot_tile<R, MB>(w, x, y, s, b, I, O);
+}
+#ifdef FOLIO_INT16_ACTIVATIONS
+template <int R, int MB>
+static inline void tile(const int8_t* w, const int16_t* x, const float* xs, float* y, const float* s, const float* b,
+                        int64_t I, int64_t O) {
+  dot_tile_i16<R, MB>(w, x, xs, y, s, b, I, O);
+}
+#endif
+
 // rows o..o+R-1 of w for all M inputs, three at a time (12 accumulators: enough independent FMAs in flight)
-template <int R, typename W>
-static inline void rows(const W* w, const float* x, float* y, const float* s, const float* b, int64_t I, int64_t O,
-                        int64_t M) {
+template <int R, typename W, typename X>
+static inline void rows(const W* w, const X* x, const float* xs, float* y, const float* s, const float* b, int64_t I,
+                        int64_t O, int64_t M) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) dot_tile<R, 3>(w, x + m * I, y + m * O, s, b, I, O);
-  if (M - m == 2) dot_tile<R, 2>(w, x + m * I, y + m * O, s, b, I, O);
-  if (M - m == 1) dot_tile<R, 1>(w, x + m * I, y + m * O, s, b, I, O);
+  for (; m + 3 <= M; m += 3) tile<R, 3>(w, x + m * I, xs ? xs + m : xs, y + m * O, s, b, I, O);
+  if (M - m == 2) tile<R, 2>(w, x + m * I, xs ? xs + m : xs, y + m * O, s, b, I, O);
+  if (M - m == 1) tile<R, 1>(w, x + m * I, xs ? xs + m : xs, y + m * O, s, b, I, O);
 }
 
 // y (M, O) from the weight as it is: one input row against 8 weight rows per task (more streams in flight reads
-// closer to bandwidth), more input rows against 4
-template <typename W>
-static void dot_products(const W* w, const float* x, float* y, const float* s, const float* b, int64_t M, int64_t I,
-                         int64_t O) {
+// closer to bandwidth), more input rows against 4. x is fp32, or int16 with a scale per row in xs.
+template <typename W, typename X>
+static void dot_products(const W* w, const X* x, const float* xs, float* y, const float* s, const float* b,
+                         int64_t M, int64_t I, int64_t O) {
   const int64_t R = M == 1 ? 8 : 4, blocks = (O + R - 1) / R;
   const int64_t grain = grain_for(R * I * int64_t(sizeof(W)), 2 * R * I * M);
   pool().run(blocks, grain, [&](int64_t begin, int64_t end) {
@@ -57,18 +72,41 @@ static void dot_products(const W* w, const float* x, float* y, const float* s, c
       const W* wo = w + o * I;
       const float *so = s ? s + o : nullptr, *bo = b ? b + o : nullptr;
       if (M == 1 && n == 8) {
-        dot_tile<8, 1>(wo, x, y + o, so, bo, I, O);
+        tile<8, 1>(wo, x, xs, y + o, so, bo, I, O);
       } else if (M == 1 || n == 1) {
-        for (int64_t r = 0; r < n; r++) rows<1>(wo + r * I, x, y + o + r, so ? so + r : so, bo ? bo + r : bo, I, O, M);
+        for (int64_t r = 0; r < n; r++)
+          rows<1>(wo + r * I, x, xs, y + o + r, so ? so + r : so, bo ? bo + r : bo, I, O, M);
       } else if (n == 4) {
-        rows<4>(wo, x, y + o, so, bo, I, O, M);
+        rows<4>(wo, x, xs, y + o, so, bo, I, O, M);
       } else if (n == 3) {
-        rows<3>(wo, x, y + o, so, bo, I, O, M);
+        rows<3>(wo, x, xs, y + o, so, bo, I, O, M);
       } else {
-        rows<2>(wo, x, y + o, so, bo, I, O, M);
+        rows<2>(wo, x, xs, y + o, so, bo, I, O, M);
       }
     }
   });
+}
+
+// int8 weights' dot products; with VNNI the activations are rounded to int16 first, a scale per row (max |x| /
+// 32767: 15 bits, an error of at most half a step per value, far below the weights' own rounding)
+static void int8_dot_products(const int8_t* w, const float* x, float* y, const float* s, const float* b, int64_t M,
+                              int64_t I, int64_t O) {
+#ifdef FOLIO_INT16_ACTIVATIONS
+  if (I <= INT16_MAX_WIDTH) {
+    std::vector<int16_t> xq(M * I);
+    std::vector<float> xs(M);
+    for (int64_t m = 0; m < M; m++) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < I; i++) amax = std::max(amax, std::fabs(x[m * I + i]));
+      xs[m] = amax > 0.f ? amax / 32767.f : 1.f;
+      const float inv = 1.f / xs[m];
+      for (int64_t i = 0; i < I; i++) xq[m * I + i] = int16_t(std::nearbyint(x[m * I + i] * inv));
+    }
+    dot_products(w, xq.data(), xs.data(), y, s, b, M, I, O);
+    return;
+  }
+#endif
+  dot_products(w, x, static_cast<const float*>(nullptr), y, s, b, M, I, O);
 }
 
 // The packed layout, for PACKED_MIN_ROWS..MAX_ROWS rows. The dot products above reduce each output across a
@@ -183,8 +221,10 @@ static at::Tensor product(const at::Tensor& x, const at::Tensor& w, const Option
                 && packed->size(2) == PANEL && packed->is_contiguous() && packed->scalar_type() == w.scalar_type(),
                 "linear: the packed copy's shape or type");
     panel_products(weight_data<W>(*packed), xp, yp, s, b, M, I, O);
+  } else if constexpr (std::is_same_v<W, int8_t>) {
+    int8_dot_products(weight_data<W>(w), xp, yp, s, b, M, I, O);
   } else {
-    dot_products(weight_data<W>(w), xp, yp, s, b, M, I, O);
+    dot_products(weight_data<W>(w), xp, static_cast<const float*>(nullptr), yp, s, b, M, I, O);
   }
   return y;
 }
