@@ -44,9 +44,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     one zero-padded. As much memory again as the weight."""
     with torch.no_grad():
         out, n_in = weight.shape
-        panels = -(-out // PANEL)
-        padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - out))
-        return padded.view(panels, PANEL, n_in).transpose(1, 2).contiguous()
+        full, rest = divmod(out, PANEL)
+        packed = weight.new_zeros(full + (rest > 0), n_in, PANEL)  # written in place: no transient copies
+        packed[:full].copy_(weight[: full * PANEL].detach().view(full, PANEL, n_in).transpose(1, 2))
+        if rest:
+            packed[full, :, :rest].copy_(weight[full * PANEL:].detach().T)
+        return packed
 
 
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,

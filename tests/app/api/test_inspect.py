@@ -21,6 +21,7 @@ from app import inspect_api
 from app.inspect_api import InspectRequest, InspectResponse, estimated_bytes
 from app.testing import assert_tgi_error, parse_sse, strict_json
 from model import inspect as model_inspect
+from model import kernels
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
@@ -312,5 +313,8 @@ def test_attention_with_int8_weights_equals_the_reference_of_the_dequantized_mod
         "max_new_tokens": 8, "greedy": True, "attention": {"layers": [5], "heads": [2]}}}).text)
     whole = maps_of(inspect(client, inputs=text + "".join(e["token"]["text"] for e in events), layers=[5],
                             heads=[2], lens=False))[5, 2]["weights"]
+    # a decode step's int8 products in the avx512vnni kernels round the activations to int16 (README: Quantized
+    # weights); /inspect's 40-row forward does not
+    vnni = (variant := kernels.variant()) is not None and variant.name == "avx512vnni"
     for i, ev in enumerate(events):
-        assert ev["attention"]["weights"][0] == pytest.approx(whole[len(text) + i - 1], abs=2e-6)
+        assert ev["attention"]["weights"][0] == pytest.approx(whole[len(text) + i - 1], abs=1e-4 if vnni else 2e-6)
