@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    threads: int = Field(0, description="CPU threads for torch, at most the machine's cores (0: all cores)")
+    threads: int = Field(0, description="CPU threads, at most the machine's cores (0: by the model's size, one per "
+                         "8M parameters)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="requests decoded together")
     max_waiting: int = Field(64, ge=0, le=100_000, description="admitted requests waiting for a batch slot")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per engine step")

@@ -63,7 +63,8 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
-def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN001
+                 baseline_threads: int) -> dict[str, float]:
     prompt = prompts(1, ck.tokenizer.n_vocab)[0]
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     engine = Engine(ck, max_batch_size=1, max_waiting=0).start()
@@ -85,6 +86,7 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str,
 
     out["folio"] = best(folio)
     engine.stop()
+    torch.set_num_threads(baseline_threads)  # the engine set its own count (by the model's size)
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -105,7 +107,8 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int) -> dict[str,
     return out
 
 
-def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int,  # noqa: ANN001
+                     baseline_threads: int) -> dict[str, float]:
     """Aggregate tokens/s of n concurrent requests: the engine vs `transformers`' static batch, in alternating
     rounds (this VM's speed drifts by 10-20% over minutes), the best round of each."""
     ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
@@ -132,10 +135,14 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int) 
         mask[i, width - len(p):] = 1
 
     def transformers() -> float:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(baseline_threads)  # the engine sets its own count (by the model's size)
         with torch.inference_mode():
             t = time.perf_counter()
             hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False, pad_token_id=0)
-            return time.perf_counter() - t
+            elapsed = time.perf_counter() - t
+        torch.set_num_threads(saved)
+        return elapsed
 
     folio_s, hf_s = [], []
     try:
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="torch's threads for transformers and the naive loop (the engine picks its own by model size)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -172,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = bandwidth / weight_bytes
         # transformers cannot run past the context: keep prompt (< 48 tokens) + new tokens inside it
         new_tokens = min(args.new_tokens, ck.config.block_size - 48)
-        b1 = bench_batch1(ck, hf, new_tokens, args.repeats)
+        b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads)
         entry = {"params": ck.model.num_params(), "weight_bytes": weight_bytes, "ceiling_tok_s": ceiling,
                  "new_tokens": new_tokens,
                  "batch1": b1, "concurrent": {}}
         rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
         for n in [int(x) for x in args.concurrency.split(",") if x]:
-            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats)
+            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads)
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry

@@ -1,8 +1,10 @@
-"""fp32 against weight-only int8 weights, same engine, same run (`python -m bench.quantize`): decode tokens/s at
-batch 1 and with concurrent requests, on the bundled model and GPT-2 small's shape (random init), in alternating
-rounds (best of each); bytes a batch-1 step reads and the ceiling that implies at the measured read bandwidth;
-and quality: validation loss of both on the bundled model (tiny Shakespeare's last 10%), greedy agreement.
-Prints a table; writes bench/results/quantize.json and .png."""
+"""fp32 against weight-only int8 and bf16 weights, same engine, same run (`python -m bench.quantize`): decode
+tokens/s at batch 1 and with concurrent requests, on the bundled model and GPT-2 small's shape (random init), in
+alternating rounds (best of each); bytes a batch-1 step reads and the ceiling that implies at the measured read
+bandwidth; and quality against fp32: validation loss on tiny Shakespeare's last 10% (the bundled model; GPT-2's
+shape on the same text through GPT-2's BPE, where its random weights make the loss itself meaningless but the
+per-token KL divergence from fp32 and the top-1 agreement still say what quantizing changed), and greedy
+agreement. Prints a table; writes bench/results/quantize.json and .png."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from model.eval import score
 from model.quantize import quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
+from model.tokenizer import gpt2_tokenizer
 
 
 def cpu_name() -> str:
@@ -78,43 +81,69 @@ def tokens_per_s(ck: Checkpoint, n: int, new_tokens: int) -> float:
         engine.stop()
 
 
-def speeds(ck: Checkpoint, batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
-    kinds = {"fp32": ck, "int8": variant(ck, "int8")}
-    out: dict[str, Any] = {k: {"step_bytes": step_bytes(c.model)} for k, c in kinds.items()}
+def speeds(ck: Checkpoint, kinds: list[str], batches: list[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    models = {k: ck if k == "fp32" else variant(ck, k) for k in kinds}
+    out: dict[str, Any] = {k: {"step_bytes": step_bytes(c.model)} for k, c in models.items()}
     for n in batches:
-        best = {k: 0.0 for k in kinds}
+        best = {k: 0.0 for k in models}
         for _ in range(repeats):  # alternating rounds: this VM's speed drifts over minutes
-            for k, c in kinds.items():
+            for k, c in models.items():
                 best[k] = max(best[k], tokens_per_s(c, n, new_tokens))
-        for k in kinds:
+        for k in models:
             out[k][f"batch{n}"] = best[k]
-        out[f"int8_over_fp32_batch{n}"] = best["int8"] / best["fp32"]
+            out[k][f"over_fp32_batch{n}"] = best[k] / best["fp32"]
     return out
 
 
-def quality(ck: Checkpoint, chars: int) -> dict[str, Any]:
+def validation_ids(ck: Checkpoint, chars: int) -> list[int] | None:
+    """The start of tiny Shakespeare's last 10% in the checkpoint's tokens (GPT-2's BPE for the GPT-2 shape)."""
     text = SHARED_DATA / "tinyshakespeare" / "input.txt"
     if not text.is_file():
-        return {"skipped": f"{text} not found"}
+        return None
     raw = text.read_text(encoding="utf-8")
-    ids = ck.tokenizer.encode(raw[int(len(raw) * 0.9):][:chars])
-    q = variant(ck, "int8")
-    fp32, int8 = score(ck.model, ck.tokenizer, ids), score(q.model, ck.tokenizer, ids)
-    greedy = SamplingParams(max_new_tokens=200, greedy=True)
+    val = raw[int(len(raw) * 0.9):][:chars]
+    if ck.config.vocab_size >= 50257:  # the GPT-2 shape: its own BPE, ids within the random model's vocabulary
+        return gpt2_tokenizer(SHARED_DATA / "gpt2-bpe").encode(val)[:4096]  # a 124M forward per token: enough
+    return ck.tokenizer.encode(val)
+
+
+@torch.inference_mode()
+def divergence(a: torch.nn.Module, b: torch.nn.Module, ids: list[int], block: int) -> tuple[float, float]:
+    """Mean per-token KL(a || b) of the next-token distributions, and how often their top-1 tokens agree."""
+    kl, agree, n = 0.0, 0, 0
+    for start in range(0, len(ids) - 1, block):
+        x = torch.tensor([ids[start:start + block]])
+        la, lb = a(x).float().log_softmax(-1)[0], b(x).float().log_softmax(-1)[0]
+        kl += (la.exp() * (la - lb)).sum().item()
+        agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        n += x.shape[1]
+    return kl / n, agree / n
+
+
+def quality(ck: Checkpoint, kind: str, chars: int) -> dict[str, Any]:
+    ids = validation_ids(ck, chars)
+    if ids is None:
+        return {"skipped": "tiny Shakespeare not found"}
+    q = variant(ck, kind)
+    fp32, other = score(ck.model, ck.tokenizer, ids), score(q.model, ck.tokenizer, ids)
+    kl, top1 = divergence(ck.model, q.model, ids[:2048], min(256, ck.config.block_size))
+    n_greedy = 200 if ck.config.n_embd < 768 else 48  # the naive loop is slow on GPT-2's shape
+    greedy = SamplingParams(max_new_tokens=n_greedy, greedy=True)
     agree = []
-    for prompt in ("ROMEO:\n", "JULIET:\n", "First Citizen:\n"):
-        p = ck.tokenizer.encode(prompt)
-        a = [t for t, _ in generate_naive(ck.model, p, greedy, n_vocab=ck.tokenizer.n_vocab)]
-        b = [t for t, _ in generate_naive(q.model, p, greedy, n_vocab=ck.tokenizer.n_vocab)]
+    for prompt in ids[:8], ids[100:108], ids[500:508]:
+        a = [t for t, _ in generate_naive(ck.model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
+        b = [t for t, _ in generate_naive(q.model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
         agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
-    return {"tokens": fp32.tokens, "val_loss_fp32": fp32.nll / fp32.tokens, "val_loss_int8": int8.nll / int8.tokens,
-            "loss_ratio": int8.nll / fp32.nll, "greedy_identical_prefix_of_200": agree}
+    return {"tokens": fp32.tokens, "val_loss_fp32": fp32.nll / fp32.tokens, "val_loss": other.nll / other.tokens,
+            "loss_ratio": other.nll / fp32.nll, "kl_from_fp32": kl, "top1_agreement": top1,
+            "greedy_tokens": n_greedy, "greedy_identical_prefix": agree}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
     p.add_argument("--models", default="default,gpt2-124m")
+    p.add_argument("--kinds", default="int8,bf16", help="what to compare with fp32")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -124,17 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels.load()
-    bundled = load_checkpoint(args.checkpoint)
-    report: dict[str, Any] = {"machine": {"cpu": cpu_name(),
-                                          "kernels": kernels.status(), "threads": args.threads,
+    kinds = ["fp32", *args.kinds.split(",")]
+    report: dict[str, Any] = {"machine": {"cpu": cpu_name(), "kernels": kernels.status(), "threads": args.threads,
                                           "read_bandwidth_GBps": measure_read_bandwidth() / 1e9},
-                              "quality": quality(bundled, args.quality_chars), "models": {}}
+                              "kinds": kinds, "models": {}}
     batches = [int(b) for b in args.batches.split(",")]
+    bw = report["machine"]["read_bandwidth_GBps"] * 1e9
     for name in args.models.split(","):
-        ck = bundled if name == "default" else gpt2_124m_checkpoint()
-        m = report["models"][name] = speeds(ck, batches, args.new_tokens, args.repeats)
-        bw = report["machine"]["read_bandwidth_GBps"] * 1e9
-        for k in ("fp32", "int8"):
+        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m_checkpoint()
+        m = report["models"][name] = speeds(ck, kinds, batches, args.new_tokens, args.repeats)
+        m["quality"] = {k: quality(ck, k, args.quality_chars) for k in kinds[1:]}
+        for k in kinds:
             m[k]["ceiling_batch1"] = bw / m[k]["step_bytes"]
             m[k]["of_ceiling_batch1"] = m[k]["batch1"] / m[k]["ceiling_batch1"] if "batch1" in m[k] else None
     print_table(report, batches)
@@ -145,21 +174,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(report: dict[str, Any], batches: list[int]) -> None:
-    print(f"CPU: {report['machine']['cpu']}, {report['machine']['kernels']}, "
-          f"read bandwidth {report['machine']['read_bandwidth_GBps']:.1f} GB/s")
-    print(f"{'model':<12}{'weights':<8}{'MB/step':>9}" + "".join(f"{f'batch {n} tok/s':>16}" for n in batches)
+    print(f"CPU: {report['machine']['cpu']}, kernels {report['machine']['kernels']}, "
+          f"{report['machine']['threads']} threads, read bandwidth {report['machine']['read_bandwidth_GBps']:.1f} GB/s")
+    print(f"{'model':<12}{'weights':<8}{'MB/step':>9}" + "".join(f"{f'batch {n} tok/s':>20}" for n in batches)
           + f"{'of b1 ceiling':>15}")
     for name, m in report["models"].items():
-        for k in ("fp32", "int8"):
-            row = "".join(f"{m[k][f'batch{n}']:>16.1f}" for n in batches)
+        for k in report["kinds"]:
+            row = "".join(f"{m[k][f'batch{n}']:>12.1f} (x{m[k][f'over_fp32_batch{n}']:.2f})" for n in batches)
             share = m[k]["of_ceiling_batch1"]
             print(f"{name:<12}{k:<8}{m[k]['step_bytes'] / 1e6:>9.1f}{row}{'' if share is None else f'{share:>15.0%}'}")
-        print(" " * 20 + "int8/fp32: " + ", ".join(f"batch {n} x{m[f'int8_over_fp32_batch{n}']:.2f}" for n in batches))
-    q = report["quality"]
-    if "loss_ratio" in q:
-        print(f"quality (bundled model, {q['tokens']} validation tokens): val loss fp32 {q['val_loss_fp32']:.4f}, "
-              f"int8 {q['val_loss_int8']:.4f} (x{q['loss_ratio']:.4f}); greedy identical prefixes "
-              f"{q['greedy_identical_prefix_of_200']} of 200")
+        for k, q in m["quality"].items():
+            if "loss_ratio" in q:
+                print(f"{'':<12}{k:<8}quality on {q['tokens']} validation tokens: loss {q['val_loss']:.4f} vs fp32 "
+                      f"{q['val_loss_fp32']:.4f} (x{q['loss_ratio']:.4f}), KL {q['kl_from_fp32']:.2e}, top-1 agreement "
+                      f"{q['top1_agreement']:.2%}, greedy identical prefixes {q['greedy_identical_prefix']} "
+                      f"of {q['greedy_tokens']}")
 
 
 def plot(report: dict[str, Any], batches: list[int], png: Path) -> None:
@@ -167,13 +196,16 @@ def plot(report: dict[str, Any], batches: list[int], png: Path) -> None:
     fig, axes = plt.subplots(1, len(report["models"]), figsize=(5 * len(report["models"]), 3.6), squeeze=False)
     for ax, (name, m) in zip(axes[0], report["models"].items()):
         x = range(len(batches))
-        for i, k in enumerate(("fp32", "int8")):
-            ax.bar([v + (i - 0.5) * 0.38 for v in x], [m[k][f"batch{n}"] for n in batches], 0.38, label=k)
+        width = 0.8 / len(report["kinds"])
+        for i, k in enumerate(report["kinds"]):
+            ax.bar([v + (i - (len(report["kinds"]) - 1) / 2) * width for v in x], [m[k][f"batch{n}"] for n in batches],
+                   width, label=k)
         ax.set_xticks(list(x), [f"batch {n}" for n in batches])
         ax.set_ylabel("tokens/s")
         ax.set_title(name)
         ax.legend()
-    fig.suptitle(f"fp32 vs int8 weights, same engine ({report['machine']['cpu']})", fontsize=10)
+    fig.suptitle(f"{' vs '.join(report['kinds'])} weights, same engine ({report['machine']['cpu']}, "
+                 f"{report['machine']['kernels']})", fontsize=10)
     fig.tight_layout()
     save_figure(fig, png)
 

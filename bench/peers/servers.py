@@ -19,6 +19,8 @@ from bench.peers.builds import Setup, SetupError
 # Folio as served: (name, extra `python -m app` flags), one line per variant: ("folio-int8", ["--quantize", "int8"])
 VARIANTS_OF_FOLIO: list[tuple[str, list[str]]] = [
     ("folio", []),
+    ("folio-int8", ["--quantize", "int8"]),
+    ("folio-bf16", ["--quantize", "bf16"]),
 ]
 LLAMA_OUTTYPES = ("f32", "q8_0")
 VLLM_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
