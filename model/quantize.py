@@ -68,9 +68,12 @@ class Bf16Linear(StoredLinear):
         return self.weight_bf16
 
     def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> Bf16Linear:
-        # `.to(dtype)` converts every floating tensor; the stored weight stays bf16 (bf16 -> fp32 -> bf16 is exact)
+        # `.to(dtype)` converts every floating tensor; the stored weight and its packed copy stay bf16 (bf16 -> fp32
+        # -> bf16 is exact)
         super()._apply(fn, recurse)
         self.weight_bf16 = self.weight_bf16.to(torch.bfloat16)
+        if self.packed is not None:
+            self.packed = self.packed.to(torch.bfloat16)
         return self
 
     def extra_repr(self) -> str:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 from torch.nn import functional as F
 
-from model.kernels.build import PANEL
+from model.kernels import build
+from model.kernels.build import MAX_ROWS, PANEL
 from model.kernels.loader import library
 
 # the weight types the kernels read (widened to fp32 in registers); activations are fp32
@@ -21,6 +23,18 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     return w if scale is None else w * scale.to(dtype)[:, None]
 
 
+@functools.cache
+def _cpu_multiplies_bf16() -> bool:
+    return bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
+
+
+def native_bf16_prompt(x: torch.Tensor) -> bool:
+    """Whether a prompt's product against bf16 weights runs in bf16: fp32 activations on a CPU with AVX512-BF16 or
+    AMX-BF16, at inference (elsewhere torch's bf16 GEMM is slower than fp32 with the dequantized weight)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and _cpu_multiplies_bf16())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(weight, scale), bias)`. At inference with fp32 CPU inputs and a weight stored as
@@ -28,8 +42,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 dot products round
-    the activations to int16 first (a scale per row; see linear.cpp)."""
+    the activations to int16 first (a scale per row; see linear.cpp), and that a prompt (more than MAX_ROWS rows)
+    against bf16 weights runs in torch's bf16 GEMM where the CPU multiplies bf16 natively (`native_bf16_prompt`)."""
     lib = library()
+    if weight.dtype == torch.bfloat16 and x.numel() > MAX_ROWS * x.shape[-1] and native_bf16_prompt(x):
+        # a prompt against bf16 weights, on a CPU that multiplies bf16 natively: torch's bf16 GEMM (oneDNN), the
+        # activations rounded to bf16 as vLLM's bf16 does; fp32 out, the bias added in fp32
+        y = F.linear(x.to(torch.bfloat16), weight).float()
+        return y if bias is None else y + bias
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):
         return F.linear(x, dequantize(weight, scale, x.dtype), bias)

@@ -30,3 +30,11 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     times sum_i |w[o, i]|, plus fp32 summation slack. (M, O)."""
     step = x.abs().amax(dim=1, keepdim=True).double() / 32767
     return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5
+
+
+def bf16_prompt_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """How far a prompt's product against bf16 weights `w` may be from the fp32 one where the CPU multiplies bf16
+    natively (`ops.native_bf16_prompt`): x rounded to bf16 (half a unit in the 8th bit, 2^-9 relative) and the
+    product rounded to bf16 on the way out (2^-9 of its size), plus fp32 summation slack. (M, O)."""
+    xd, wd = x.double(), w.double()
+    return xd.abs() @ wd.abs().T * 2**-9 + (xd @ wd.T).abs() * 2**-8 + 1e-4
