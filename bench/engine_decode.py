@@ -30,20 +30,29 @@ from bench import REPO, RESULTS
 from bench.models import gpt2_124m, to_hf
 from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
+from model.devices import default_dtype
 from model.engine import Engine
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
 
 
-def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so that a timer reads finished work."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_read_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s for reading a large fp32 tensor once (a sum), best of `repeats`."""
-    x = torch.ones(int(gib * 2**30 / 4))
+    x = torch.ones(int(gib * 2**30 / 4), device=device)
     x.sum()
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         x.sum()
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best
 
@@ -64,10 +73,10 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN001
-                 baseline_threads: int) -> dict[str, float]:
+                 baseline_threads: int, device: str = "cpu") -> dict[str, float]:
     prompt = prompts(1, ck.tokenizer.n_vocab)[0]
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
-    engine = Engine(ck, max_batch_size=1, max_waiting=0).start()
+    engine = Engine(ck, max_batch_size=1, max_waiting=0, device=device).start()
     engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm
     out: dict[str, float] = {}
 
@@ -87,7 +96,7 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
     out["folio"] = best(folio)
     engine.stop()
     torch.set_num_threads(baseline_threads)  # the engine set its own count (by the model's size)
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():
         hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         hf_ids: list[int] = []
@@ -108,14 +117,14 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
 
 
 def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int,  # noqa: ANN001
-                     baseline_threads: int) -> dict[str, float]:
+                     baseline_threads: int, device: str = "cpu") -> dict[str, float]:
     """Aggregate tokens/s of n concurrent requests: the engine vs `transformers`' static batch, in alternating
     rounds (this VM's speed drifts by 10-20% over minutes), the best round of each."""
     ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
     g = torch.Generator().manual_seed(100 + n)
     lengths = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g).tolist()
     wanted = sum(lengths)
-    engine = Engine(ck, max_batch_size=n, max_waiting=n).start()
+    engine = Engine(ck, max_batch_size=n, max_waiting=n, device=device).start()
     engine.generate(ps[0], SamplingParams(max_new_tokens=8))
 
     async def folio() -> float:
@@ -139,7 +148,9 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int, 
         torch.set_num_threads(baseline_threads)  # the engine sets its own count (by the model's size)
         with torch.inference_mode():
             t = time.perf_counter()
-            hf.generate(ids, attention_mask=mask, max_new_tokens=max(lengths), do_sample=False, pad_token_id=0)
+            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(lengths), do_sample=False,
+                        pad_token_id=0)
+            sync(device)
             elapsed = time.perf_counter() - t
         torch.set_num_threads(saved)
         return elapsed
@@ -165,32 +176,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch's threads for transformers and the naive loop (the engine picks its own by model size)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (the engine's default dtype there, bf16, on both sides)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    bandwidth = measure_read_bandwidth()
+    device = args.device
+    dtype = default_dtype(torch.device(device))
+    bandwidth = measure_read_bandwidth(device=device)
     report: dict = {"machine": {"threads": args.threads, "read_bandwidth_GBps": bandwidth / 1e9,
-                                "torch": torch.__version__, "device": "cpu"},
+                                "torch": torch.__version__, "device": device, "dtype": str(dtype),
+                                "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
                     "new_tokens": args.new_tokens, "models": {}}
     rows = []
     for name in args.models.split(","):
         ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m_checkpoint()
-        hf = to_hf(ck.model)
-        weight_bytes = ck.model.num_params() * 4
+        hf = to_hf(ck.model).to(device, dtype)
+        weight_bytes = ck.model.num_params() * dtype.itemsize
         ceiling = bandwidth / weight_bytes
         # transformers cannot run past the context: keep prompt (< 48 tokens) + new tokens inside it
         new_tokens = min(args.new_tokens, ck.config.block_size - 48)
-        b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads)
+        b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads, device)
         entry = {"params": ck.model.num_params(), "weight_bytes": weight_bytes, "ceiling_tok_s": ceiling,
                  "new_tokens": new_tokens,
                  "batch1": b1, "concurrent": {}}
         rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
         for n in [int(x) for x in args.concurrency.split(",") if x]:
-            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads)
+            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device)
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads, {args.new_tokens} new tokens")
+    where = report["machine"]["gpu"] or f"{args.threads} threads"
+    print(f"{device} ({where}, {dtype}), read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.new_tokens} new tokens")
     print(f"{'model':<12} {'load':<14} {'folio tok/s':>11} {'HF tok/s':>9} {'x HF':>6} {'naive':>7} "
           f"{'x naive':>7} {'ceiling':>8} {'% ceil':>6}")
     for name, load, f, h, nv, ceil in rows:

@@ -20,8 +20,13 @@ from functools import cached_property
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.config import GPTConfig
+
+# Cached attention (a mask, and keys that grow by one every step) never goes to cuDNN's backend: it builds a plan
+# for every new shape, which made decoding on an H200 4.3x slower (bench/engine_decode.py --device cuda)
+CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class KVCache:
@@ -140,9 +145,10 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
             keys, values = cache.update(self.layer, k, v)  # (B, nh, kv_len, hs)
-            y = F.scaled_dot_product_attention(
-                q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask, dropout_p=dropout_p
-            )
+            with sdpa_kernel(CACHED_SDPA_BACKENDS):
+                y = F.scaled_dot_product_attention(
+                    q, keys.to(q.dtype), values.to(q.dtype), attn_mask=cache.mask, dropout_p=dropout_p
+                )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble heads side by side
         return self.resid_dropout(self.c_proj(y))
 
