@@ -93,7 +93,7 @@ def quantize(model: nn.Module, kind: str) -> int:
     swap = SWAPS[kind]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if isinstance(child, nn.Linear):  # a KernelLinear too (a model the kernels were installed in)
                 setattr(parent, name, swap(child))
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)

@@ -51,6 +51,12 @@ class ModelRunner:
         self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.dtype)
         self.contents = RowContents(rows)
 
+    def on_engine_thread(self) -> None:
+        """First thing on the engine's thread: its kernel jobs and torch ops use this model's thread count (the
+        kernels' pool is the process's; another engine in the process keeps its own count)."""
+        if self.device.type == "cpu":
+            kernels.use_threads(self.threads)
+
     def decode_context(self) -> contextlib.AbstractContextManager[None]:
         """Around a decode step: torch's small ops on this thread alone (the kernels use their own pool)."""
         return kernels.serial_torch_ops()

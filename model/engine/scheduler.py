@@ -127,6 +127,7 @@ class Scheduler:
     # -- the engine thread ----------------------------------------------------------------------------
     def run(self) -> None:
         torch.set_grad_enabled(False)
+        self.runner.on_engine_thread()
         while True:
             with self.lock:
                 self.step_started = None

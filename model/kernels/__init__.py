@@ -22,10 +22,10 @@ torch's ops serve with the same results up to float summation order (tests/model
 from model.kernels.build import FUSED_MAX_TOKENS, MAX_ROWS, PACKED_MIN_ROWS, VARIANTS, Variant
 from model.kernels.loader import disabled, library, load, status, variant
 from model.kernels.modules import FusedBlock, InstallReport, KernelLinear, install
-from model.kernels.ops import decode_attention, linear, pack, serial_torch_ops
+from model.kernels.ops import decode_attention, linear, pack, serial_torch_ops, use_threads
 
 __all__ = [
     "FUSED_MAX_TOKENS", "MAX_ROWS", "PACKED_MIN_ROWS", "VARIANTS", "FusedBlock", "InstallReport", "KernelLinear",
     "Variant", "decode_attention", "disabled", "install", "library", "linear", "load", "pack", "serial_torch_ops",
-    "status", "variant",
+    "status", "use_threads", "variant",
 ]

@@ -141,13 +141,15 @@ class FusedBlock(Block):
     def kernel_args(self) -> tuple[Any, ...]:
         """`decode_block`'s parameters after x: the layer norms', then the four products' weights, biases, scales
         and packed copies. Kept between steps (gathering them costs ~200 module attribute lookups, as much as a
-        small model's whole block), made again once a weight changed in place or `install` repacked."""
+        small model's whole block), made again once a product's module was swapped (quantized), its weight changed
+        in place, or `install` repacked."""
+        linears = _linears(self)
         cached = self.__dict__.get("_kernel_args")
-        if cached is not None and [_version(w) for w in cached[0]] == cached[1]:
-            return cached[2]
-        weights, biases, scales, packed = (list(t) for t in zip(*(_product_args(lin) for lin in _linears(self))))
+        if cached is not None and cached[0] == linears and [_version(w) for w in cached[1]] == cached[2]:
+            return cached[3]
+        weights, biases, scales, packed = (list(t) for t in zip(*(_product_args(lin) for lin in linears)))
         args = (self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias, weights, biases, scales, packed)
-        self.__dict__["_kernel_args"] = (weights, [_version(w) for w in weights], args)
+        self.__dict__["_kernel_args"] = (linears, weights, [_version(w) for w in weights], args)
         return args
 
 

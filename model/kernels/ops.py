@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
 from torch.nn import functional as F
 
 from model.kernels import build
-from model.kernels.build import MAX_ROWS, PANEL
+from model.kernels.build import BF16_GEMM_MIN_ROWS, MAX_ROWS, PANEL
 from model.kernels.loader import library
 
 # the weight types the kernels read (widened to fp32 in registers); activations are fp32
@@ -23,16 +22,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     return w if scale is None else w * scale.to(dtype)[:, None]
 
 
-@functools.cache
-def _cpu_multiplies_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
-
-
-def native_bf16_prompt(x: torch.Tensor) -> bool:
-    """Whether a prompt's product against bf16 weights runs in bf16: fp32 activations on a CPU with AVX512-BF16 or
-    AMX-BF16, at inference (elsewhere torch's bf16 GEMM is slower than fp32 with the dequantized weight)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and _cpu_multiplies_bf16())
+def native_bf16_gemm(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels' `linear` sends `rows` rows against weights of `dtype` to torch's bf16 GEMM (x and the
+    product rounded to bf16): bf16 weights from BF16_GEMM_MIN_ROWS rows, int8 ones (dequantized to bf16) from more
+    than MAX_ROWS, on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp holds the rule)."""
+    native = bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
+    enough = rows >= BF16_GEMM_MIN_ROWS if dtype == torch.bfloat16 else dtype == torch.int8 and rows > MAX_ROWS
+    return native and enough
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -42,14 +38,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 dot products round
-    the activations to int16 first (a scale per row; see linear.cpp), and that a prompt (more than MAX_ROWS rows)
-    against bf16 weights runs in torch's bf16 GEMM where the CPU multiplies bf16 natively (`native_bf16_prompt`)."""
+    the activations to int16 first (a scale per row; see linear.cpp), and that bf16 weights with 16 rows or more
+    run in torch's bf16 GEMM where the CPU multiplies bf16 natively, as do int8 weights for a prompt
+    (`native_bf16_gemm`)."""
     lib = library()
-    if weight.dtype == torch.bfloat16 and x.numel() > MAX_ROWS * x.shape[-1] and native_bf16_prompt(x):
-        # a prompt against bf16 weights, on a CPU that multiplies bf16 natively: torch's bf16 GEMM (oneDNN), the
-        # activations rounded to bf16 as vLLM's bf16 does; fp32 out, the bias added in fp32
-        y = F.linear(x.to(torch.bfloat16), weight).float()
-        return y if bias is None else y + bias
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):
         return F.linear(x, dequantize(weight, scale, x.dtype), bias)
@@ -80,6 +72,15 @@ def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     lib = library()
     assert lib is not None, "decode_attention needs the kernels loaded"
     return lib.decode_attention(qkv.contiguous(), k_cache, v_cache, rows, pos, n_head)
+
+
+def use_threads(n: int) -> None:
+    """The calling thread's kernel jobs use n of the pool's threads (the pool grows to n if it is smaller) and its
+    torch ops n OpenMP threads: an engine's thread calls it at its start with its model's thread count, so that
+    engines of differently sized models in one process each keep theirs. A no-op without the kernels."""
+    lib = library()
+    if lib is not None:
+        lib.use_threads(n)
 
 
 @contextlib.contextmanager

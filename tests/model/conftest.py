@@ -33,8 +33,8 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_prompt_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """How far a prompt's product against bf16 weights `w` may be from the fp32 one where the CPU multiplies bf16
-    natively (`ops.native_bf16_prompt`): x rounded to bf16 (half a unit in the 8th bit, 2^-9 relative) and the
-    product rounded to bf16 on the way out (2^-9 of its size), plus fp32 summation slack. (M, O)."""
+    """How far a product against weights `w` (dequantized) may be from the fp32 one where it runs in torch's bf16
+    GEMM (`ops.native_bf16_gemm`): x and (int8) w rounded to bf16, half a unit in the 8th bit each (2^-9
+    relative), and the product rounded to bf16 on the way out (2^-9 of its size), plus fp32 summation slack."""
     xd, wd = x.double(), w.double()
-    return xd.abs() @ wd.abs().T * 2**-9 + (xd @ wd.T).abs() * 2**-8 + 1e-4
+    return xd.abs() @ wd.abs().T * 2**-8 + (xd @ wd.T).abs() * 2**-8 + 1e-4

@@ -285,3 +285,27 @@ def test_pool_works_in_a_forked_child(built: None, repo) -> None:  # noqa: ANN00
     )
     r = run_python(code, repo)
     assert r.returncode == 0 and "child exit 0" in r.stdout, r.stderr
+
+
+def test_use_threads_sets_the_calling_threads_counts_and_grows_the_pool(built: None) -> None:
+    """An engine's thread asks for its model's thread count: its torch ops get it, and the pool grows to it where an
+    earlier, smaller model made the pool (two models in one process). In a process of its own: the pool never
+    shrinks."""
+    code = """if True:
+        import threading, torch
+        from model import kernels
+        kernels.load()
+        torch.set_num_threads(1)
+        seen = []
+        def engine_thread(n):
+            kernels.use_threads(n)
+            seen.append((torch.get_num_threads(), kernels.library().pool_threads()))
+        for n in (1, 3):
+            worker = threading.Thread(target=engine_thread, args=(n,))
+            worker.start()
+            worker.join()
+        print(seen)
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[(1, 1), (3, 3)]"

@@ -14,10 +14,11 @@ from app.main import create_app
 from app.settings import Settings
 from model import kernels
 from model.checkpoint import load_checkpoint
+from model.engine import Engine
 from model.eval import score
 from model.kernels.loader import library
-from model.kernels.ops import native_bf16_prompt
-from model.quantize import SWAPS, Bf16Linear, quantize, quantize_rows
+from model.kernels.ops import native_bf16_gemm
+from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from tests.model.conftest import bf16_prompt_bound, int16_rounding_bound
@@ -61,16 +62,16 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
         got = q(x)
         with kernels.disabled():
             plain = q(x)
-        bf16_prompt = kind == "bf16" and rows > 64 and native_bf16_prompt(x)
-    # int8: the avx512vnni kernels round x to int16; bf16: a prompt runs in torch's bf16 GEMM where the CPU has
-    # native bf16 (bounds), else the fp32 product up to summation order
+    # with the kernels: 16 rows or more of bf16 weights, and a prompt against int8 ones, run in torch's bf16 GEMM
+    # where the CPU multiplies bf16; the avx512vnni kernels round x to int16 for int8's few rows (bounds); else the
+    # fp32 product up to summation order (and always without the kernels)
     slack: torch.Tensor | float = 1e-4
-    if kind == "int8":
-        slack = int16_rounding_bound(x, q.dequantized())
-    elif bf16_prompt:
+    if library() is not None and native_bf16_gemm(rows, q.stored.dtype):
         slack = bf16_prompt_bound(x, q.dequantized())
+    elif kind == "int8":
+        slack = int16_rounding_bound(x, q.dequantized())
     assert ((got.double() - want).abs() <= slack).all()
-    assert ((plain.double() - want).abs() <= (slack if bf16_prompt else 1e-4)).all()
+    assert torch.allclose(plain.double(), want, atol=1e-4)
     path = "kernel" if library() is not None and rows <= 64 else "torch"
     print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
@@ -110,3 +111,22 @@ def test_a_server_with_quantize_serves_and_says_so(repo, kind: str) -> None:
         assert r.status_code == 200 and len(r.json()["generated_text"]) == 20
     with pytest.raises(ValueError, match="quantize"):
         quantize(torch.nn.Linear(8, 8), "int4")
+
+
+def test_quantizing_a_model_the_kernels_run_in_quantizes_every_product(repo) -> None:
+    """An engine installed the kernels (KernelLinears, FusedBlocks with their arguments kept between steps); then
+    `quantize`: every product is int8, and the next engine's tokens are the naive loop's on the int8 model."""
+    ck = load_checkpoint(repo / "weights" / "shakespeare-char")
+    prompt, params = ck.tokenizer.encode("ROMEO:"), SamplingParams(max_new_tokens=24)
+    first = Engine(ck, threads=1).start()
+    fp32 = first.generate(prompt, params).token_ids
+    first.stop()
+    quantize(ck.model, "int8")
+    assert sum(isinstance(m, Int8Linear) for m in ck.model.modules()) == 4 * ck.config.n_layer + 1
+    want = [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
+    second = Engine(ck, threads=1).start()
+    try:
+        assert second.generate(prompt, params).token_ids == want
+    finally:
+        second.stop()
+    print(f"\nfp32 {ck.tokenizer.decode(fp32)!r}, int8 {ck.tokenizer.decode(want)!r}")

@@ -11,5 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &folio::linear, release_gil());
   m.def("decode_attention", &folio::decode_attention, release_gil());
   m.def("pool_threads", &folio::pool_threads);
+  m.def("use_threads", &folio::use_threads);
   m.def("set_torch_threads", &folio::set_torch_threads);
 }

@@ -6,7 +6,8 @@
 #include <vector>
 
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
-#if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL)
+#if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
+    || !defined(FOLIO_BF16_GEMM_MIN_ROWS)
 #error "build with model/kernels/build.py: it defines FOLIO_MAX_ROWS, FOLIO_PACKED_MIN_ROWS and FOLIO_PANEL"
 #endif
 
@@ -18,6 +19,8 @@ using OptionalTensor = c10::optional<at::Tensor>;
 static constexpr int64_t MAX_ROWS = FOLIO_MAX_ROWS;
 // from this many rows a weight's packed copy is used: below, the dot products are as fast
 static constexpr int64_t PACKED_MIN_ROWS = FOLIO_PACKED_MIN_ROWS;
+// from this many rows bf16 weights go to torch's bf16 GEMM where the CPU multiplies bf16 natively (linear.cpp)
+static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
 static constexpr int64_t PANEL = FOLIO_PANEL;
 static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");

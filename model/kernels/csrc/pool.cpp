@@ -20,6 +20,12 @@ Pool& pool() {
 
 int64_t pool_threads() { return pool().threads(); }
 
+void use_threads(int64_t n) {
+  pool().grow(static_cast<int>(n));
+  pool_limit = static_cast<int>(n);
+  set_torch_threads(n);
+}
+
 // OpenMP's count is per thread. The pool is made first if it was not yet: it takes its size from torch's count as
 // it was. at::get_num_threads before setting: torch sets a thread's count at its first parallel op, which would
 // otherwise undo this one.

@@ -18,6 +18,10 @@ extern "C" void omp_set_num_threads(int);
 
 namespace folio {
 
+// The calling thread's cap on how many of the pool's threads its jobs use (its engine's thread count, set by
+// use_threads); 0: all. Thread-local: two engines in one process (two models) each keep their own.
+inline thread_local int pool_limit = 0;
+
 // OpenMP's pool would do, but when two threads of a process each own an OpenMP team (the server's event loop
 // loaded the model, the engine thread decodes) libgomp counts more threads than CPUs and stops spinning between
 // parallel regions: every kernel call then waits tens of microseconds for its workers to wake, and a decode
@@ -25,18 +29,27 @@ namespace folio {
 // of a step), then sleep until the next one.
 class Pool {
  public:
-  explicit Pool(int threads) : threads_(std::max(1, threads)) {
-    for (int w = 1; w < threads_; w++) std::thread([this, w] { work(w); }).detach();
-  }
+  explicit Pool(int threads) { grow(threads); }
   int threads() const { return threads_; }
+
+  // at least n threads from now on (workers are added, never removed)
+  void grow(int n) {
+    std::lock_guard<std::mutex> one_job(run_mutex_);  // no job in flight: a new worker waits for the next one
+    for (; threads_ < n; threads_++) {
+      const uint64_t now = epoch_.load(std::memory_order_acquire);
+      if (threads_ > 0) std::thread([this, w = threads_, now] { work(w, now); }).detach();
+    }
+    threads_ = std::max(threads_, 1);
+  }
 
   // fn(begin, end) over [0, n), in chunks of at least `grain` that up to `threads` threads take in turn from a
   // counter; inline when n <= grain. Not fixed equal pieces: a VM's threads do not run at the same speed (nor
   // do threads sharing cores with a server's event loop), so the one that finishes first takes more.
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-    if (threads_ == 1 || n <= grain) { fn(0, n); return; }
+    const int usable = pool_limit > 0 ? std::min(threads_, pool_limit) : threads_;
+    if (usable == 1 || n <= grain) { fn(0, n); return; }
     std::lock_guard<std::mutex> one_job(run_mutex_);
-    const int64_t pieces = std::min<int64_t>(threads_, (n + grain - 1) / grain);
+    const int64_t pieces = std::min<int64_t>(usable, (n + grain - 1) / grain);
     job_ = &fn; n_ = n; pieces_ = pieces;
     chunk_ = std::max<int64_t>(grain, (n + 8 * pieces - 1) / (8 * pieces));
     next_.store(0, std::memory_order_relaxed);
@@ -60,10 +73,9 @@ class Pool {
     for (int64_t begin; (begin = next_.fetch_add(chunk_, std::memory_order_relaxed)) < n_;)
       (*job_)(begin, std::min(n_, begin + chunk_));
   }
-  void work(int w) {
+  void work(int w, uint64_t seen) {  // seen: the epoch when it was added (the next job may come before it runs)
     at::get_num_threads();  // torch's per-thread setup now, so that it cannot undo the next line later
     omp_set_num_threads(1);  // torch ops a job calls (GELU's slices) stay on this worker
-    uint64_t seen = 0;  // the epoch at construction (not a load: the first job may be published before this runs)
     while (true) {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
@@ -79,7 +91,7 @@ class Pool {
       pending_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
-  const int threads_;
+  int threads_ = 0;
   std::mutex run_mutex_, sleep_mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> epoch_{0};
@@ -92,6 +104,10 @@ class Pool {
 // The process's pool (pool.cpp), made at first use with torch's thread count at that moment.
 Pool& pool();
 int64_t pool_threads();
+
+// The calling thread's jobs use n of the pool's threads (grown to n if it has fewer), and its torch ops n OpenMP
+// threads: an engine's thread calls it once with its thread count (pool.cpp).
+void use_threads(int64_t n);
 
 // The calling thread's OpenMP thread count for torch's ops; returns the previous one (pool.cpp).
 int64_t set_torch_threads(int64_t n);
