@@ -206,8 +206,18 @@ def main(argv: list[str] | None = None) -> int:
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry
-    where = report["machine"]["gpu"] or f"{args.threads} threads"
-    print(f"{device} ({where}, {dtype}), read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.new_tokens} new tokens")
+    print_table(report, rows, args)
+    write_json(Path(args.out_dir) / "engine_decode.json", report)
+    plot(report, Path(args.out_dir) / "engine_decode.png")
+    return 0
+
+
+def print_table(report: dict[str, Any], rows: list[tuple], args: argparse.Namespace) -> None:
+    """The machine, then a row per model and load: tokens/s against transformers, the naive loop, the ceiling."""
+    m = report["machine"]
+    where = m["gpu"] or f"{args.threads} threads"
+    print(f"{m['device']} ({where}, {m['dtype']}), read bandwidth {m['read_bandwidth_GBps']:.1f} GB/s, "
+          f"{args.new_tokens} new tokens")
     print(f"{'model':<12} {'load':<14} {'folio tok/s':>11} {'HF tok/s':>9} {'x HF':>6} {'naive':>7} "
           f"{'x naive':>7} {'ceiling':>8} {'% ceil':>6}")
     for name, load, f, h, nv, ceil in rows:
@@ -216,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         cs = f"{ceil:8.1f}" if ceil == ceil else "       -"
         nvs = f"{nv:7.1f}" if nv == nv else "      -"
         print(f"{name:<12} {load:<14} {f:11.1f} {h:9.1f} {f / h:6.2f} {nvs} {xn} {cs} {pc}")
-    write_json(Path(args.out_dir) / "engine_decode.json", report)
-    plot(report, Path(args.out_dir) / "engine_decode.png")
-    return 0
 
 
 def plot(report: dict[str, Any], png: Path) -> None:
