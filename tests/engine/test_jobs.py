@@ -12,6 +12,7 @@ import pytest
 from model.engine import EngineStopped, GenerationError, Overloaded
 from model.inspect import InspectError, InspectOptions, Inspector, inspect
 from model.sampling_params import SamplingParams
+from tests.engine.references import wait_until
 
 
 def run(coro):
@@ -31,18 +32,21 @@ def test_an_inspection_interleaves_with_decoding_and_equals_the_offline_one(make
             yield step
 
     async def main():
-        stream = engine.submit([7, 8], SamplingParams(max_new_tokens=12))
+        stream = engine.submit([7, 8], SamplingParams(max_new_tokens=200))  # long enough to outlast the job
+        collecting = asyncio.ensure_future(stream.collect())
+        # the job comes once the request decodes (submitted together, the job's steps could all run while the
+        # request is still being admitted, and the interleaving would be luck)
+        await wait_until(lambda: "decode" in order)
         inspector = Inspector(engine.model, engine.tokenizer, ids, InspectOptions())
         handle = engine.submit_job(job_steps(inspector.steps()), lambda: inspector.result)
-        result, gen = await asyncio.gather(handle.result(), stream.collect())
-        return result, gen
+        return await handle.result(), await collecting
 
     result, gen = run(main())
     offline = inspect(ck.model, ck.tokenizer, ids)
     assert [(a.layer, a.head, a.weights) for a in result.attention] == [
         (a.layer, a.head, a.weights) for a in offline.attention]
     assert [layer.top for layer in result.lens] == [layer.top for layer in offline.lens]
-    assert len(gen.tokens) == 12
+    assert len(gen.tokens) == 200
     # the job's steps (embeddings, 2 blocks, the scores) took turns with decode steps, never all in a row
     first, last = order.index("job"), len(order) - order[::-1].index("job")
     assert "decode" in order[first:last] and order.count("job") == ck.config.n_layer + 1
