@@ -32,7 +32,7 @@ class ModelRunner:
                  dtype: torch.dtype | None = None, threads: int | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
-        # CPU threads: as asked, else by the model's size (the kernels' pool takes torch's count at its first use)
+        # CPU threads: as asked, else by the model's size (the engine's thread applies them: on_engine_thread)
         self.threads = 0
         if self.device.type == "cpu":
             self.threads = threads or default_threads(checkpoint.config.num_params())

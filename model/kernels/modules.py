@@ -57,12 +57,6 @@ class KernelLinear(nn.Linear):
         fresh = self.packed is not None and self.packed_version == _version(self.weight)
         return self.packed if fresh else None
 
-    @property
-    def packed_bytes(self) -> int:
-        """The current packed copy's memory (0 without one)."""
-        packed = self.current_packed()
-        return 0 if packed is None else packed.numel() * packed.element_size()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias, self.current_packed())
 
@@ -98,10 +92,6 @@ class StoredLinear(nn.Module):
 
     def current_packed(self) -> torch.Tensor | None:
         return self.packed
-
-    @property
-    def packed_bytes(self) -> int:
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.stored, self.bias, self.packed, self.scale_or_none)
@@ -162,6 +152,12 @@ class InstallReport:
     packed_bytes: int  # the current packed weight copies' memory
 
 
+def _packed_bytes(linear: KernelLinear | StoredLinear) -> int:
+    """A kernel-backed linear's current packed copy's memory (0 without one)."""
+    packed = linear.current_packed()
+    return 0 if packed is None else packed.numel() * packed.element_size()
+
+
 def _on_cpu_in_fp32(module: nn.Module) -> bool:
     return all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters())
 
@@ -210,4 +206,4 @@ def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
             if isinstance(block, FusedBlock):
                 block.__dict__.pop("_kernel_args", None)  # the new packed copies
     blocks = sum(isinstance(m, FusedBlock) for m in model.modules())
-    return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(m.packed_bytes for m in linears))
+    return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(_packed_bytes(m) for m in linears))
