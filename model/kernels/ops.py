@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch.nn import functional as F
 
-from model.kernels import build
-from model.kernels.build import BF16_GEMM_MIN_ROWS, MAX_ROWS, PANEL
+from model.kernels.build import PANEL
 from model.kernels.loader import library
 
 # the weight types the kernels read (widened to fp32 in registers); activations are fp32
@@ -24,11 +23,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 def native_bf16_gemm(rows: int, dtype: torch.dtype) -> bool:
     """Whether the kernels' `linear` sends `rows` rows against weights of `dtype` to torch's bf16 GEMM (x and the
-    product rounded to bf16): bf16 weights from BF16_GEMM_MIN_ROWS rows, int8 ones (dequantized to bf16) from more
-    than MAX_ROWS, on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp holds the rule)."""
-    native = bool({"avx512_bf16", "amx_bf16"} & build.cpu_flags())
-    enough = rows >= BF16_GEMM_MIN_ROWS if dtype == torch.bfloat16 else dtype == torch.int8 and rows > MAX_ROWS
-    return native and enough
+    product rounded to bf16); the library's own rule (linear.cpp), False without the kernels."""
+    lib = library()
+    return lib is not None and lib.bf16_gemm(rows, dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -32,7 +32,7 @@ def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5
 
 
-def bf16_prompt_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def bf16_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """How far a product against weights `w` (dequantized) may be from the fp32 one where it runs in torch's bf16
     GEMM (`ops.native_bf16_gemm`): x and (int8) w rounded to bf16, half a unit in the 8th bit each (2^-9
     relative), and the product rounded to bf16 on the way out (2^-9 of its size), plus fp32 summation slack."""

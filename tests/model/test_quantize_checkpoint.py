@@ -14,11 +14,11 @@ from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.kernels import build
-from model.kernels.ops import dequantize, native_bf16_gemm, pack
-from model.quantize import SWAPS, Int8Linear, main, quantize, quantize_rows
+from model.kernels.ops import dequantize, pack
+from model.quantize import SWAPS, Int8Linear, main, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_prompt_bound, int16_rounding_bound
+from tests.model.conftest import bf16_gemm_bound, int16_rounding_bound
 
 
 def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
@@ -88,9 +88,8 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
         pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
     torch.manual_seed(rows)
     lin = torch.nn.Linear(width, 40)  # 40 outputs: two whole panels and a partial one
-    stored, scale = (lin.weight.detach(), None) if kind == "fp32" else (SWAPS[kind](lin).stored, None)
-    if kind == "int8":
-        stored, scale = quantize_rows(lin.weight)
+    q = SWAPS[kind](lin) if kind != "fp32" else None
+    stored, scale = (lin.weight.detach(), None) if q is None else (q.stored, q.scale_or_none)
     x = torch.randn(rows, width)
     want = x.double() @ dequantize(stored, scale).double().T + lin.bias.double()
     with torch.inference_mode():
@@ -99,6 +98,6 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
             # bf16 from 16 rows runs in torch's bf16 GEMM where the CPU multiplies bf16; int8 dot products of the
             # avx512vnni variant round x to int16: within those roundings' bounds
             slack = int16_rounding_bound(x, dequantize(stored, scale)) if kind == "int8" else 2e-5
-            if native_bf16_gemm(rows, stored.dtype):
-                slack = bf16_prompt_bound(x, dequantize(stored, scale))
+            if lib.bf16_gemm(rows, stored.dtype):
+                slack = bf16_gemm_bound(x, dequantize(stored, scale))
             assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())

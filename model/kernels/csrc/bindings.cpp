@@ -9,6 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("decode_block", &folio::decode_block, release_gil());
   m.def("linear", &folio::linear, release_gil());
+  m.def("bf16_gemm", &folio::bf16_gemm);
   m.def("decode_attention", &folio::decode_attention, release_gil());
   m.def("pool_threads", &folio::pool_threads);
   m.def("use_threads", &folio::use_threads);

@@ -235,6 +235,11 @@ static bool native_bf16() {
   return yes;
 }
 
+bool bf16_gemm(int64_t rows, at::ScalarType weight) {
+  return native_bf16() && ((weight == at::kBFloat16 && rows >= BF16_GEMM_MIN_ROWS)
+                           || (weight == at::kChar && rows > MAX_ROWS));
+}
+
 // w as fp32, times its scale per output row where it has one
 static at::Tensor dequantized(const at::Tensor& w, const OptionalTensor& scale) {
   auto full = w.to(at::kFloat);
@@ -250,14 +255,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
   TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "linear: an int8 weight needs its scales");
   const int64_t M = x.size(0);
-  const bool bf16_w = w.scalar_type() == at::kBFloat16, int8_w = w.scalar_type() == at::kChar;
-  if (x.scalar_type() == at::kFloat && ((bf16_w && M >= BF16_GEMM_MIN_ROWS) || (int8_w && M > MAX_ROWS))
-      && native_bf16()) {
+  if (x.scalar_type() == at::kFloat && bf16_gemm(M, w.scalar_type())) {
     // On a CPU that multiplies bf16: bf16 weights with enough rows, and a prompt against int8 weights (dequantized
     // to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN), which beats widening
     // to fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's
     // bf16 mode
-    auto y = at::linear(x.to(at::kBFloat16), bf16_w ? w : dequantized(w, scale).to(at::kBFloat16)).to(at::kFloat);
+    const auto w16 = w.scalar_type() == at::kBFloat16 ? w : dequantized(w, scale).to(at::kBFloat16);
+    auto y = at::linear(x.to(at::kBFloat16), w16).to(at::kFloat);
     return b.has_value() ? y.add_(*b) : y;
   }
   if (M > MAX_ROWS || w.size(1) % 8 != 0 || x.scalar_type() != at::kFloat) {

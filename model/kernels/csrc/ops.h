@@ -30,6 +30,10 @@ static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale);
 
+// whether `linear` sends `rows` rows against a weight of type `weight` to torch's bf16 GEMM: bf16 weights from
+// BF16_GEMM_MIN_ROWS rows, int8 ones from more than MAX_ROWS, on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp)
+bool bf16_gemm(int64_t rows, at::ScalarType weight);
+
 // attention for B new tokens, writing their keys and values to the cache first: qkv (B, 3C) -> (B, C)
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head);
