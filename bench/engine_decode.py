@@ -66,6 +66,11 @@ def gpt2_124m_checkpoint() -> Checkpoint:
     return Checkpoint(path=Path("gpt2-124m-random"), config=cfg, tokenizer=tok, model=model)
 
 
+def named_checkpoint(name: str, bundled: str | Path = REPO / "weights" / "shakespeare-char") -> Checkpoint:
+    """A benchmark's model by name: "default" loads `bundled`, "gpt2-124m" is GPT-2 small's shape at random init."""
+    return load_checkpoint(bundled) if name == "default" else gpt2_124m_checkpoint()
+
+
 def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 48, (n,), generator=g).tolist()
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     "new_tokens": args.new_tokens, "models": {}}
     rows = []
     for name in args.models.split(","):
-        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m_checkpoint()
+        ck = named_checkpoint(name, args.checkpoint)
         hf = to_hf(ck.model).to(device, dtype)
         weight_bytes = ck.model.num_params() * dtype.itemsize
         ceiling = bandwidth / weight_bytes

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from bench import REPO, RESULTS, SHARED_DATA
-from bench.engine_decode import gpt2_124m_checkpoint, measure_read_bandwidth, prompts
+from bench.engine_decode import measure_read_bandwidth, named_checkpoint, prompts
 from bench.report import pyplot, save_figure, write_json
 from model import kernels
-from model.checkpoint import Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.eval import score
 from model.quantize import quantize
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     bw = report["machine"]["read_bandwidth_GBps"] * 1e9
     for name in args.models.split(","):
-        ck = load_checkpoint(args.checkpoint) if name == "default" else gpt2_124m_checkpoint()
+        ck = named_checkpoint(name, args.checkpoint)
         m = report["models"][name] = speeds(ck, kinds, batches, args.new_tokens, args.repeats)
         m["quality"] = {k: quality(ck, k, args.quality_chars) for k in kinds[1:]}
         for k in kinds:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from bench import REPO, RESULTS
-from bench.engine_decode import gpt2_124m_checkpoint, prompts
+from bench.engine_decode import named_checkpoint, prompts
 from bench.report import pyplot, save_figure, write_json
-from model.checkpoint import Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.engine.runner import default_threads
 from model.quantize import quantize
@@ -33,7 +33,7 @@ from model.sampling_params import SamplingParams
 
 
 def load(name: str, kind: str) -> Checkpoint:
-    ck = load_checkpoint(REPO / "weights" / "shakespeare-char") if name == "default" else gpt2_124m_checkpoint()
+    ck = named_checkpoint(name)
     quantize(ck.model, kind)
     return ck
 
