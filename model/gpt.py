@@ -178,6 +178,15 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class Blocks(nn.ModuleList):
+    """The transformer's blocks, run in order (one module, so that `model/kernels` can run them all in one call)."""
+
+    def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
+        for block in self:
+            x = block(x, cache)
+        return x
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -187,7 +196,7 @@ class GPT(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 wpe=nn.Embedding(config.block_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                h=Blocks([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=LayerNorm(config.n_embd, bias=config.bias),
             )
         )
@@ -244,8 +253,7 @@ class GPT(nn.Module):
             raise ValueError(f"pos shape {tuple(pos.shape)} must equal idx shape {tuple(idx.shape)}")
         cache = None if kv_cache is None else kv_cache.step(pos, rows, kv_len)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        for block in self.transformer.h:
-            x = block(x, cache)
+        x = self.transformer.h(x, cache)
         if last_only:
             x = x[:, -1:, :]
         elif take is not None:

@@ -5,9 +5,9 @@ inside `forward`:
 - each fp32 CPU `nn.Linear` becomes a `KernelLinear`: the same parameters (the LM head stays tied to the token
   embedding), computed by `ops.linear`, with a packed copy of its weight as a buffer that is not saved;
 - quantized weights (`model/quantize.py`: int8, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
-- each `Block` (head size a multiple of 8) whose products are either becomes a `FusedBlock`: a cached forward of
-  up to `FUSED_MAX_TOKENS` tokens at inference runs the whole block in one kernel call; anything else runs
-  `Block.forward`.
+- a model's `Blocks` whose every block (head size a multiple of 8) has such products become `FusedBlocks`: a
+  cached forward of up to `FUSED_MAX_TOKENS` tokens at inference runs all the blocks in one kernel call;
+  anything else runs `Blocks.forward` (each `Block.forward`).
 Parameter names and the state dict are unchanged. Within `kernels.disabled()` both serve torch's ops.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from model.gpt import Block, CacheStep
+from model.gpt import Block, Blocks, CacheStep
 from model.kernels import ops
 from model.kernels.build import FUSED_MAX_TOKENS
 from model.kernels.loader import library
@@ -106,16 +106,11 @@ def _product_args(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
     return linear.weight, linear.bias, None, linear.current_packed()
 
 
-class FusedBlock(Block):
-    """A `Block` (the same submodules) whose cached forwards at inference run in one kernel call: the B x T new
-    tokens as rows, each attending to its own cache row up to its position, as `Block.forward` computes it.
-    Where the kernel does not apply (no cache, training, autograd, more than FUSED_MAX_TOKENS tokens, not fp32
-    on CPU, the kernels disabled) it is `Block.forward`."""
-
-    def __init__(self, block: Block) -> None:
-        nn.Module.__init__(self)
-        self.ln_1, self.attn, self.ln_2, self.mlp = block.ln_1, block.attn, block.ln_2, block.mlp
-        self.training = block.training
+class FusedBlocks(Blocks):
+    """A model's `Blocks` (the same blocks) whose cached forwards at inference run every block in one kernel call:
+    the B x T new tokens as rows, each attending to its own cache row up to its position, as `Blocks.forward`
+    computes it. Where the kernels do not apply (no cache, training, autograd, more than FUSED_MAX_TOKENS tokens,
+    not fp32 on CPU, the kernels disabled, a product no longer kernel-backed) it is `Blocks.forward`."""
 
     def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
         lib = library()
@@ -123,24 +118,31 @@ class FusedBlock(Block):
         if (lib is None or cache is None or self.training or torch.is_grad_enabled() or B * T > FUSED_MAX_TOKENS
                 or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype != torch.float32):
             return super().forward(x, cache)
-        k_cache, v_cache = cache.layer(self.attn.layer)
-        y = lib.decode_block(x.reshape(B * T, C).contiguous(), *self.kernel_args(), k_cache, v_cache, cache.token_rows,
-                             cache.token_pos, self.attn.n_head)
+        stack = self.stack(lib)
+        if stack is None:
+            return super().forward(x, cache)
+        y = stack.forward(x.reshape(B * T, C), cache.cache.k, cache.cache.v, cache.token_rows, cache.token_pos)
         return y.view(B, T, C)
 
-    def kernel_args(self) -> tuple[Any, ...]:
-        """`decode_block`'s parameters after x: the layer norms', then the four products' weights, biases, scales
-        and packed copies. Kept between steps (gathering them costs ~200 module attribute lookups, as much as a
-        small model's whole block), made again once a product's module was swapped (quantized), its weight changed
-        in place, or `install` repacked."""
-        linears = _linears(self)
-        cached = self.__dict__.get("_kernel_args")
-        if cached is not None and cached[0] == linears and [_version(w) for w in cached[1]] == cached[2]:
-            return cached[3]
-        weights, biases, scales, packed = (list(t) for t in zip(*(_product_args(lin) for lin in linears)))
-        args = (self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias, weights, biases, scales, packed)
-        self.__dict__["_kernel_args"] = (linears, weights, [_version(w) for w in weights], args)
-        return args
+    def stack(self, lib: Any) -> Any:
+        """The blocks' parameters as the library's `Stack`, or None if a product is not kernel-backed. Kept between
+        steps (gathering them costs ~20 module attribute lookups per block, as much as a small model's whole
+        block), made again once a product's module was swapped (quantized), its weight changed in place, or
+        `install` repacked."""
+        linears = [linear for block in self for linear in _linears(block)]
+        if not all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in linears):
+            return None
+        products = [_product_args(linear) for linear in linears]
+        versions = [_version(p[0]) for p in products]
+        cached = self.__dict__.get("_stack")
+        if cached is not None and cached[0] == linears and cached[1] == versions:
+            return cached[2]
+        blocks = [[b.ln_1.weight, b.ln_1.bias, b.ln_2.weight, b.ln_2.bias, *(t for p in products[4 * i: 4 * i + 4]
+                                                                               for t in p)]
+                  for i, b in enumerate(self)]
+        stack = lib.Stack(blocks, self[0].attn.n_head)
+        self.__dict__["_stack"] = (linears, versions, stack)
+        return stack
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class InstallReport:
     """What runs on the kernels after `install`."""
 
     linears: int  # kernel-backed linear layers (KernelLinear, StoredLinear)
-    blocks: int  # FusedBlocks
+    blocks: int  # blocks run fused (in FusedBlocks)
     packed_bytes: int  # the current packed weight copies' memory
 
 
@@ -181,29 +183,37 @@ def _linears(block: Block) -> tuple[nn.Module, ...]:
     return block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj
 
 
-def _fused_block(module: nn.Module) -> FusedBlock | None:
-    if type(module) is not Block or module.attn.n_embd // module.attn.n_head % 8 != 0:
+def _fusable(block: nn.Module) -> bool:
+    """A GPT-2 block the kernels run: a head size a multiple of 8, its products kernel-backed, fp32 on CPU."""
+    if type(block) is not Block or block.attn.n_embd // block.attn.n_head % 8 != 0:
+        return False
+    kernel_backed = all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in _linears(block))
+    return kernel_backed and _on_cpu_in_fp32(block)
+
+
+def _fused_blocks(module: nn.Module) -> FusedBlocks | None:
+    if type(module) is not Blocks or not all(_fusable(block) for block in module):
         return None
-    kernel_backed = all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in _linears(module))
-    fits = kernel_backed and _on_cpu_in_fp32(module)
-    return FusedBlock(module) if fits else None
+    fused = FusedBlocks(list(module))
+    fused.training = module.training
+    return fused
 
 
 def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
-    """Swap `model`'s fp32 CPU `nn.Linear` layers for `KernelLinear`s and then its `Block`s for `FusedBlock`s, in
+    """Swap `model`'s fp32 CPU `nn.Linear` layers for `KernelLinear`s and then its `Blocks` for `FusedBlocks`, in
     place, and (with `pack`) give every kernel-backed linear a current packed copy of its weight. Nothing happens
     while the kernels are not loaded (`load()`): the model stays torch's. Call it with the model on its device and
     dtype; a second call swaps what is new and repacks weights changed since. The report covers the whole model."""
     if library() is None:
         return InstallReport(linears=0, blocks=0, packed_bytes=0)
     _swap(model, _kernel_linear)
-    _swap(model, _fused_block)  # after the linears: a fused block reads their packed copies
+    _swap(model, _fused_blocks)  # after the linears: the fused blocks read their packed copies
     linears = [m for m in model.modules() if isinstance(m, (KernelLinear, StoredLinear))]
     if pack:
         for linear in linears:
             linear.pack()
-        for block in model.modules():
-            if isinstance(block, FusedBlock):
-                block.__dict__.pop("_kernel_args", None)  # the new packed copies
-    blocks = sum(isinstance(m, FusedBlock) for m in model.modules())
+        for fused in model.modules():
+            if isinstance(fused, FusedBlocks):
+                fused.__dict__.pop("_stack", None)  # the new packed copies
+    blocks = sum(len(m) for m in model.modules() if isinstance(m, FusedBlocks))
     return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(_packed_bytes(m) for m in linears))

@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fp32, int8 (with `scale`) or bf16, up to `MAX_ROWS` rows (all leading dims together) go through the kernels:
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
-    weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 dot products round
+    weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
     the activations to int16 first (a scale per row; see linear.cpp), and that bf16 weights with 16 rows or more
     run in torch's bf16 GEMM where the CPU multiplies bf16 natively, as do int8 weights for a prompt
     (`native_bf16_gemm`)."""

@@ -111,7 +111,9 @@ def check_token_against_inspect(view: dict, answer: dict, position: int, layer: 
     assert view["alternatives"] == [a["id"] for a in token["top_tokens"]]
     row = next(m for m in answer["attention"]["maps"] if (m["layer"], m["head"]) == (layer, head))["weights"]
     drawn = [float(w) for w in (view["prompt"] + view["generated"])[:position]]
-    assert drawn == pytest.approx(row[position - 1], abs=2e-6)  # chosen by the token before it, over all before
+    # chosen by the token before it, over all before: the stream's decode steps (the fused kernels) against the
+    # full forward, each rounded to 6 decimals, so a few units in the 6th
+    assert drawn == pytest.approx(row[position - 1], abs=5e-6)
     assert all(w is None for w in (view["prompt"] + view["generated"])[position:])
 
 

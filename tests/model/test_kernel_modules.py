@@ -8,7 +8,7 @@ import torch
 
 from model import kernels
 from model.config import GPTConfig
-from model.gpt import GPT, Block, CacheStep, KVCache
+from model.gpt import GPT, Block, Blocks, CacheStep, KVCache
 
 CONFIG = GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=32, bias=True)
 
@@ -26,9 +26,9 @@ def test_install_swaps_modules_and_keeps_the_state_dict(built: None) -> None:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     report = kernels.install(model)
     assert report == kernels.InstallReport(linears=4 * 2 + 1, blocks=2, packed_bytes=packed_bytes(model))
-    assert all(isinstance(b, kernels.FusedBlock) for b in model.transformer.h)
+    assert isinstance(model.transformer.h, kernels.FusedBlocks)
     assert not any(m.training for m in model.modules())  # still in eval mode: the swaps keep the mode
-    assert not [m for m in model.modules() if type(m) in (torch.nn.Linear, Block)]
+    assert not [m for m in model.modules() if type(m) in (torch.nn.Linear, Blocks)]
     # the same Parameter objects under the same names; the packed copies are not saved
     assert [n for n, _ in model.named_parameters()] == names
     assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
@@ -47,7 +47,7 @@ def test_install_leaves_what_the_kernels_cannot_run(built: None) -> None:
     assert kernels.install(GPT(CONFIG).double()).linears == 0
     odd = GPT(GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=12)).eval()
     assert kernels.install(odd, pack=False) == kernels.InstallReport(linears=9, blocks=0, packed_bytes=0)
-    assert all(type(b) is Block for b in odd.transformer.h)
+    assert type(odd.transformer.h) is Blocks and all(type(b) is Block for b in odd.transformer.h)
 
 
 def test_a_stale_packed_copy_is_repacked_by_a_second_install(built: None) -> None:

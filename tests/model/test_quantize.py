@@ -76,6 +76,27 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
     print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dot", "packed"])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows: int) -> None:
+    """Rows of 4104 of the largest int8 weight times equal activations, which the avx512vnni kernels round to
+    int16's largest value: a packed panel's int32 sums would overflow past 516 such columns without the fp32 sums
+    it keeps every 512; the dot products spread a row over 16 lanes. Exact up to fp32 rounding on every path."""
+    kernels.load()
+    lin = torch.nn.Linear(4104, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(0.5)
+        lin.weight[::2] = -0.5  # half the outputs negative
+    q = Int8Linear(lin)
+    assert q.stored.abs().min() == 127
+    if packed and library() is not None:
+        q.pack()
+    with torch.inference_mode():
+        got = q(torch.full((rows, 4104), 3.0))
+    want = lin.weight.sum(dim=1).detach() * 3.0  # +-6156
+    torch.testing.assert_close(got, want.expand(rows, -1), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
 def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir, kind: str) -> None:
     text = data_dir / "tinyshakespeare" / "input.txt"

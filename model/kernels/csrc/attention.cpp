@@ -87,29 +87,14 @@ static inline void attend(const float* q, const float* kr, const float* vr, int6
   }
 }
 
-// Attention for B new tokens at once, every (token, head): qkv (B, 3C) holds each token's query, key and value.
-// First every token's key and value go to cache slot pos[b] of cache row rows[b] (k_cache, v_cache:
-// (rows, n_head, max_len, hs)); then each query attends to slots 0..pos[b] of its row. A decode step has one
-// token per row; a prompt chunk several, which see each other's keys causally through their positions. -> (B, C)
-at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
-                            int64_t n_head) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "attention: qkv");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
-              && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "attention: cache");
-  const int64_t B = qkv.size(0), C = qkv.size(1) / 3, hs = C / n_head;
-  const int64_t L = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(1) == n_head && k_cache.size(3) == hs && hs % 8 == 0, "attention: head size");
-  auto rows_c = rows.to(at::kLong).contiguous();
-  auto pos_c = pos.to(at::kLong).contiguous();
-  const int64_t* rp = rows_c.data_ptr<int64_t>();
-  const int64_t* pp = pos_c.data_ptr<int64_t>();
+// Attention for B new tokens at once, every (token, head) (declared in ops.h). A decode step has one token per
+// row; a prompt chunk several, which see each other's keys causally through their positions.
+void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, float* kc, float* vc, int64_t cache_rows,
+                    int64_t L, const int64_t* rp, const int64_t* pp, float* yp) {
+  TORCH_CHECK(hs % 8 == 0, "attention: head size");
   for (int64_t b = 0; b < B; b++)
-    TORCH_CHECK(rp[b] >= 0 && rp[b] < k_cache.size(0) && pp[b] >= 0 && pp[b] < L, "attention: row or position");
-  auto y = at::empty({B, C}, qkv.options());
-  const float* qp = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < cache_rows && pp[b] >= 0 && pp[b] < L, "attention: row or position");
+  const int64_t C = n_head * hs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   int64_t longest = 0;
   for (int64_t b = 0; b < B; b++) longest = std::max(longest, pp[b] + 1);
@@ -130,6 +115,23 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cac
       attend(qp + b * 3 * C + h * hs, kc + cached, vc + cached, pp[b], hs, scale, s.data(), yp + b * C + h * hs);
     }
   });
+}
+
+at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
+                            int64_t n_head) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "attention: qkv");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat
+              && v_cache.sizes() == k_cache.sizes(), "attention: cache");
+  const int64_t B = qkv.size(0), C = qkv.size(1) / 3, hs = C / n_head;
+  TORCH_CHECK(k_cache.size(1) == n_head && k_cache.size(3) == hs, "attention: head size");
+  auto rows_c = rows.to(at::kLong).contiguous();
+  auto pos_c = pos.to(at::kLong).contiguous();
+  TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "attention: a row and a position per token");
+  auto y = at::empty({B, C}, qkv.options());
+  attention_into(qkv.data_ptr<float>(), B, n_head, hs, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 k_cache.size(0), k_cache.size(2), rows_c.data_ptr<int64_t>(), pos_c.data_ptr<int64_t>(),
+                 y.data_ptr<float>());
   return y;
 }
 

@@ -7,7 +7,9 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
-  m.def("decode_block", &folio::decode_block, release_gil());
+  py::class_<folio::Stack>(m, "Stack", py::module_local())  // each variant's library its own type
+      .def(py::init<const std::vector<std::vector<folio::OptionalTensor>>&, int64_t>())
+      .def("forward", &folio::Stack::forward, release_gil());
   m.def("linear", &folio::linear, release_gil());
   m.def("bf16_gemm", &folio::bf16_gemm);
   m.def("decode_attention", &folio::decode_attention, release_gil());

@@ -1,39 +1,109 @@
-// A GPT-2 transformer block in one call from Python: a decode step of GPT-2 small then makes ~15 calls into C++
-// instead of ~150 module and op calls, each a few microseconds, which mattered more than any kernel for small
-// models.
+// A GPT-2 model's transformer blocks in one call from Python: a decode step of GPT-2 small then makes one call
+// into C++ for its twelve blocks, where module and op calls from Python (each a few microseconds, ~15 per block)
+// cost as much as a small model's whole products. The element-wise work between the products (layer norms,
+// residual adds) is done here on the step's few rows; GELU is torch's (its vectorised tanh).
 #include <c10/core/InferenceMode.h>
+
+#include <cmath>
 
 #include "ops.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace folio {
 
-// One transformer block for B new tokens (a decode step's one per row, or prompt chunks), in one call: what
-// Block.forward computes on the cached path, without a Python round trip per op. x (B, C) -> (B, C).
-at::Tensor decode_block(at::Tensor x, at::Tensor ln1_w, OptionalTensor ln1_b, at::Tensor ln2_w, OptionalTensor ln2_b,
-                        std::vector<at::Tensor> weights, std::vector<OptionalTensor> biases,
-                        std::vector<OptionalTensor> scales, std::vector<OptionalTensor> packed, at::Tensor k_cache,
-                        at::Tensor v_cache, at::Tensor rows, at::Tensor pos, int64_t n_head) {
-  TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && scales.size() == 4 && packed.size() == 4,
-              "decode_block: a weight, bias, scale and packed copy (or None) for each of the four products");
-  auto product = [&](const at::Tensor& in, int k) { return linear(in, weights[k], biases[k], packed[k], scales[k]); };
-  const int64_t B = x.size(0), C = x.size(1);
-  // torch's element-wise ops here (layer norms, GELU, residual adds) run on this thread alone: an OpenMP team
-  // of their own would compete for the cores with this pool's workers, which spin between the products. With
-  // more rows than the kernels take, torch's GEMM needs the team.
+// y = (x - mean) / sqrt(var + 1e-5) * w + b for each of B rows of C values (C % 8 == 0): torch's layer_norm
+static void layer_norm(const float* x, int64_t B, int64_t C, const float* w, const float* b, float* y) {
+  const float n = static_cast<float>(C);
+  for (int64_t r = 0; r < B; r++) {
+    const float* xr = x + r * C;
+    float* yr = y + r * C;
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < C; i += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(xr + i));
+    const __m256 mean = _mm256_set1_ps(hsum(sum) / n);
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t i = 0; i < C; i += 8) {
+      const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + i), mean);
+      squares = _mm256_fmadd_ps(d, d, squares);
+    }
+    const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(hsum(squares) / n + 1e-5f));
+    for (int64_t i = 0; i < C; i += 8) {
+      const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + i), mean), rstd);
+      const __m256 shift = b ? _mm256_loadu_ps(b + i) : _mm256_setzero_ps();
+      _mm256_storeu_ps(yr + i, _mm256_fmadd_ps(normed, _mm256_loadu_ps(w + i), shift));
+    }
+  }
+}
+
+// a fp32 vector of n values, contiguous, or nullptr for none
+static const float* floats(const OptionalTensor& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, "stack: ", what);
+  return t->data_ptr<float>();
+}
+
+Stack::Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_head) : n_head_(n_head), C_(0) {
+  for (const auto& p : blocks) {
+    TORCH_CHECK(p.size() == 20 && p[0] && p[2] && p[4] && p[8] && p[12] && p[16],
+                "stack: each block's two layer norms (weight, bias) and four products (weight, bias, scale, packed)");
+    Block block{*p[0], *p[2], p[1], p[3], {}};
+    for (int k = 0; k < 4; k++) block.products.emplace_back(*p[4 + 4 * k], p[5 + 4 * k], p[7 + 4 * k], p[6 + 4 * k]);
+    C_ = block.ln1_w.numel();
+    const auto& qkv = block.products[0];
+    TORCH_CHECK(qkv.I == C_ && qkv.O == 3 * C_ && block.products[1].I == C_ && block.products[1].O == C_
+                && block.products[2].I == C_ && block.products[3].I == block.products[2].O
+                && block.products[3].O == C_, "stack: a GPT-2 block's product shapes");
+    TORCH_CHECK(n_head > 0 && C_ % n_head == 0 && C_ / n_head % 8 == 0, "stack: head size a multiple of 8");
+    floats(block.ln1_w, C_, "ln_1"), floats(block.ln1_b, C_, "ln_1"), floats(block.ln2_w, C_, "ln_2");
+    floats(block.ln2_b, C_, "ln_2");
+    blocks_.push_back(std::move(block));
+  }
+}
+
+at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
+                          const at::Tensor& pos) const {
+  const int64_t B = x_in.size(0), C = C_, hs = C / n_head_, layers = blocks_.size();
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == C && x_in.scalar_type() == at::kFloat, "stack: x (B, C) fp32");
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == layers && k_cache.size(2) == n_head_ && k_cache.size(4) == hs
+              && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat
+              && v_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes(),
+              "stack: caches (n_layer, rows, n_head, max_len, head_size) fp32");
+  auto rows_c = rows.to(at::kLong).contiguous();
+  auto pos_c = pos.to(at::kLong).contiguous();
+  TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "stack: a cache row and a position per token");
+  // torch's ops here (GELU; products torch does) run on this thread alone: an OpenMP team of their own would
+  // compete for the cores with this pool's workers, which spin between the products. With more rows than the
+  // kernels take, torch's GEMM needs the team.
   OneOpenMPThread serial(B <= MAX_ROWS);
-  auto h = at::layer_norm(x, {C}, ln1_w, ln1_b, 1e-5);
-  auto y = decode_attention(product(h, 0), k_cache, v_cache, rows, pos, n_head);
-  x = x + product(y, 1);
-  h = product(at::layer_norm(x, {C}, ln2_w, ln2_b, 1e-5), 2);
-  // GELU (torch's vectorised tanh, in place) split by rows over the pool: for many rows it is not small
-  const int64_t width = h.size(1);
-  pool().run(B, std::max<int64_t>(1, 65536 / width), [&](int64_t begin, int64_t end) {
-    c10::InferenceMode inference;  // h may be an inference tensor; a worker thread starts outside inference mode
-    auto part = h.narrow(0, begin, end - begin);
-    at::gelu_(part, "tanh");
-  });
-  return x + product(h, 3);
+  auto x = x_in.contiguous().clone();
+  const int64_t F = layers ? blocks_[0].products[2].O : 0;  // the MLP's width
+  auto scratch = at::empty({B * (6 * C + F)}, x.options());
+  float *xp = x.data_ptr<float>(), *h = scratch.data_ptr<float>(), *qkv = h + B * C, *att = qkv + 3 * B * C;
+  float *t = att + B * C, *ff = t + B * C;
+  auto gelu = at::from_blob(ff, {B, F}, x.options());
+  const int64_t cache_rows = k_cache.size(1), L = k_cache.size(3), per_layer = cache_rows * n_head_ * L * hs;
+  auto add = [&](const float* y) { for (int64_t i = 0; i < B * C; i++) xp[i] += y[i]; };
+  for (int64_t l = 0; l < layers; l++) {
+    const Block& blk = blocks_[l];
+    layer_norm(xp, B, C, blk.ln1_w.data_ptr<float>(), floats(blk.ln1_b, C, "ln_1"), h);
+    product_into(blk.products[0], h, B, qkv);
+    attention_into(qkv, B, n_head_, hs, k_cache.data_ptr<float>() + l * per_layer,
+                   v_cache.data_ptr<float>() + l * per_layer, cache_rows, L, rows_c.data_ptr<int64_t>(),
+                   pos_c.data_ptr<int64_t>(), att);
+    product_into(blk.products[1], att, B, t);
+    add(t);
+    layer_norm(xp, B, C, blk.ln2_w.data_ptr<float>(), floats(blk.ln2_b, C, "ln_2"), h);
+    product_into(blk.products[2], h, B, ff);
+    // GELU (torch's vectorised tanh, in place) split by rows over the pool: for many rows it is not small
+    pool().run(B, std::max<int64_t>(1, 65536 / F), [&](int64_t begin, int64_t end) {
+      c10::InferenceMode inference;  // a worker thread starts outside inference mode
+      auto part = gelu.narrow(0, begin, end - begin);
+      at::gelu_(part, "tanh");
+    });
+    product_into(blk.products[3], ff, B, t);
+    add(t);
+  }
+  return x;
 }
 
 }  // namespace folio

@@ -3,6 +3,8 @@
 // every weight type: fp32, int8 with a scale per output row (weight-only quantization: a quarter of the bytes)
 // and bf16 (half), each widened to fp32 in registers (simd.h), so the result is the fp32 product with the weight
 // as stored; and for both vector widths (simd.h's Vec: AVX2's 8 lanes or AVX-512's 16).
+#include <c10/core/InferenceMode.h>
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -87,22 +89,31 @@ static void dot_products(const W* w, const X* x, const float* xs, float* y, cons
   });
 }
 
-// int8 weights' dot products; with VNNI the activations are rounded to int16 first, a scale per row (max |x| /
-// 32767: 15 bits, an error of at most half a step per value, far below the weights' own rounding)
+#ifdef FOLIO_INT16_ACTIVATIONS
+// x (M, I) rounded to int16 with a scale per row (max |x| / 32767: 15 bits, an error of at most half a step per
+// value, far below the weights' own rounding), for int8 weights' products in VNNI's vpdpwssd
+struct Int16Rows {
+  Int16Rows(const float* x, int64_t M, int64_t I) : values(M * I), scales(M) {
+    for (int64_t m = 0; m < M; m++) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < I; i++) amax = std::max(amax, std::fabs(x[m * I + i]));
+      scales[m] = amax > 0.f ? amax / 32767.f : 1.f;
+      const float inv = 1.f / scales[m];
+      for (int64_t i = 0; i < I; i++) values[m * I + i] = int16_t(std::nearbyint(x[m * I + i] * inv));
+    }
+  }
+  std::vector<int16_t> values;
+  std::vector<float> scales;
+};
+#endif
+
+// int8 weights' dot products; with VNNI from int16-rounded activations
 static void int8_dot_products(const int8_t* w, const float* x, float* y, const float* s, const float* b, int64_t M,
                               int64_t I, int64_t O) {
 #ifdef FOLIO_INT16_ACTIVATIONS
   if (I <= INT16_MAX_WIDTH) {
-    std::vector<int16_t> xq(M * I);
-    std::vector<float> xs(M);
-    for (int64_t m = 0; m < M; m++) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < I; i++) amax = std::max(amax, std::fabs(x[m * I + i]));
-      xs[m] = amax > 0.f ? amax / 32767.f : 1.f;
-      const float inv = 1.f / xs[m];
-      for (int64_t i = 0; i < I; i++) xq[m * I + i] = int16_t(std::nearbyint(x[m * I + i] * inv));
-    }
-    dot_products(w, xq.data(), xs.data(), y, s, b, M, I, O);
+    const Int16Rows xq(x, M, I);
+    dot_products(w, xq.values.data(), xq.scales.data(), y, s, b, M, I, O);
     return;
   }
 #endif
@@ -123,8 +134,8 @@ static constexpr int TILE_ROWS = 6;
 
 // y[m, 0..15] = (x[m] . panel) * s + b for MR <= TILE_ROWS input rows, written to y (row stride ys)
 template <int MR, typename W>
-static inline void panel_tile(const W* __restrict wp, const float* __restrict x, float* __restrict y, const float* s,
-                              const float* b, int64_t I, int64_t ys) {
+static inline void panel_tile(const W* __restrict wp, const float* __restrict x, const float*, float* __restrict y,
+                              const float* s, const float* b, int64_t I, int64_t ys) {
   // named accumulators, not an array: g++ keeps an array of vectors in memory across the loop
 #ifdef FOLIO_VEC512
   Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0, a9 = a0, a10 = a0,
@@ -164,34 +175,79 @@ static inline void panel_tile(const W* __restrict wp, const float* __restrict x,
     }
 }
 
+#ifdef FOLIO_INT16_ACTIVATIONS
+// int8 panels against int16-rounded activations (the rounding of the VNNI dot products): each pair of columns' 16
+// weights interleaved in one register (vpermw) and multiplied with a row's pair of activations in vpdpwssd, 32
+// multiply-adds per instruction where widening to fp32 does 16. The int32 sums are exact for INT32_EXACT_COLUMNS
+// columns (512 * 127 * 32767 < 2^31); y sums them in fp32 every so many columns, then scales.
+static constexpr int64_t INT32_EXACT_COLUMNS = 512;
+
+template <int MR>
+static inline void panel_tile(const int8_t* __restrict wp, const int16_t* __restrict x, const float* xs,
+                              float* __restrict y, const float* s, const float* b, int64_t I, int64_t ys) {
+  // from [a0..a15 b0..b15] (two columns' 16 weights, widened) to [a0 b0 a1 b1 ...]: a pair per int32 lane
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t start = 0; start < I; start += INT32_EXACT_COLUMNS) {
+    const int64_t end = std::min(I, start + INT32_EXACT_COLUMNS);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, a8 = a0,
+            a9 = a0, a10 = a0, a11 = a0;
+#define FOLIO_PANEL_ROW(r) \
+  if constexpr (MR > r)    \
+    a##r = dpwssd(a##r, w, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + (r) * I + i)));
+    for (int64_t i = start; i < end; i += 2) {
+      const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + i * PANEL));
+      const __m512i w = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(two));
+      FOLIO_PANEL_ROW(0) FOLIO_PANEL_ROW(1) FOLIO_PANEL_ROW(2) FOLIO_PANEL_ROW(3) FOLIO_PANEL_ROW(4)
+      FOLIO_PANEL_ROW(5) FOLIO_PANEL_ROW(6) FOLIO_PANEL_ROW(7) FOLIO_PANEL_ROW(8) FOLIO_PANEL_ROW(9)
+      FOLIO_PANEL_ROW(10) FOLIO_PANEL_ROW(11)
+    }
+#undef FOLIO_PANEL_ROW
+    const __m512i acc[TILE_ROWS] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11};
+    for (int m = 0; m < MR; m++) {
+      const __m512 part = _mm512_cvtepi32_ps(acc[m]);
+      float* ym = y + m * ys;
+      _mm512_storeu_ps(ym, start == 0 ? part : _mm512_add_ps(_mm512_loadu_ps(ym), part));
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    float* ym = y + m * ys;
+    __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ym), _mm512_set1_ps(xs[m])), _mm512_loadu_ps(s));
+    if (b) out = _mm512_add_ps(out, _mm512_loadu_ps(b));
+    _mm512_storeu_ps(ym, out);
+  }
+}
+#endif
+
 // the last MR < TILE_ROWS input rows against one panel
-template <int MR, typename W>
-static inline void panel_rest(int64_t n, const W* wp, const float* x, float* y, const float* s, const float* b,
-                              int64_t I, int64_t ys) {
-  if (n == MR) panel_tile<MR>(wp, x, y, s, b, I, ys);
-  else if constexpr (MR > 1) panel_rest<MR - 1>(n, wp, x, y, s, b, I, ys);
+template <int MR, typename W, typename X>
+static inline void panel_rest(int64_t n, const W* wp, const X* x, const float* xs, float* y, const float* s,
+                              const float* b, int64_t I, int64_t ys) {
+  if (n == MR) panel_tile<MR>(wp, x, xs, y, s, b, I, ys);
+  else if constexpr (MR > 1) panel_rest<MR - 1>(n, wp, x, xs, y, s, b, I, ys);
 }
 
-// every input row against one panel, TILE_ROWS rows at a time
-template <typename W>
-static inline void panel_rows(const W* wp, const float* x, float* y, const float* s, const float* b, int64_t I,
-                              int64_t ys, int64_t M) {
+// every input row against one panel, TILE_ROWS rows at a time (xs: int16 rows' scales, else nullptr)
+template <typename W, typename X>
+static inline void panel_rows(const W* wp, const X* x, const float* xs, float* y, const float* s, const float* b,
+                              int64_t I, int64_t ys, int64_t M) {
   int64_t m = 0;
-  for (; m + TILE_ROWS <= M; m += TILE_ROWS) panel_tile<TILE_ROWS>(wp, x + m * I, y + m * ys, s, b, I, ys);
-  if (m < M) panel_rest<TILE_ROWS - 1>(M - m, wp, x + m * I, y + m * ys, s, b, I, ys);
+  for (; m + TILE_ROWS <= M; m += TILE_ROWS)
+    panel_tile<TILE_ROWS>(wp, x + m * I, xs ? xs + m : xs, y + m * ys, s, b, I, ys);
+  if (m < M) panel_rest<TILE_ROWS - 1>(M - m, wp, x + m * I, xs ? xs + m : xs, y + m * ys, s, b, I, ys);
 }
 
 // y (M, O) from the packed copy (P, I, 16) of a weight with O outputs
-template <typename W>
-static void panel_products(const W* wp, const float* x, float* y, const float* s, const float* b, int64_t M,
-                           int64_t I, int64_t O) {
+template <typename W, typename X>
+static void panel_products(const W* wp, const X* x, const float* xs, float* y, const float* s, const float* b,
+                           int64_t M, int64_t I, int64_t O) {
   const int64_t P = (O + PANEL - 1) / PANEL;
   const int64_t grain = grain_for(PANEL * I * int64_t(sizeof(W)), 2 * PANEL * I * M);  // a panel's work
   pool().run(P, grain, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; p++) {
       const int64_t o = p * PANEL;
       if (o + PANEL <= O) {
-        panel_rows(wp + p * I * PANEL, x, y + o, s ? s + o : s, b ? b + o : b, I, O, M);
+        panel_rows(wp + p * I * PANEL, x, xs, y + o, s ? s + o : s, b ? b + o : b, I, O, M);
         continue;
       }
       // the last, partial panel: into a buffer, then the outputs that exist
@@ -199,34 +255,31 @@ static void panel_products(const W* wp, const float* x, float* y, const float* s
       if (b) std::memcpy(b16, b + o, (O - o) * sizeof(float));
       if (s) std::memcpy(s16, s + o, (O - o) * sizeof(float));
       std::vector<float> buf(M * PANEL);
-      panel_rows(wp + p * I * PANEL, x, buf.data(), s ? s16 : nullptr, b16, I, PANEL, M);
+      panel_rows(wp + p * I * PANEL, x, xs, buf.data(), s ? s16 : nullptr, b16, I, PANEL, M);
       for (int64_t m = 0; m < M; m++) std::memcpy(y + m * O + o, buf.data() + m * PANEL, (O - o) * sizeof(float));
     }
   });
 }
 
-// x (M, I) fp32 against a weight of type W (O, I), with its packed copy or not
+// y (M, O) from x (M, I) fp32 against a weight of type W, through its packed copy or not
 template <typename W>
-static at::Tensor product(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& bias,
-                          const OptionalTensor& packed, const OptionalTensor& scale) {
-  const int64_t M = x.size(0), I = w.size(1), O = w.size(0);
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "linear: contiguous x and w");
-  const float* s = per_output(scale, O, "scale");
-  const float* b = per_output(bias, O, "bias");
-  auto y = at::empty({M, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (M >= PACKED_MIN_ROWS && packed.has_value()) {
-    TORCH_CHECK(packed->dim() == 3 && packed->size(0) == (O + PANEL - 1) / PANEL && packed->size(1) == I
-                && packed->size(2) == PANEL && packed->is_contiguous() && packed->scalar_type() == w.scalar_type(),
-                "linear: the packed copy's shape or type");
-    panel_products(weight_data<W>(*packed), xp, yp, s, b, M, I, O);
+static void kernel_product(const Weight& w, const float* x, int64_t M, float* y) {
+  const float* s = w.scale ? w.scale->data_ptr<float>() : nullptr;
+  const float* b = w.bias ? w.bias->data_ptr<float>() : nullptr;
+  if (M >= PACKED_MIN_ROWS && w.packed) {
+#ifdef FOLIO_INT16_ACTIVATIONS
+    if constexpr (std::is_same_v<W, int8_t>) {
+      const Int16Rows xq(x, M, w.I);
+      panel_products(weight_data<W>(*w.packed), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
+      return;
+    }
+#endif
+    panel_products(weight_data<W>(*w.packed), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
   } else if constexpr (std::is_same_v<W, int8_t>) {
-    int8_dot_products(weight_data<W>(w), xp, yp, s, b, M, I, O);
+    int8_dot_products(weight_data<W>(w.w), x, y, s, b, M, w.I, w.O);
   } else {
-    dot_products(weight_data<W>(w), xp, static_cast<const float*>(nullptr), yp, s, b, M, I, O);
+    dot_products(weight_data<W>(w.w), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
   }
-  return y;
 }
 
 // whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)
@@ -246,33 +299,87 @@ static at::Tensor dequantized(const at::Tensor& w, const OptionalTensor& scale) 
   return scale.has_value() ? full * scale->unsqueeze(1) : full;
 }
 
-// x (M, I) @ (w * scale).T + b: up to MAX_ROWS fp32 rows go to the kernels (from PACKED_MIN_ROWS rows through the
-// packed copy when there is one, else the dot products), for a width that is a multiple of 8; torch's linear with
-// the dequantized weight otherwise (the one place that rule lives: Python's `kernels.linear` and the fused block
-// call this)
+Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, OptionalTensor scale_)
+    : w(std::move(weight)), bias(std::move(bias_)), packed(std::move(packed_)), scale(std::move(scale_)),
+      O(w.size(0)), I(w.size(1)) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear: a contiguous 2-D weight");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar || w.scalar_type() == at::kBFloat16,
+              "linear: weights are fp32, int8 or bf16, not ", w.scalar_type());
+  TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "linear: an int8 weight needs its scales");
+  per_output(bias, O, "bias");
+  per_output(scale, O, "scale");
+  if (packed) {
+    TORCH_CHECK(packed->dim() == 3 && packed->size(0) == (O + PANEL - 1) / PANEL && packed->size(1) == I
+                && packed->size(2) == PANEL && packed->is_contiguous() && packed->scalar_type() == w.scalar_type(),
+                "linear: the packed copy's shape or type");
+  }
+}
+
+// The one rule for who does a product of M fp32 rows. On a CPU that multiplies bf16: bf16 weights with enough
+// rows, and a prompt against int8 weights (dequantized to bf16 once for the call, as it would be to fp32), go to
+// torch's bf16 GEMM (oneDNN), which beats widening to fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the
+// product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of
+// 8 go to the kernels, more to torch's linear with the dequantized weight.
+static bool by_kernels(const Weight& w, int64_t M) {
+  return !bf16_gemm(M, w.w.scalar_type()) && M <= MAX_ROWS && w.I % 8 == 0;
+}
+
+// the product through torch: the bf16 GEMM or torch's linear with the dequantized weight (in x's type)
+static at::Tensor torch_rows(const at::Tensor& w, const OptionalTensor& bias, const OptionalTensor& scale,
+                             const at::Tensor& x) {
+  if (x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.scalar_type())) {
+    const auto w16 = w.scalar_type() == at::kBFloat16 ? w : dequantized(w, scale).to(at::kBFloat16);
+    auto y = at::linear(x.to(at::kBFloat16), w16).to(at::kFloat);
+    return bias ? y.add_(*bias) : y;
+  }
+  return at::linear(x, dequantized(w, scale).to(x.scalar_type()), bias);
+}
+
+// the same, split by outputs over the kernels' pool while this thread's torch ops run on it alone (a decode step's
+// few rows, see OneOpenMPThread: bf16 weights from 16 rows), each piece a single-threaded torch product; before,
+// a 32-row step of bf16 GPT-2 ran its GEMMs on one core
+static at::Tensor torch_product(const Weight& w, const at::Tensor& x) {
+  const int threads = pool().usable();
+  if (threads == 1 || at::get_num_threads() > 1 || w.O < 4 * PANEL * threads) return torch_rows(w.w, w.bias, w.scale, x);
+  auto y = at::empty({x.size(0), w.O}, x.options());
+  const int64_t pieces = 2 * threads, step = (w.O + pieces - 1) / pieces;
+  auto part = [&](const OptionalTensor& t, int64_t o, int64_t n) -> OptionalTensor {
+    return t ? OptionalTensor(t->narrow(0, o, n)) : t;
+  };
+  pool().run(pieces, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode inference;  // y may be an inference tensor; a worker thread starts outside inference mode
+    for (int64_t p = begin; p < end; p++) {
+      const int64_t o = p * step, n = std::min(step, w.O - o);
+      if (n > 0) y.narrow(1, o, n).copy_(torch_rows(w.w.narrow(0, o, n), part(w.bias, o, n), part(w.scale, o, n), x));
+    }
+  });
+  return y;
+}
+
+void product_into(const Weight& w, const float* x, int64_t M, float* y) {
+  if (!by_kernels(w, M)) {
+    auto out = torch_product(w, at::from_blob(const_cast<float*>(x), {M, w.I}, at::kFloat));
+    std::memcpy(y, out.data_ptr<float>(), M * w.O * sizeof(float));
+    return;
+  }
+  switch (w.w.scalar_type()) {
+    case at::kFloat: return kernel_product<float>(w, x, M, y);
+    case at::kChar: return kernel_product<int8_t>(w, x, M, y);
+    default: return kernel_product<bf16>(w, x, M, y);
+  }
+}
+
+// x (M, I) @ (w * scale).T + b through the one rule above (Python's `kernels.linear` calls this)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
-  TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "linear: an int8 weight needs its scales");
+  const Weight weight(w, b, packed, scale);
   const int64_t M = x.size(0);
-  if (x.scalar_type() == at::kFloat && bf16_gemm(M, w.scalar_type())) {
-    // On a CPU that multiplies bf16: bf16 weights with enough rows, and a prompt against int8 weights (dequantized
-    // to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN), which beats widening
-    // to fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's
-    // bf16 mode
-    const auto w16 = w.scalar_type() == at::kBFloat16 ? w : dequantized(w, scale).to(at::kBFloat16);
-    auto y = at::linear(x.to(at::kBFloat16), w16).to(at::kFloat);
-    return b.has_value() ? y.add_(*b) : y;
-  }
-  if (M > MAX_ROWS || w.size(1) % 8 != 0 || x.scalar_type() != at::kFloat) {
-    return at::linear(x, dequantized(w, scale).to(x.scalar_type()), b);
-  }
-  switch (w.scalar_type()) {
-    case at::kFloat: return product<float>(x, w, b, packed, scale);
-    case at::kChar: return product<int8_t>(x, w, b, packed, scale);
-    case at::kBFloat16: return product<bf16>(x, w, b, packed, scale);
-    default: TORCH_CHECK(false, "linear: weights are fp32, int8 or bf16, not ", w.scalar_type());
-  }
+  if (x.scalar_type() != at::kFloat || !by_kernels(weight, M)) return torch_product(weight, x);
+  TORCH_CHECK(x.is_contiguous(), "linear: contiguous x");
+  auto y = at::empty({M, weight.O}, x.options());
+  product_into(weight, x.data_ptr<float>(), M, y.data_ptr<float>());
+  return y;
 }
 
 }  // namespace folio

@@ -25,8 +25,20 @@ static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 static constexpr int64_t PANEL = FOLIO_PANEL;
 static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");
 
-// x (M, I) fp32 @ (w (O, I) * scale (O)).T + b -> (M, O): w fp32, int8 (a scale per output row) or bf16, through the
-// packed copy, the dot products or torch's linear with the dequantized weight (see linear.cpp)
+// A product's weight as the kernels read it, checked once: w (O, I) fp32, int8 (with a fp32 scale per output row)
+// or bf16, an optional fp32 bias (O) and the packed copy (ceil(O / PANEL), I, PANEL) of ops.pack, or none
+struct Weight {
+  Weight(at::Tensor w, OptionalTensor bias, OptionalTensor packed, OptionalTensor scale);
+  at::Tensor w;
+  OptionalTensor bias, packed, scale;
+  int64_t O, I;
+};
+
+// y (M, O) = x (M, I) fp32 @ (w * scale).T + b: the kernels for up to MAX_ROWS rows (from PACKED_MIN_ROWS rows
+// through the packed copy when there is one, else dot products), torch's linear (or bf16 GEMM) otherwise
+void product_into(const Weight& w, const float* x, int64_t M, float* y);
+
+// the same on tensors: x (M, I) -> (M, O) (any float type; the kernels take fp32)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale);
 
@@ -34,15 +46,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor
 // BF16_GEMM_MIN_ROWS rows, int8 ones from more than MAX_ROWS, on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp)
 bool bf16_gemm(int64_t rows, at::ScalarType weight);
 
-// attention for B new tokens, writing their keys and values to the cache first: qkv (B, 3C) -> (B, C)
+// Attention for B new tokens (attention.cpp): qkv (B, 3C) holds each token's query, key and value; each token's
+// key and value go to slot pos[b] of cache row rows[b] of k_cache, v_cache ((cache rows, n_head, L, hs) each),
+// then each query attends to slots 0..pos[b] of its row, into y (B, C). The rows and positions are checked.
+void attention_into(const float* qkv, int64_t B, int64_t n_head, int64_t hs, float* k_cache, float* v_cache,
+                    int64_t cache_rows, int64_t L, const int64_t* rows, const int64_t* pos, float* y);
+
+// the same on tensors: qkv (B, 3C) -> (B, C)
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head);
 
-// a GPT-2 transformer block for B new tokens, x (B, C) -> (B, C) (see block.cpp); its four products (qkv,
-// attention projection, MLP up and down) as weights, biases, scales and packed copies (each list in that order)
-at::Tensor decode_block(at::Tensor x, at::Tensor ln1_w, OptionalTensor ln1_b, at::Tensor ln2_w, OptionalTensor ln2_b,
-                        std::vector<at::Tensor> weights, std::vector<OptionalTensor> biases,
-                        std::vector<OptionalTensor> scales, std::vector<OptionalTensor> packed, at::Tensor k_cache,
-                        at::Tensor v_cache, at::Tensor rows, at::Tensor pos, int64_t n_head);
+// A GPT-2 model's transformer blocks for B new tokens in one call (block.cpp): made once from the blocks'
+// parameters, each block's as ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, then the four products' (qkv,
+// attention projection, MLP up and down) weight, bias, scale and packed copy each (None where a block has none).
+class Stack {
+ public:
+  Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_head);
+  // x (B, C) -> (B, C) after every block; k_cache, v_cache: (n_layer, cache rows, n_head, L, hs)
+  at::Tensor forward(const at::Tensor& x, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
+                     const at::Tensor& pos) const;
+
+ private:
+  struct Block {
+    at::Tensor ln1_w, ln2_w;
+    OptionalTensor ln1_b, ln2_b;
+    std::vector<Weight> products;  // qkv, attention projection, MLP up, MLP down
+  };
+  std::vector<Block> blocks_;
+  int64_t n_head_, C_;
+};
 
 }  // namespace folio

@@ -45,8 +45,11 @@ class Pool {
   // fn(begin, end) over [0, n), in chunks of at least `grain` that up to `threads` threads take in turn from a
   // counter; inline when n <= grain. Not fixed equal pieces: a VM's threads do not run at the same speed (nor
   // do threads sharing cores with a server's event loop), so the one that finishes first takes more.
+  // the threads the calling thread's jobs use
+  int usable() const { return pool_limit > 0 ? std::min(threads_, pool_limit) : threads_; }
+
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
-    const int usable = pool_limit > 0 ? std::min(threads_, pool_limit) : threads_;
+    const int usable = this->usable();
     if (usable == 1 || n <= grain) { fn(0, n); return; }
     std::lock_guard<std::mutex> one_job(run_mutex_);
     const int64_t pieces = std::min<int64_t>(usable, (n + grain - 1) / grain);

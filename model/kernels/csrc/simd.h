@@ -107,10 +107,19 @@ static inline void dot_tile(const W* w, const float* x, float* y, const float* s
 
 #if defined(FOLIO_VEC512) && defined(__AVX512VNNI__)
 // int8 weights against activations rounded to int16 (a scale per input row): VNNI's vpdpwssd multiplies 32 pairs
-// and adds them into 16 int32 lanes in one instruction, where widening to fp32 takes three per 16 weights. Exact
-// in int32 for rows of up to INT16_MAX_WIDTH (each lane adds two products of at most 127 * 32767 per 32 columns).
+// and adds them into 16 int32 lanes in one instruction, where widening to fp32 takes three per 16 weights. Each
+// lane is exact in int32 for rows of up to INT16_MAX_WIDTH (it adds two products of at most 127 * 32767 per 32
+// columns); the 16 lanes are added up in fp32 (their int32 sum overflowed from 517 columns of the largest values).
 #define FOLIO_INT16_ACTIVATIONS 1
 static constexpr int64_t INT16_MAX_WIDTH = 8192;
+
+// acc += the pairwise products of a and b (int16) summed into int32 lanes: vpdpwssd, written as asm because g++ 12
+// copies the accumulator around the intrinsic (_mm512_dpwssd_epi32) in a loop, a register move per instruction
+// and spills across a tile of 12 (measured: no faster than widening to fp32)
+static inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 
 template <int R, int MB>
 static inline void dot_tile_i16(const int8_t* w, const int16_t* x, const float* xs, float* y, const float* scale,
@@ -118,20 +127,29 @@ static inline void dot_tile_i16(const int8_t* w, const int16_t* x, const float* 
   __m512i acc[R][MB];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_si512();
-  auto columns = [&](int64_t i, __mmask32 k) {
+  // the body written out twice, for whole columns and the masked end, as in dot_tile: a lambda for it (capturing
+  // the accumulators by reference) or one masked loop made g++ store every accumulator to memory each iteration
+  int64_t i = 0;
+  for (; i + 32 <= I; i += 32) {
+    __m512i xv[MB];
+    for (int m = 0; m < MB; m++) xv[m] = _mm512_loadu_si512(x + m * I + i);
+    for (int r = 0; r < R; r++) {
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * I + i)));
+      for (int m = 0; m < MB; m++) acc[r][m] = dpwssd(acc[r][m], wv, xv[m]);
+    }
+  }
+  if (i < I) {
+    const __mmask32 k = (__mmask32(1) << (I - i)) - 1;
     __m512i xv[MB];
     for (int m = 0; m < MB; m++) xv[m] = _mm512_maskz_loadu_epi16(k, x + m * I + i);
     for (int r = 0; r < R; r++) {
       const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(k, w + r * I + i));
-      for (int m = 0; m < MB; m++) acc[r][m] = _mm512_dpwssd_epi32(acc[r][m], wv, xv[m]);
+      for (int m = 0; m < MB; m++) acc[r][m] = dpwssd(acc[r][m], wv, xv[m]);
     }
-  };
-  int64_t i = 0;
-  for (; i + 32 <= I; i += 32) columns(i, ~__mmask32(0));
-  if (i < I) columns(i, (__mmask32(1) << (I - i)) - 1);
+  }
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++)
-      y[m * O + r] = float(_mm512_reduce_add_epi32(acc[r][m])) * xs[m] * scale[r] + (b ? b[r] : 0.f);
+      y[m * O + r] = _mm512_reduce_add_ps(_mm512_cvtepi32_ps(acc[r][m])) * xs[m] * scale[r] + (b ? b[r] : 0.f);
 }
 #endif
 
