@@ -71,7 +71,10 @@ class ModelRunner:
         idx = [c + [0] * (width - len(c)) for c in chunks]
         pos = [[min(start + t, last) for t in range(width)] for start in starts]
         take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        with self._recording(rows, starts, chunks):
+        # a chunk the kernels' fused blocks take: torch's remaining ops (embedding, head) on this thread alone,
+        # as in a decode step (an OpenMP team left spinning slowed the kernels' pool by ~5%)
+        fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
+        with self._recording(rows, starts, chunks), (self.decode_context() if fused else contextlib.nullcontext()):
             logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
                                 kv_len=min(self.block_size, max(starts) + width), take=take)
         return logits if every_position else logits[:, 0]

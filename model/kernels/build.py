@@ -38,10 +38,10 @@ PACKED_MIN_ROWS = 4
 BF16_GEMM_MIN_ROWS = 16
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
-# a cached forward of up to this many tokens (rows x chunk) runs its blocks fused, each token a row: where the
-# kernels do its products (a short prompt gains the most: torch's path makes a call per op); a longer chunk is
-# faster through torch's attention
-FUSED_MAX_TOKENS = MAX_ROWS
+# a cached forward of up to this many tokens (rows x chunk: a decode step, a prompt chunk) runs its blocks fused,
+# each token a row, its attention in blocks per row; the bound is that call's scratch memory (~10 C floats a
+# token, 120 MB for GPT-2 small at the bound)
+FUSED_MAX_TOKENS = 4096
 
 CSRC = Path(__file__).with_name("csrc")
 X86_64 = ("x86_64", "AMD64")

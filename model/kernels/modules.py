@@ -124,6 +124,12 @@ class FusedBlocks(Blocks):
         y = stack.forward(x.reshape(B * T, C), cache.cache.k, cache.cache.v, cache.token_rows, cache.token_pos)
         return y.view(B, T, C)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copied or pickled without the library's `Stack` (neither can be): a copy makes its own."""
+        state = super().__getstate__()
+        state.pop("_stack", None)
+        return state
+
     def stack(self, lib: Any) -> Any:
         """The blocks' parameters as the library's `Stack`, or None if a product is not kernel-backed. Kept between
         steps (gathering them costs ~20 module attribute lookups per block, as much as a small model's whole

@@ -3,6 +3,9 @@ state dict, the tied LM head), where they hand work back to torch's modules, and
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -95,3 +98,17 @@ def test_a_fused_step_builds_no_attention_mask(built: None, monkeypatch: pytest.
             unfused = model(idx, kv_cache=KVCache(CONFIG, 3))
         assert masks  # torch's path reads it
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_the_fused_blocks_ran_in_can_be_copied_and_pickled(built: None) -> None:
+    """The fused blocks keep the library's `Stack` between steps; `copy.deepcopy` (bench.quantize copies a served
+    model) and pickling leave it out, and the copy makes its own: the same logits (up to summation order: a copied
+    weight's version differs from the one its packed copy was made from, so the copy reads the weight itself)."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    kernels.install(model)
+    idx = torch.randint(0, CONFIG.vocab_size, (1, 5))
+    with torch.inference_mode():
+        want = model(idx, kv_cache=KVCache(CONFIG, 1))
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(other(idx, kv_cache=KVCache(CONFIG, 1)), want, rtol=1e-5, atol=1e-5)

@@ -198,6 +198,33 @@ def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool) -> No
     torch.testing.assert_close(out["kernel"], full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_head, n_embd", [(2, 16), (3, 72), (4, 256), (2, 144)])
+def test_long_prompt_chunks_attend_in_blocks(built: None, n_head: int, n_embd: int) -> None:
+    """Chunks of 37 and 63 tokens of two rows and a 5-token chunk of a third in one forward, then the rest: runs of
+    at least 8 tokens of a row attend in blocks (several key blocks, a run starting past 0, head sizes 8-64 and
+    not a multiple of 16), the short one token by token; the logits equal torch's path and the full forward."""
+    torch.manual_seed(n_embd)
+    cfg = GPTConfig(block_size=128, vocab_size=61, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
+    model = GPT(cfg).eval()
+    kernels.install(model)
+    idx = torch.randint(0, cfg.vocab_size, (3, 100))
+    rows = torch.tensor([1, 2, 0])
+    with torch.inference_mode():
+        out = {}
+        for name in ("kernel", "torch"):
+            cache = KVCache(cfg, 3)
+            with contextlib.nullcontext() if name == "kernel" else kernels.disabled():
+                a = model(idx[:2, :37], kv_cache=cache, rows=rows[:2])
+                c = model(idx[2:, :5], kv_cache=cache, rows=rows[2:])
+                b = model(idx[:2, 37:], pos=torch.arange(37, 100).expand(2, -1), kv_cache=cache, rows=rows[:2])
+            out[name] = (torch.cat([a, b], dim=1), c)
+        full = model(idx)
+    for got, want in zip(out["kernel"], out["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["kernel"][0], full[:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["kernel"][1], full[2:, :5], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_block_with_many_rows(built: None) -> None:
     """40 rows of a 512-wide block: GELU is split over the kernel pool's threads, the products use packed
     weights; the step's output equals torch's path."""

@@ -1,9 +1,7 @@
 // A GPT-2 model's transformer blocks in one call from Python: a decode step of GPT-2 small then makes one call
 // into C++ for its twelve blocks, where module and op calls from Python (each a few microseconds, ~15 per block)
 // cost as much as a small model's whole products. The element-wise work between the products (layer norms,
-// residual adds) is done here on the step's few rows; GELU is torch's (its vectorised tanh).
-#include <c10/core/InferenceMode.h>
-
+// residual adds, GELU) is done here, split over the kernels' pool for many rows.
 #include <cmath>
 
 #include "ops.h"
@@ -60,6 +58,19 @@ Stack::Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_h
   }
 }
 
+// GELU (vgelu) in place on n values
+static void gelu(float* v, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) vstore(v + i, vgelu(vload(v + i)));
+  for (; i < n; i++) v[i] = 0.5f * v[i] * (1.f + std::tanh(0.7978845608f * (v[i] + 0.044715f * v[i] * v[i] * v[i])));
+}
+
+// fn(first row, end row) over B rows of `width` values, split over the pool from 16K values
+template <typename F>
+static void by_rows(int64_t B, int64_t width, F fn) {
+  pool().run(B, std::max<int64_t>(1, 16384 / width), [&](int64_t begin, int64_t end) { fn(begin, end); });
+}
+
 at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                           const at::Tensor& pos) const {
   const int64_t B = x_in.size(0), C = C_, hs = C / n_head_, layers = blocks_.size();
@@ -71,35 +82,36 @@ at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor
   auto rows_c = rows.to(at::kLong).contiguous();
   auto pos_c = pos.to(at::kLong).contiguous();
   TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "stack: a cache row and a position per token");
-  // torch's ops here (GELU; products torch does) run on this thread alone: an OpenMP team of their own would
-  // compete for the cores with this pool's workers, which spin between the products. With more rows than the
-  // kernels take, torch's GEMM needs the team.
-  OneOpenMPThread serial(B <= MAX_ROWS);
+  // torch's products here (bf16 weights from 16 rows, prompts of more than MAX_ROWS) run on this thread alone and
+  // are split over the pool (linear.cpp): an OpenMP team of their own would compete for the cores with this pool's
+  // workers, which spin between jobs
+  OneOpenMPThread serial(true);
   auto x = x_in.contiguous().clone();
   const int64_t F = layers ? blocks_[0].products[2].O : 0;  // the MLP's width
   auto scratch = at::empty({B * (6 * C + F)}, x.options());
   float *xp = x.data_ptr<float>(), *h = scratch.data_ptr<float>(), *qkv = h + B * C, *att = qkv + 3 * B * C;
   float *t = att + B * C, *ff = t + B * C;
-  auto gelu = at::from_blob(ff, {B, F}, x.options());
   const int64_t cache_rows = k_cache.size(1), L = k_cache.size(3), per_layer = cache_rows * n_head_ * L * hs;
-  auto add = [&](const float* y) { for (int64_t i = 0; i < B * C; i++) xp[i] += y[i]; };
+  auto norm = [&](const at::Tensor& w, const OptionalTensor& b) {
+    by_rows(B, C, [&](int64_t r0, int64_t r1) {
+      layer_norm(xp + r0 * C, r1 - r0, C, w.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr, h + r0 * C);
+    });
+  };
+  auto add = [&](const float* y) {
+    by_rows(B, C, [&](int64_t r0, int64_t r1) { for (int64_t i = r0 * C; i < r1 * C; i++) xp[i] += y[i]; });
+  };
   for (int64_t l = 0; l < layers; l++) {
     const Block& blk = blocks_[l];
-    layer_norm(xp, B, C, blk.ln1_w.data_ptr<float>(), floats(blk.ln1_b, C, "ln_1"), h);
+    norm(blk.ln1_w, blk.ln1_b);
     product_into(blk.products[0], h, B, qkv);
     attention_into(qkv, B, n_head_, hs, k_cache.data_ptr<float>() + l * per_layer,
                    v_cache.data_ptr<float>() + l * per_layer, cache_rows, L, rows_c.data_ptr<int64_t>(),
                    pos_c.data_ptr<int64_t>(), att);
     product_into(blk.products[1], att, B, t);
     add(t);
-    layer_norm(xp, B, C, blk.ln2_w.data_ptr<float>(), floats(blk.ln2_b, C, "ln_2"), h);
+    norm(blk.ln2_w, blk.ln2_b);
     product_into(blk.products[2], h, B, ff);
-    // GELU (torch's vectorised tanh, in place) split by rows over the pool: for many rows it is not small
-    pool().run(B, std::max<int64_t>(1, 65536 / F), [&](int64_t begin, int64_t end) {
-      c10::InferenceMode inference;  // a worker thread starts outside inference mode
-      auto part = gelu.narrow(0, begin, end - begin);
-      at::gelu_(part, "tanh");
-    });
+    by_rows(B, F, [&](int64_t r0, int64_t r1) { gelu(ff + r0 * F, (r1 - r0) * F); });
     product_into(blk.products[3], ff, B, t);
     add(t);
   }

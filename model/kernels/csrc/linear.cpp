@@ -324,42 +324,73 @@ static bool by_kernels(const Weight& w, int64_t M) {
   return !bf16_gemm(M, w.w.scalar_type()) && M <= MAX_ROWS && w.I % 8 == 0;
 }
 
-// the product through torch: the bf16 GEMM or torch's linear with the dequantized weight (in x's type)
-static at::Tensor torch_rows(const at::Tensor& w, const OptionalTensor& bias, const OptionalTensor& scale,
-                             const at::Tensor& x) {
-  if (x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.scalar_type())) {
-    const auto w16 = w.scalar_type() == at::kBFloat16 ? w : dequantized(w, scale).to(at::kBFloat16);
-    auto y = at::linear(x.to(at::kBFloat16), w16).to(at::kFloat);
-    return bias ? y.add_(*bias) : y;
-  }
-  return at::linear(x, dequantized(w, scale).to(x.scalar_type()), bias);
+// rows [begin, end) of w (O, I) int8 times their scales, rounded to bf16 (to nearest even, as torch's .to(bfloat16))
+static void int8_rows_to_bf16(const int8_t* w, const float* scale, int64_t I, int64_t begin, int64_t end,
+                              uint16_t* out) {
+  for (int64_t o = begin; o < end; o++)
+    for (int64_t i = 0; i < I; i++) {
+      const float f = float(w[o * I + i]) * scale[o];
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof bits);
+      out[o * I + i] = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    }
 }
 
-// the same, split by outputs over the kernels' pool while this thread's torch ops run on it alone (a decode step's
-// few rows, see OneOpenMPThread: bf16 weights from 16 rows), each piece a single-threaded torch product; before,
-// a 32-row step of bf16 GPT-2 ran its GEMMs on one core
-static at::Tensor torch_product(const Weight& w, const at::Tensor& x) {
+// int8 weights as bf16 for torch's bf16 GEMM, in one pass (three of torch's ops took as long as the GEMM's first
+// layers); on torch's threads where this thread has several, else on this one (a piece of a split product)
+static at::Tensor int8_to_bf16(const at::Tensor& w, const at::Tensor& scale) {
+  const int64_t O = w.size(0), I = w.size(1);
+  auto out = at::empty({O, I}, w.options().dtype(at::kBFloat16));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, O, std::max<int64_t>(1, 65536 / I),
+                   [&](int64_t begin, int64_t end) { int8_rows_to_bf16(wp, sp, I, begin, end, op); });
+  return out;
+}
+
+// out (M, n) = x @ (w * scale).T + b for a weight's n rows, through torch: the bf16 GEMM where `xb` (x in bf16) is
+// given (bf16_gemm), else torch's product with the weight in x's type (dequantized where stored otherwise)
+static void torch_rows(const at::Tensor& w, const OptionalTensor& bias, const OptionalTensor& scale,
+                       const at::Tensor& x, const at::Tensor& xb, at::Tensor out) {
+  if (xb.defined()) {
+    out.copy_(at::mm(xb, (w.scalar_type() == at::kBFloat16 ? w : int8_to_bf16(w, *scale)).t()));
+    if (bias) out.add_(*bias);
+  } else if (bias) {
+    at::addmm_out(out, *bias, x, dequantized(w, scale).to(x.scalar_type()).t());
+  } else {
+    at::mm_out(out, x, dequantized(w, scale).to(x.scalar_type()).t());
+  }
+}
+
+// The product through torch into out (M, O). While this thread's torch ops run on it alone (a fused forward's, see
+// OneOpenMPThread) it is split by outputs over the kernels' pool, each piece a single-threaded torch product:
+// before, a 32-row step of bf16 GPT-2 ran its GEMMs on one core.
+static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
+  const bool bf16 = x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.w.scalar_type());
+  const at::Tensor xb = bf16 ? x.to(at::kBFloat16) : at::Tensor();
   const int threads = pool().usable();
-  if (threads == 1 || at::get_num_threads() > 1 || w.O < 4 * PANEL * threads) return torch_rows(w.w, w.bias, w.scale, x);
-  auto y = at::empty({x.size(0), w.O}, x.options());
-  const int64_t pieces = 2 * threads, step = (w.O + pieces - 1) / pieces;
+  if (threads == 1 || at::get_num_threads() > 1 || w.O < 4 * PANEL * threads) {
+    torch_rows(w.w, w.bias, w.scale, x, xb, out);
+    return;
+  }
+  const int64_t pieces = threads, step = (w.O + pieces - 1) / pieces;
   auto part = [&](const OptionalTensor& t, int64_t o, int64_t n) -> OptionalTensor {
     return t ? OptionalTensor(t->narrow(0, o, n)) : t;
   };
   pool().run(pieces, 1, [&](int64_t begin, int64_t end) {
-    c10::InferenceMode inference;  // y may be an inference tensor; a worker thread starts outside inference mode
+    c10::InferenceMode inference;  // out may be an inference tensor; a worker thread starts outside inference mode
     for (int64_t p = begin; p < end; p++) {
       const int64_t o = p * step, n = std::min(step, w.O - o);
-      if (n > 0) y.narrow(1, o, n).copy_(torch_rows(w.w.narrow(0, o, n), part(w.bias, o, n), part(w.scale, o, n), x));
+      if (n > 0)
+        torch_rows(w.w.narrow(0, o, n), part(w.bias, o, n), part(w.scale, o, n), x, xb, out.narrow(1, o, n));
     }
   });
-  return y;
 }
 
 void product_into(const Weight& w, const float* x, int64_t M, float* y) {
   if (!by_kernels(w, M)) {
-    auto out = torch_product(w, at::from_blob(const_cast<float*>(x), {M, w.I}, at::kFloat));
-    std::memcpy(y, out.data_ptr<float>(), M * w.O * sizeof(float));
+    torch_product(w, at::from_blob(const_cast<float*>(x), {M, w.I}, at::kFloat), at::from_blob(y, {M, w.O}));
     return;
   }
   switch (w.w.scalar_type()) {
@@ -375,9 +406,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
   const Weight weight(w, b, packed, scale);
   const int64_t M = x.size(0);
-  if (x.scalar_type() != at::kFloat || !by_kernels(weight, M)) return torch_product(weight, x);
-  TORCH_CHECK(x.is_contiguous(), "linear: contiguous x");
   auto y = at::empty({M, weight.O}, x.options());
+  if (x.scalar_type() != at::kFloat || !by_kernels(weight, M)) {
+    torch_product(weight, x, y);
+    return y;
+  }
+  TORCH_CHECK(x.is_contiguous(), "linear: contiguous x");
   product_into(weight, x.data_ptr<float>(), M, y.data_ptr<float>());
   return y;
 }

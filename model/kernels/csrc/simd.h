@@ -30,6 +30,18 @@ static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 static inline Vec vset1(const float* p) { return _mm512_set1_ps(*p); }
+static inline Vec vbroadcast(float v) { return _mm512_set1_ps(v); }
+static inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+static inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+static inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
+static inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+static inline float vmaxof(Vec v) { return _mm512_reduce_max_ps(v); }
+static inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline Vec vtimes_pow2(Vec v, Vec n) { return _mm512_scalef_ps(v, n); }  // v * 2^n, n integral
+// lanes j < n of v, the others `fill`
+static inline Vec vfirst(Vec v, int64_t n, float fill = 0.f) {
+  return _mm512_mask_mov_ps(_mm512_set1_ps(fill), __mmask16((1u << n) - 1), v);
+}
 static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -57,6 +69,26 @@ static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 static inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 static inline Vec vset1(const float* p) { return _mm256_broadcast_ss(p); }
+static inline Vec vbroadcast(float v) { return _mm256_set1_ps(v); }
+static inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+static inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+static inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
+static inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+static inline float vmaxof(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline Vec vtimes_pow2(Vec v, Vec n) {  // v * 2^n, n integral in [-126, 127]
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(v, _mm256_castsi256_ps(bits));
+}
+static inline Vec vfirst(Vec v, int64_t n, float fill = 0.f) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), lane));
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, keep);
+}
 static inline float vsum(Vec v) { return hsum(v); }
 static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -70,6 +102,29 @@ static inline Vec vload(const bf16* p) {
 template <typename W>
 static inline Vec vload8(const W* p) { return vload(p); }
 #endif
+
+// e^x in every lane, within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, Cephes' polynomial for e^r, times 2^n.
+// x is clamped to [-87.3, 88.3] (e^x from ~1e-38 to ~2e38): callers zero what must be zero.
+static inline Vec vexp(Vec x) {
+  x = vmin(vmax(x, vbroadcast(-87.3f)), vbroadcast(88.3f));
+  const Vec n = vround(vmul(x, vbroadcast(1.44269504089f)));
+  Vec r = vsub(x, vmul(n, vbroadcast(0.693359375f)));
+  r = vsub(r, vmul(n, vbroadcast(-2.12194440e-4f)));
+  Vec p = vbroadcast(1.9875691500e-4f);
+  p = vfma(p, r, vbroadcast(1.3981999507e-3f));
+  p = vfma(p, r, vbroadcast(8.3334519073e-3f));
+  p = vfma(p, r, vbroadcast(4.1665795894e-2f));
+  p = vfma(p, r, vbroadcast(1.6666665459e-1f));
+  p = vfma(p, r, vbroadcast(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vbroadcast(1.f)));
+  return vtimes_pow2(p, n);
+}
+
+// GPT-2's GELU (tanh form), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), as x / (1 + e^(-2u))
+static inline Vec vgelu(Vec x) {
+  const Vec u = vmul(vbroadcast(0.7978845608f), vfma(vmul(vbroadcast(0.044715f), vmul(x, x)), x, x));
+  return vdiv(x, vadd(vbroadcast(1.f), vexp(vmul(vbroadcast(-2.f), u))));
+}
 
 // y[m * O + r] = (sum_i x[m, i] * w[r, i]) * scale[r] + b[r] for r < R, m < MB (no scale or bias where nullptr);
 // each weight row streamed once for all MB inputs; I % 8 == 0
