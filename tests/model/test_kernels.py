@@ -225,6 +225,33 @@ def test_long_prompt_chunks_attend_in_blocks(built: None, n_head: int, n_embd: i
     torch.testing.assert_close(out["kernel"][1], full[2:, :5], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("n_embd", [72, 192])
+def test_each_kernel_variants_fused_blocks_equal_torchs(built: None, variant: build.Variant, n_embd: int) -> None:
+    """Every variant this CPU runs (its own vector width: 8 or 16 lanes), the others skipped naming the flags it
+    lacks: a 40-token chunk of each of two rows (attention in blocks), then a decode step of both, through that
+    variant's `Stack`, against torch's blocks; head sizes 24 (not a multiple of 16) and 64."""
+    missing = sorted(variant.cpu_flags - build.cpu_flags())
+    if build.best_variant() is None or missing:
+        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
+    torch.manual_seed(n_embd)
+    cfg = GPTConfig(block_size=64, vocab_size=50, n_layer=2, n_head=3, n_embd=n_embd, bias=True)
+    model = GPT(cfg).eval()
+    kernels.install(model)
+    stack = model.transformer.h.stack(build.build(variant))
+    rows = torch.tensor([2, 0])
+    caches = {name: KVCache(cfg, 3) for name in ("kernel", "torch")}
+    with torch.inference_mode():
+        for pos in (torch.arange(40).expand(2, -1), torch.full((2, 1), 40)):
+            x = torch.randn(2, pos.shape[1], n_embd)
+            step = caches["kernel"].step(pos, rows)
+            got = stack.forward(x.reshape(-1, n_embd), caches["kernel"].k, caches["kernel"].v, step.token_rows,
+                                step.token_pos)
+            with kernels.disabled():
+                want = model.transformer.h(x, caches["torch"].step(pos, rows))
+            torch.testing.assert_close(got.view_as(want), want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_block_with_many_rows(built: None) -> None:
     """40 rows of a 512-wide block: GELU is split over the kernel pool's threads, the products use packed
     weights; the step's output equals torch's path."""

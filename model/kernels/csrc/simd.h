@@ -36,11 +36,14 @@ static inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 static inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 static inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 static inline float vmaxof(Vec v) { return _mm512_reduce_max_ps(v); }
+static inline __m256 vhalves(Vec v) {  // the sum of v's two 8-lane halves
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
 static inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 static inline Vec vtimes_pow2(Vec v, Vec n) { return _mm512_scalef_ps(v, n); }  // v * 2^n, n integral
-// lanes j < n of v, the others `fill`
+// lanes j < n of v, the others `fill` (n may exceed the lanes)
 static inline Vec vfirst(Vec v, int64_t n, float fill = 0.f) {
-  return _mm512_mask_mov_ps(_mm512_set1_ps(fill), __mmask16((1u << n) - 1), v);
+  return n >= 16 ? v : _mm512_mask_mov_ps(_mm512_set1_ps(fill), __mmask16((1u << n) - 1), v);
 }
 static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -80,6 +83,7 @@ static inline float vmaxof(Vec v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 static inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline __m256 vhalves(Vec v) { return v; }
 static inline Vec vtimes_pow2(Vec v, Vec n) {  // v * 2^n, n integral in [-126, 127]
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(v, _mm256_castsi256_ps(bits));
