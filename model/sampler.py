@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.kernels.ops import row_argmax_logsumexp
 from model.sampling_params import SamplingParams
 
 
@@ -146,30 +147,33 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
         masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
-        logprobs = torch.log_softmax(masked, dim=-1)
-        tokens, errors = self._choose(masked, rows)
-        chosen = torch.tensor([max(t, 0) for t in tokens], device=logprobs.device)
-        out = SamplerOutput(tokens, logprobs.gather(1, chosen[:, None])[:, 0].tolist(), [[] for _ in rows], errors)
+        # each row's argmax and log-sum-exp in one pass (a log-probability is a logit minus the latter)
+        argmax, lse = row_argmax_logsumexp(masked)
+        tokens, errors = self._choose(masked, rows, argmax)
+        chosen = torch.tensor([max(t, 0) for t in tokens], device=masked.device)
+        logprobs = masked.gather(1, chosen[:, None])[:, 0] - lse
+        out = SamplerOutput(tokens, logprobs.tolist(), [[] for _ in rows], errors)
         for n in {r.params.top_n_tokens for r in rows} - {0}:  # one topk per distinct n (usually one)
             which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == n]
-            values, ids = torch.topk(logprobs[which], n)
-            for i, v, t in zip(which, values.tolist(), ids.tolist()):
+            values, ids = torch.topk(masked[which], n)
+            for i, v, t in zip(which, (values - lse[which, None]).tolist(), ids.tolist()):
                 out.top[i] = list(zip(t, v))
         return out
 
-    def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[list[int], dict[int, Exception]]:
+    def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow],
+                argmax: torch.Tensor) -> tuple[list[int], dict[int, Exception]]:
         tokens = [-1] * len(rows)
         errors: dict[int, Exception] = {}
         greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        if greedy:
-            picked = masked[greedy] if len(greedy) < len(rows) else masked
-            adjusted = [(k, i) for k, i in enumerate(greedy) if _adjusts(rows[i], self.eos_id)]
+        if greedy:  # the argmax of each greedy row, after adjusting the rows that need it
+            picks = argmax.tolist()
+            for i in greedy:
+                tokens[i] = picks[i]
+            adjusted = [i for i in greedy if _adjusts(rows[i], self.eos_id)]
             if adjusted:
-                picked = picked.clone()
-                for k, i in adjusted:
-                    picked[k] = adjust(picked[k], rows[i], self.eos_id)
-            for i, t in zip(greedy, picked.argmax(dim=-1).tolist()):
-                tokens[i] = t
+                picked = torch.stack([adjust(masked[i], rows[i], self.eos_id) for i in adjusted])
+                for i, t in zip(adjusted, picked.argmax(dim=-1).tolist()):
+                    tokens[i] = t
         for i, row in enumerate(rows):
             if not row.params.is_greedy:
                 try:

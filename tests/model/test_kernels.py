@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from model import kernels
 from model.config import GPTConfig
 from model.gpt import GPT, KVCache
-from model.kernels import build, loader
+from model.kernels import build, loader, ops
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -250,6 +250,22 @@ def test_each_kernel_variants_fused_blocks_equal_torchs(built: None, variant: bu
             with kernels.disabled():
                 want = model.transformer.h(x, caches["torch"].step(pos, rows))
             torch.testing.assert_close(got.view_as(want), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(32, 50257), (1, 50257), (5, 65), (3, 7), (2, 16)])
+def test_row_argmax_and_logsumexp_equal_torchs(built: None, shape: tuple[int, int]) -> None:
+    """The sampler's one pass per row: the first of tied largest values (as `argmax`), -inf entries (a padded
+    vocabulary), widths not a multiple of the vector; a row with an infinity or a NaN is torch's."""
+    torch.manual_seed(shape[1])
+    x = torch.randn(*shape) * 5
+    x[0, 3] = x[0, -1] = x[0].max() + 1  # a tie: the first wins
+    x[-1, ::2] = float("-inf")
+    ids, lse = ops.row_argmax_logsumexp(x)
+    assert torch.equal(ids, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1))
+    x[0, 1] = float("nan")
+    ids, lse = ops.row_argmax_logsumexp(x)
+    assert torch.equal(ids, x.argmax(dim=-1)) and torch.isnan(lse[0])
 
 
 def test_decode_block_with_many_rows(built: None) -> None:

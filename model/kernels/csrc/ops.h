@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
 #include <vector>
 
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
@@ -55,6 +56,10 @@ void attention_into(const float* qkv, int64_t B, int64_t n_head, int64_t hs, flo
 // the same on tensors: qkv (B, 3C) -> (B, C)
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head);
+
+// each row of logits (rows, vocab) fp32: the index of its first largest value (torch's argmax) and its log-sum-exp
+// (sampling.cpp)
+std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits);
 
 // A GPT-2 model's transformer blocks for B new tokens in one call (block.cpp): made once from the blocks'
 // parameters, each block's as ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, then the four products' (qkv,
