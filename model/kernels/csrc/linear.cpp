@@ -354,8 +354,9 @@ static at::Tensor int8_to_bf16(const at::Tensor& w, const at::Tensor& scale) {
 static void torch_rows(const at::Tensor& w, const OptionalTensor& bias, const OptionalTensor& scale,
                        const at::Tensor& x, const at::Tensor& xb, at::Tensor out) {
   if (xb.defined()) {
-    out.copy_(at::mm(xb, (w.scalar_type() == at::kBFloat16 ? w : int8_to_bf16(w, *scale)).t()));
-    if (bias) out.add_(*bias);
+    const auto product = at::mm(xb, (w.scalar_type() == at::kBFloat16 ? w : int8_to_bf16(w, *scale)).t());
+    if (bias) at::add_out(out, product, *bias);  // widened to fp32 and the bias added in one pass
+    else out.copy_(product);
   } else if (bias) {
     at::addmm_out(out, *bias, x, dequantized(w, scale).to(x.scalar_type()).t());
   } else {
