@@ -33,13 +33,6 @@ static void layer_norm(const float* x, int64_t B, int64_t C, const float* w, con
   }
 }
 
-// a fp32 vector of n values, contiguous, or nullptr for none
-static const float* floats(const OptionalTensor& t, int64_t n, const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, "stack: ", what);
-  return t->data_ptr<float>();
-}
-
 Stack::Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_head) : n_head_(n_head), C_(0) {
   for (const auto& p : blocks) {
     TORCH_CHECK(p.size() == 20 && p[0] && p[2] && p[4] && p[8] && p[12] && p[16],
@@ -52,8 +45,8 @@ Stack::Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_h
                 && block.products[2].I == C_ && block.products[3].I == block.products[2].O
                 && block.products[3].O == C_, "stack: a GPT-2 block's product shapes");
     TORCH_CHECK(n_head > 0 && C_ % n_head == 0 && C_ / n_head % 8 == 0, "stack: head size a multiple of 8");
-    floats(block.ln1_w, C_, "ln_1"), floats(block.ln1_b, C_, "ln_1"), floats(block.ln2_w, C_, "ln_2");
-    floats(block.ln2_b, C_, "ln_2");
+    check_floats(block.ln1_w, C_, "stack: ln_1"), check_floats(block.ln1_b, C_, "stack: ln_1");
+    check_floats(block.ln2_w, C_, "stack: ln_2"), check_floats(block.ln2_b, C_, "stack: ln_2");
     blocks_.push_back(std::move(block));
   }
 }

@@ -22,13 +22,6 @@ static const W* weight_data(const at::Tensor& w) {
   else return w.data_ptr<W>();
 }
 
-// an optional per-output fp32 vector's data (bias or scale; nullptr without one), checked against O outputs
-static const float* per_output(const OptionalTensor& t, int64_t O, const char* what) {
-  if (!t.has_value()) return nullptr;
-  TORCH_CHECK(t->is_contiguous() && t->numel() == O && t->scalar_type() == at::kFloat, "linear: ", what);
-  return t->data_ptr<float>();
-}
-
 // Tasks per thread for tasks that each read `bytes` of weights and do `flops`: a task is worth a thread when it
 // reads >= 512 KiB or does >= 2 MFLOP (waking a sleeping thread costs tens of microseconds, more than the whole
 // product for the small layers of a small model)
@@ -306,8 +299,8 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar || w.scalar_type() == at::kBFloat16,
               "linear: weights are fp32, int8 or bf16, not ", w.scalar_type());
   TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "linear: an int8 weight needs its scales");
-  per_output(bias, O, "bias");
-  per_output(scale, O, "scale");
+  check_floats(bias, O, "linear: bias");
+  check_floats(scale, O, "linear: scale");
   if (packed) {
     TORCH_CHECK(packed->dim() == 3 && packed->size(0) == (O + PANEL - 1) / PANEL && packed->size(1) == I
                 && packed->size(2) == PANEL && packed->is_contiguous() && packed->scalar_type() == w.scalar_type(),

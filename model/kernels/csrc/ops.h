@@ -26,6 +26,11 @@ static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 static constexpr int64_t PANEL = FOLIO_PANEL;
 static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");
 
+// that t, where given, holds n contiguous fp32 values (a bias, a scale, a layer norm's weight); `what` names it
+inline void check_floats(const OptionalTensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(!t || (t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n), what);
+}
+
 // A product's weight as the kernels read it, checked once: w (O, I) fp32, int8 (with a fp32 scale per output row)
 // or bf16, an optional fp32 bias (O) and the packed copy (ceil(O / PANEL), I, PANEL) of ops.pack, or none
 struct Weight {
