@@ -58,7 +58,8 @@ class ModelRunner:
             kernels.use_threads(self.threads)
 
     def decode_context(self) -> contextlib.AbstractContextManager[None]:
-        """Around a decode step: torch's small ops on this thread alone (the kernels use their own pool)."""
+        """Around a forward the kernels' fused blocks take (a decode step, a prompt chunk): torch's remaining ops on
+        this thread alone (the kernels use their own pool)."""
         return kernels.serial_torch_ops()
 
     def forward_chunks(self, rows: list[int], chunks: list[list[int]], starts: list[int], *,
@@ -71,8 +72,8 @@ class ModelRunner:
         idx = [c + [0] * (width - len(c)) for c in chunks]
         pos = [[min(start + t, last) for t in range(width)] for start in starts]
         take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
-        # a chunk the kernels' fused blocks take: torch's remaining ops (embedding, head) on this thread alone,
-        # as in a decode step (an OpenMP team left spinning slowed the kernels' pool by ~5%)
+        # a chunk the fused blocks take runs in the decode step's context (an OpenMP team left spinning slowed the
+        # kernels' pool by ~5%)
         fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
         with self._recording(rows, starts, chunks), (self.decode_context() if fused else contextlib.nullcontext()):
             logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),

@@ -97,9 +97,14 @@ class StoredLinear(nn.Module):
         return ops.linear(x, self.stored, self.bias, self.packed, self.scale_or_none)
 
 
+# the linear layers the kernels compute (fp32 weights, or stored in another type)
+KERNEL_BACKED = (KernelLinear, StoredLinear)
+
+
 def _product_args(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                               torch.Tensor | None]:
-    """A kernel-backed linear's weight as stored, bias, scale and packed copy: what `decode_block` takes."""
+    """A kernel-backed linear's weight as stored, bias, scale and packed copy: what the library's `Stack` takes for
+    each product."""
     if isinstance(linear, StoredLinear):
         return linear.stored, linear.bias, linear.scale_or_none, linear.packed
     assert isinstance(linear, KernelLinear)
@@ -136,7 +141,7 @@ class FusedBlocks(Blocks):
         block), made again once a product's module was swapped (quantized), its weight changed in place, or
         `install` repacked."""
         linears = [linear for block in self for linear in _linears(block)]
-        if not all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in linears):
+        if not all(isinstance(linear, KERNEL_BACKED) for linear in linears):
             return None
         products = [_product_args(linear) for linear in linears]
         versions = [_version(p[0]) for p in products]
@@ -185,7 +190,7 @@ def _kernel_linear(module: nn.Module) -> KernelLinear | None:
 
 
 def _linears(block: Block) -> tuple[nn.Module, ...]:
-    """A block's four products, in the order `decode_block` takes them."""
+    """A block's four products, in the order the library's `Stack` takes them."""
     return block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj
 
 
@@ -193,7 +198,7 @@ def _fusable(block: nn.Module) -> bool:
     """A GPT-2 block the kernels run: a head size a multiple of 8, its products kernel-backed, fp32 on CPU."""
     if type(block) is not Block or block.attn.n_embd // block.attn.n_head % 8 != 0:
         return False
-    kernel_backed = all(isinstance(linear, (KernelLinear, StoredLinear)) for linear in _linears(block))
+    kernel_backed = all(isinstance(linear, KERNEL_BACKED) for linear in _linears(block))
     return kernel_backed and _on_cpu_in_fp32(block)
 
 
@@ -214,7 +219,7 @@ def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
         return InstallReport(linears=0, blocks=0, packed_bytes=0)
     _swap(model, _kernel_linear)
     _swap(model, _fused_blocks)  # after the linears: the fused blocks read their packed copies
-    linears = [m for m in model.modules() if isinstance(m, (KernelLinear, StoredLinear))]
+    linears = [m for m in model.modules() if isinstance(m, KERNEL_BACKED)]
     if pack:
         for linear in linears:
             linear.pack()
