@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import platform
 import shutil
+from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
 
 import pytest
 import torch
 from torch.utils.cpp_extension import get_cxx_compiler
 
 from model import kernels
+from model.kernels import build
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +28,25 @@ def built() -> None:
         pytest.skip(f"no C++ compiler ({compiler}) to build the CPU kernels: apt-get install g++ (.ci/run installs "
                     f"it); the server then serves with torch's ops")
     assert kernels.load(), f"the CPU kernels should build on this machine: {kernels.status()}"
+
+
+def variant_library(variant: build.Variant) -> ModuleType:
+    """`variant`'s library (built here if need be); a skip naming the flags this CPU lacks to run it, or why it
+    cannot be built (no compiler: the kernels are not used either)."""
+    missing = sorted(variant.cpu_flags - build.cpu_flags())
+    if build.best_variant() is None or missing:
+        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
+    try:
+        return build.build(variant)
+    except Exception as e:
+        pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
+
+
+def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
+    """`forward()` through the kernels, then again within `kernels.disabled()` (torch's path)."""
+    through_kernels = forward()
+    with kernels.disabled():
+        return through_kernels, forward()
 
 
 def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

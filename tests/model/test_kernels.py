@@ -3,7 +3,6 @@ SDPA path, and the fallbacks that must hand work back to torch untouched."""
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ from model import kernels
 from model.config import GPTConfig
 from model.gpt import GPT, KVCache
 from model.kernels import build, loader, ops
+from tests.model.conftest import variant_library, with_kernels_and_without
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -138,9 +138,9 @@ def test_folio_cpu_kernels_picks_a_variant_or_says_why_not(setting: str) -> None
 @pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16), (2, 256), (1, 72)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int, packed: bool) -> None:
-    """Rows at different positions in non-contiguous cache rows: decode steps through the kernels (each block in
-    one `decode_block` call; the products from packed weights or not) give the logits of torch's masked-SDPA
-    path and of the full forward. Head sizes 8-128, so every width of the attention's register blocks."""
+    """Rows at different positions in non-contiguous cache rows: decode steps through the kernels (all blocks in
+    one `Stack` call; the products from packed weights or not) give the logits of torch's masked-SDPA path and of
+    the full forward. Head sizes 8-128, so every width of the attention's register blocks."""
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=48, vocab_size=67, n_layer=2, n_head=n_head, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
@@ -174,7 +174,7 @@ def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: in
 @pytest.mark.parametrize("packed", [False, True])
 def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool) -> None:
     """A chunked prefill of three rows (several tokens per row, so tokens of one row read keys written in the same
-    call, and a second chunk after the first) through `decode_block` gives the logits of torch's masked-SDPA
+    call, and a second chunk after the first) through the fused blocks gives the logits of torch's masked-SDPA
     path and of the full forward."""
     torch.manual_seed(1)
     cfg = GPTConfig(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=64, bias=True)
@@ -184,18 +184,17 @@ def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool) -> No
     assert B * (first + second) > B * second and B * max(first, second) <= kernels.FUSED_MAX_TOKENS
     idx = torch.randint(0, cfg.vocab_size, (B, first + second))
     rows = torch.tensor([2, 0, 3])
+    def chunks() -> torch.Tensor:
+        cache = KVCache(cfg, 4)
+        a = model(idx[:, :first], kv_cache=cache, rows=rows)
+        b = model(idx[:, first:], pos=torch.arange(first, first + second).expand(B, -1), kv_cache=cache, rows=rows)
+        return torch.cat([a, b], dim=1)
+
     with torch.inference_mode():
-        out = {}
-        for name in ("kernel", "torch"):
-            cache = KVCache(cfg, 4)
-            with contextlib.nullcontext() if name == "kernel" else kernels.disabled():
-                a = model(idx[:, :first], kv_cache=cache, rows=rows)
-                b = model(idx[:, first:], pos=torch.arange(first, first + second).expand(B, -1), kv_cache=cache,
-                          rows=rows)
-            out[name] = torch.cat([a, b], dim=1)
+        got, want = with_kernels_and_without(chunks)
         full = model(idx)
-    torch.testing.assert_close(out["kernel"], out["torch"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["kernel"], full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n_head, n_embd", [(2, 16), (3, 72), (4, 256), (2, 144)])
@@ -209,20 +208,20 @@ def test_long_prompt_chunks_attend_in_blocks(built: None, n_head: int, n_embd: i
     kernels.install(model)
     idx = torch.randint(0, cfg.vocab_size, (3, 100))
     rows = torch.tensor([1, 2, 0])
+    def chunks() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = KVCache(cfg, 3)
+        a = model(idx[:2, :37], kv_cache=cache, rows=rows[:2])
+        c = model(idx[2:, :5], kv_cache=cache, rows=rows[2:])
+        b = model(idx[:2, 37:], pos=torch.arange(37, 100).expand(2, -1), kv_cache=cache, rows=rows[:2])
+        return torch.cat([a, b], dim=1), c
+
     with torch.inference_mode():
-        out = {}
-        for name in ("kernel", "torch"):
-            cache = KVCache(cfg, 3)
-            with contextlib.nullcontext() if name == "kernel" else kernels.disabled():
-                a = model(idx[:2, :37], kv_cache=cache, rows=rows[:2])
-                c = model(idx[2:, :5], kv_cache=cache, rows=rows[2:])
-                b = model(idx[:2, 37:], pos=torch.arange(37, 100).expand(2, -1), kv_cache=cache, rows=rows[:2])
-            out[name] = (torch.cat([a, b], dim=1), c)
+        got, want = with_kernels_and_without(chunks)
         full = model(idx)
-    for got, want in zip(out["kernel"], out["torch"]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["kernel"][0], full[:2], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["kernel"][1], full[2:, :5], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], full[:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], full[2:, :5], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
@@ -231,14 +230,12 @@ def test_each_kernel_variants_fused_blocks_equal_torchs(built: None, variant: bu
     """Every variant this CPU runs (its own vector width: 8 or 16 lanes), the others skipped naming the flags it
     lacks: a 40-token chunk of each of two rows (attention in blocks), then a decode step of both, through that
     variant's `Stack`, against torch's blocks; head sizes 24 (not a multiple of 16) and 64."""
-    missing = sorted(variant.cpu_flags - build.cpu_flags())
-    if build.best_variant() is None or missing:
-        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
+    lib = variant_library(variant)
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=64, vocab_size=50, n_layer=2, n_head=3, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
     kernels.install(model)
-    stack = model.transformer.h.stack(build.build(variant))
+    stack = model.transformer.h.stack(lib)
     rows = torch.tensor([2, 0])
     caches = {name: KVCache(cfg, 3) for name in ("kernel", "torch")}
     with torch.inference_mode():
@@ -268,7 +265,7 @@ def test_row_argmax_and_logsumexp_equal_torchs(built: None, shape: tuple[int, in
     assert torch.equal(ids, x.argmax(dim=-1)) and torch.isnan(lse[0])
 
 
-def test_decode_block_with_many_rows(built: None) -> None:
+def test_a_decode_step_with_many_rows(built: None) -> None:
     """40 rows of a 512-wide block: GELU is split over the kernel pool's threads, the products use packed
     weights; the step's output equals torch's path."""
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from model.kernels.ops import dequantize, pack
 from model.quantize import SWAPS, Int8Linear, main, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_gemm_bound, int16_rounding_bound
+from tests.model.conftest import bf16_gemm_bound, int16_rounding_bound, variant_library
 
 
 def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
@@ -79,13 +79,7 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
                                                                   width: int) -> None:
     """Every variant this CPU runs (built here if need be), the others skipped naming the flags it lacks; fp32,
     int8 and bf16 weights, from the weight and from its packed copy, widths a multiple of 16 and of 8 only."""
-    missing = sorted(variant.cpu_flags - build.cpu_flags())
-    if build.best_variant() is None or missing:
-        pytest.skip(f"this CPU cannot run the {variant.name} kernels: no {', '.join(missing) or 'x86-64 AVX2'}")
-    try:
-        lib = build.build(variant)
-    except Exception as e:  # no compiler here: the kernels are not used either
-        pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
+    lib = variant_library(variant)
     torch.manual_seed(rows)
     lin = torch.nn.Linear(width, 40)  # 40 outputs: two whole panels and a partial one
     q = SWAPS[kind](lin) if kind != "fp32" else None
