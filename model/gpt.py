@@ -95,7 +95,8 @@ class CacheStep:
     @cached_property
     def token_rows(self) -> torch.Tensor:
         """(B * T,) each new token's cache row, the tokens of all rows as one list."""
-        return self._row_index.repeat_interleave(self.pos.shape[1])
+        T = self.pos.shape[1]
+        return self._row_index if T == 1 else self._row_index.repeat_interleave(T)
 
     @cached_property
     def token_pos(self) -> torch.Tensor:

@@ -112,3 +112,37 @@ def test_a_model_the_fused_blocks_ran_in_can_be_copied_and_pickled(built: None) 
         want = model(idx, kv_cache=KVCache(CONFIG, 1))
         for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             torch.testing.assert_close(other(idx, kv_cache=KVCache(CONFIG, 1)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_blocks_follow_a_model_changed_after_a_step(built: None) -> None:
+    """The fused blocks keep their `Stack` between steps; a weight changed in place, a parameter replaced and a
+    product swapped (quantized) after a step are each seen by the next step: it equals torch's blocks then."""
+    from model.quantize import quantize
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    kernels.install(model)
+    idx = torch.randint(0, CONFIG.vocab_size, (2, 5))
+    block = model.transformer.h[1]
+
+    def changes():
+        with torch.no_grad():
+            block.attn.c_attn.weight.mul_(-1.5)
+        yield "a weight changed in place"
+        block.ln_2.weight = torch.nn.Parameter(torch.linspace(0.5, 2.0, CONFIG.n_embd))
+        yield "a layer norm's weight replaced"
+        quantize(model, "int8")
+        yield "every product swapped for int8"
+
+    def step() -> torch.Tensor:
+        return model(idx, kv_cache=KVCache(CONFIG, 2))
+
+    with torch.inference_mode():
+        before = step()
+        for change in changes():
+            got = step()
+            with kernels.disabled():
+                want = step()
+            assert not torch.allclose(got, before, rtol=1e-3, atol=1e-3), change
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=change)
+            before = got
