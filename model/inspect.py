@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from model.cli import ArgumentParser
@@ -217,15 +218,18 @@ def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOp
     return Inspector(model, tokenizer, ids, options or InspectOptions()).run()
 
 
-def reference_attention(model: GPT, ids: list[int], layer: int) -> torch.Tensor:
+def reference_attention(model: GPT, ids: list[int], layer: int,
+                        product: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """An independent reference for tests: the layer's attention weights (n_head, T, T) from a plain forward
-    written out with F.linear and softmax(q k^T / sqrt(d)), no hooks."""
+    written out with F.linear and softmax(q k^T / sqrt(d)), no hooks. `product(linear, x)` applies a block's linear
+    layer where F.linear of its weight and bias would not (a quantized product as the kernels compute it)."""
     cfg, tr = model.config, model.transformer
+    product = product or (lambda linear, x: F.linear(x, linear.weight, linear.bias))
     with torch.inference_mode():
         x = tr.wte(torch.tensor([ids])) + tr.wpe(torch.arange(len(ids)))
         for n, block in enumerate(tr.h):
             h = F.layer_norm(x, (cfg.n_embd,), block.ln_1.weight, block.ln_1.bias, 1e-5)
-            qkv = F.linear(h, block.attn.c_attn.weight, block.attn.c_attn.bias)
+            qkv = product(block.attn.c_attn, h)
             q, k, v = (t.view(1, len(ids), cfg.n_head, cfg.head_size).transpose(1, 2)
                        for t in qkv.split(cfg.n_embd, dim=2))
             att = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_size)
@@ -233,10 +237,10 @@ def reference_attention(model: GPT, ids: list[int], layer: int) -> torch.Tensor:
             if n == layer:
                 return att[0]
             y = (att @ v).transpose(1, 2).reshape(1, len(ids), cfg.n_embd)
-            x = x + F.linear(y, block.attn.c_proj.weight, block.attn.c_proj.bias)
+            x = x + product(block.attn.c_proj, y)
             h = F.layer_norm(x, (cfg.n_embd,), block.ln_2.weight, block.ln_2.bias, 1e-5)
-            h = F.gelu(F.linear(h, block.mlp.c_fc.weight, block.mlp.c_fc.bias), approximate="tanh")
-            x = x + F.linear(h, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+            h = F.gelu(product(block.mlp.c_fc, h), approximate="tanh")
+            x = x + product(block.mlp.c_proj, h)
     raise ValueError(f"layer {layer} is not in [0, {cfg.n_layer})")
 
 

@@ -1,6 +1,6 @@
 """Weight-only quantization, installed as module swaps (like gpt-fast's `WeightOnlyInt8QuantHandler`):
 `quantize(model, kind)` puts a `StoredLinear` in place of every `nn.Linear` of the transformer blocks and of the
-LM head; activations stay fp32.
+LM head; activations stay fp32 (but see below for int8 products of many rows).
 - "int8": each output row's weights scaled symmetrically into [-127, 127] (one fp32 scale per row,
   max |w| / 127) and rounded (`Int8Linear`): a decode step reads 1 byte per weight instead of 4;
 - "bf16": each weight rounded to bfloat16 (`Bf16Linear`): 2 bytes per weight.
@@ -9,8 +9,9 @@ keeps the fp32 table (it reads one row a token).
 
 The products run in the CPU kernels' `linear` (the stored values widened to fp32 in registers, so the sum is the
 fp32 product with the weight as stored) for up to `MAX_ROWS` rows, and through torch with the dequantized weight
-otherwise (a long prompt's prefill, or without the kernels). Quality is measured, not assumed: `bench/quantize.py`,
-tests/model/test_quantize.py.
+otherwise (a long prompt's prefill, or without the kernels); on CPUs that multiply int8 natively, int8 products of
+16 rows or more round each activation row to int8 for torch's int8 GEMM (W8A8; README: Quantized weights, and
+linear.cpp). Quality is measured, not assumed: `bench/quantize.py`, tests/model/test_quantize.py.
 """
 
 from __future__ import annotations

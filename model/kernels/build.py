@@ -36,6 +36,9 @@ PACKED_MIN_ROWS = 4
 # from this many rows bf16 weights go to torch's bf16 GEMM (oneDNN) where the CPU multiplies bf16 natively: it beats
 # the kernels' widening to fp32 from 16 rows (1.3x at 16, 1.5x at 32, 2x at 64 for GPT-2's MLP, AMD EPYC here)
 BF16_GEMM_MIN_ROWS = 16
+# from this many rows int8 weights go to torch's int8 GEMM (oneDNN) where the CPU multiplies int8 natively (VNNI,
+# AMX), the rows rounded to int8 first (W8A8); fewer rows are bandwidth-bound and keep the kernels' products
+INT8_GEMM_MIN_ROWS = 16
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
 # a cached forward of up to this many tokens (rows x chunk: a decode step, a prompt chunk) runs its blocks fused,
@@ -92,7 +95,8 @@ def best_variant(flags: frozenset[str] | None = None) -> Variant | None:
 
 def cflags(variant: Variant) -> list[str]:
     return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}",
-            f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}"]
+            f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}",
+            f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}"]
 
 
 def sources() -> list[Path]:

@@ -28,6 +28,14 @@ def native_bf16_gemm(rows: int, dtype: torch.dtype) -> bool:
     return lib is not None and lib.bf16_gemm(rows, dtype)
 
 
+def native_int8_gemm(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the kernels' `linear` sends `rows` rows against weights of `dtype` to torch's int8 GEMM (int8 weights;
+    each row of x rounded to int8 with a scale per row); the library's own rule (linear.cpp), False without the
+    kernels."""
+    lib = library()
+    return lib is not None and lib.int8_gemm(rows, dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(weight, scale), bias)`. At inference with fp32 CPU inputs and a weight stored as
@@ -35,9 +43,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
-    the activations to int16 first (a scale per row; see linear.cpp), and that bf16 weights with 16 rows or more
-    run in torch's bf16 GEMM where the CPU multiplies bf16 natively, as do int8 weights for a prompt
-    (`native_bf16_gemm`)."""
+    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights with 16 rows or more run in
+    torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively (`native_int8_gemm`),
+    and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies bf16 natively, as do
+    int8 weights for a prompt on a CPU with bf16 but no int8 GEMM (`native_bf16_gemm`)."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

@@ -49,12 +49,24 @@ def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
         return through_kernels, forward()
 
 
-def int16_rounding_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """How far an int8 product may be from the fp32 product with the dequantized weight `w` (O, I) when the kernels
-    round each row of x (M, I) to int16 (the avx512vnni variant): half a step (max |x_m| / 32767 / 2) per value,
-    times sum_i |w[o, i]|, plus fp32 summation slack. (M, O)."""
-    step = x.abs().amax(dim=1, keepdim=True).double() / 32767
+def rounding_bound(x: torch.Tensor, w: torch.Tensor, limit: int) -> torch.Tensor:
+    """How far an int8 product may be from the fp32 product with the dequantized weight `w` (O, I) when each row of
+    x (M, I) is rounded to integers up to `limit` first (a scale max |x_m| / limit per row): half a step per value,
+    times sum_i |w[o, i]|, plus fp32 summation slack. (M, O). The avx512vnni kernels round to int16 (32767) for a
+    few rows; the int8 GEMM to int8 (127) for more (`ops.native_int8_gemm`)."""
+    step = x.abs().amax(dim=1, keepdim=True).double() / limit
     return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5
+
+
+def w8a8_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8 GEMM's product (linear.cpp's `int8_product`) in float64, independently: each row of x (M, I) rounded
+    to int8 (scale max |x_m| / 127, torch.round of x / scale), the integer products summed exactly, times the row's
+    and the output's scales, plus the bias. (M, O) float64."""
+    row_scale = (x.abs().amax(dim=1) / 127).clamp(min=1e-30)
+    xq = torch.round(x / row_scale[:, None])
+    out = (xq.double() @ stored.double().T) * (row_scale.double()[:, None] * scale.double()[None, :])
+    return out if bias is None else out + bias.double()
 
 
 def bf16_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

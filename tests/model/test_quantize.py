@@ -17,11 +17,11 @@ from model.checkpoint import load_checkpoint
 from model.engine import Engine
 from model.eval import score
 from model.kernels.loader import library
-from model.kernels.ops import native_bf16_gemm
+from model.kernels.ops import native_bf16_gemm, native_int8_gemm
 from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_gemm_bound, int16_rounding_bound
+from tests.model.conftest import bf16_gemm_bound, rounding_bound, w8a8_product
 
 
 def test_rows_are_scaled_symmetrically_into_int8() -> None:
@@ -62,26 +62,57 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
         got = q(x)
         with kernels.disabled():
             plain = q(x)
-    # with the kernels: 16 rows or more of bf16 weights, and a prompt against int8 ones, run in torch's bf16 GEMM
-    # where the CPU multiplies bf16; the avx512vnni kernels round x to int16 for int8's few rows (bounds); else the
-    # fp32 product up to summation order (and always without the kernels)
+    # with the kernels: 16 rows or more of int8 weights run in torch's int8 GEMM with x rounded to int8 where the
+    # CPU multiplies int8, and the avx512vnni kernels round x to int16 for fewer; 16 rows or more of bf16 weights
+    # run in torch's bf16 GEMM where the CPU multiplies bf16: within those roundings' bounds; else the fp32 product
+    # up to summation order (and always without the kernels)
     slack: torch.Tensor | float = 1e-4
     if native_bf16_gemm(rows, q.stored.dtype):
         slack = bf16_gemm_bound(x, q.dequantized())
     elif kind == "int8":
-        slack = int16_rounding_bound(x, q.dequantized())
+        slack = rounding_bound(x, q.dequantized(), 127 if native_int8_gemm(rows, torch.int8) else 32767)
     assert ((got.double() - want).abs() <= slack).all()
     assert torch.allclose(plain.double(), want, atol=1e-4)
     path = "kernel" if library() is not None and rows <= 64 else "torch"
+    path = "int8 GEMM" if native_int8_gemm(rows, q.stored.dtype) else path
     print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
 
+@pytest.mark.parametrize("rows", [16, 40, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
+    """Where the kernels send int8 weights to torch's int8 GEMM: each row of x rounded to int8 (scale max |x_m| /
+    127, torch.round of x / scale), the integer products summed exactly, times both scales, plus the bias: that
+    formula in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the pool; a
+    row holding a NaN or an infinity comes out NaN and leaves the others alone."""
+    kernels.load()
+    if not native_int8_gemm(rows, torch.int8):
+        pytest.skip("no int8 GEMM here: the kernels are not loaded or the CPU has neither VNNI nor AMX-INT8")
+    torch.manual_seed(rows)
+    q = Int8Linear(torch.nn.Linear(200, 100, bias=bias))
+    x = torch.randn(rows, 200) * torch.rand(rows, 1) * 10
+    x[1] = 0.0  # an all-zero row: scale 1, the bias alone
+    want = w8a8_product(x, q.stored, q.scale, q.bias)
+    with torch.inference_mode():
+        got = q(x)
+        with kernels.serial_torch_ops():  # torch's ops on this thread alone: the product is split over the pool
+            split = q(x)
+        x[3, 7], x[5, 0] = float("nan"), float("inf")
+        poisoned = q(x)
+    for y in got, split:
+        torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6)
+    assert poisoned[[3, 5]].isnan().all()
+    others = [r for r in range(rows) if r not in (3, 5)]
+    assert torch.equal(poisoned[others], got[others])
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dot", "packed"])
-@pytest.mark.parametrize("rows", [1, 5, 13])
+@pytest.mark.parametrize("rows", [1, 5, 13, 16, 40])
 def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows: int) -> None:
     """Rows of 4104 of the largest int8 weight times equal activations, which the avx512vnni kernels round to
     int16's largest value: a packed panel's int32 sums would overflow past 516 such columns without the fp32 sums
-    it keeps every 512; the dot products spread a row over 16 lanes. Exact up to fp32 rounding on every path."""
+    it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (16 rows or more) adds in int32,
+    exact up to 133,000 such columns. Exact up to fp32 rounding on every path."""
     kernels.load()
     lin = torch.nn.Linear(4104, 40, bias=False)
     with torch.no_grad():

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "ops.h"
@@ -82,21 +84,48 @@ static void dot_products(const W* w, const X* x, const float* xs, float* y, cons
   });
 }
 
-#ifdef FOLIO_INT16_ACTIVATIONS
-// x (M, I) rounded to int16 with a scale per row (max |x| / 32767: 15 bits, an error of at most half a step per
-// value, far below the weights' own rounding), for int8 weights' products in VNNI's vpdpwssd
-struct Int16Rows {
-  Int16Rows(const float* x, int64_t M, int64_t I) : values(M * I), scales(M) {
-    for (int64_t m = 0; m < M; m++) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < I; i++) amax = std::max(amax, std::fabs(x[m * I + i]));
-      scales[m] = amax > 0.f ? amax / 32767.f : 1.f;
-      const float inv = 1.f / scales[m];
-      for (int64_t i = 0; i < I; i++) values[m * I + i] = int16_t(std::nearbyint(x[m * I + i] * inv));
-    }
+// x (M, I) rounded per row to a signed integer type T: scale max |x_m| / limit, each value round(x / scale) (to
+// nearest even, as torch.round). A row holding a NaN or an infinity gets scale NaN and zeros, so that its products
+// come out NaN. Rows are split over the pool for a prompt's many.
+template <typename T>
+struct QuantizedRows {
+  QuantizedRows(const float* x, int64_t M, int64_t I, float limit) : values(M * I), scales(M) {
+    pool().run(M, std::max<int64_t>(1, 65536 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++) quantize_row(x + m * I, I, limit, values.data() + m * I, scales[m]);
+    });
   }
-  std::vector<int16_t> values;
+  static void quantize_row(const float* x, int64_t I, float limit, T* q, float& scale) {
+    // |x|'s maximum in vector lanes; x * 0 is 0 unless x is a NaN or an infinity, so `probe` stays 0 for a finite row
+    Vec top = vzero(), probe = vzero();
+    const Vec zero = vzero();
+    int64_t i = 0;
+    for (; i + LANES <= I; i += LANES) {
+      const Vec v = vload(x + i);
+      top = vmax(top, vmax(v, vsub(zero, v)));
+      probe = vadd(probe, vmul(v, zero));
+    }
+    float amax = vmaxof(top), tail = vsum(probe);
+    for (; i < I; i++) {
+      amax = std::max(amax, std::fabs(x[i]));
+      tail += x[i] * 0.f;
+    }
+    if (tail != 0.f || !std::isfinite(amax)) {
+      scale = std::numeric_limits<float>::quiet_NaN();
+      std::fill(q, q + I, T(0));
+      return;
+    }
+    scale = amax > 0.f ? amax / limit : 1.f;
+    for (int64_t i = 0; i < I; i++) q[i] = T(std::nearbyint(x[i] / scale));
+  }
+  std::vector<T> values;
   std::vector<float> scales;
+};
+
+#ifdef FOLIO_INT16_ACTIVATIONS
+// x rounded to int16 (15 bits: an error of at most half a step per value, far below the weights' own rounding),
+// for int8 weights' products in VNNI's vpdpwssd
+struct Int16Rows : QuantizedRows<int16_t> {
+  Int16Rows(const float* x, int64_t M, int64_t I) : QuantizedRows(x, M, I, 32767.f) {}
 };
 #endif
 
@@ -281,9 +310,20 @@ static bool native_bf16() {
   return yes;
 }
 
+// whether the CPU multiplies int8 natively (VNNI's vpdpbusd, or AMX-INT8), as oneDNN's int8 GEMM does
+static bool native_int8() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") || __builtin_cpu_supports("avxvnni")
+                          || __builtin_cpu_supports("amx-int8");
+  return yes;
+}
+
+bool int8_gemm(int64_t rows, at::ScalarType weight) {
+  return weight == at::kChar && rows >= INT8_GEMM_MIN_ROWS && native_int8();
+}
+
 bool bf16_gemm(int64_t rows, at::ScalarType weight) {
   return native_bf16() && ((weight == at::kBFloat16 && rows >= BF16_GEMM_MIN_ROWS)
-                           || (weight == at::kChar && rows > MAX_ROWS));
+                           || (weight == at::kChar && rows > MAX_ROWS && !int8_gemm(rows, weight)));
 }
 
 // w as fp32, times its scale per output row where it has one
@@ -314,7 +354,7 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 // product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of
 // 8 go to the kernels, more to torch's linear with the dequantized weight.
 static bool by_kernels(const Weight& w, int64_t M) {
-  return !bf16_gemm(M, w.w.scalar_type()) && M <= MAX_ROWS && w.I % 8 == 0;
+  return !int8_gemm(M, w.w.scalar_type()) && !bf16_gemm(M, w.w.scalar_type()) && M <= MAX_ROWS && w.I % 8 == 0;
 }
 
 // rows [begin, end) of w (O, I) int8 times their scales, rounded to bf16 (to nearest even, as torch's .to(bfloat16))
@@ -357,28 +397,62 @@ static void torch_rows(const at::Tensor& w, const OptionalTensor& bias, const Op
   }
 }
 
-// The product through torch into out (M, O). While this thread's torch ops run on it alone (a fused forward's, see
-// OneOpenMPThread) it is split by outputs over the kernels' pool, each piece a single-threaded torch product:
-// before, a 32-row step of bf16 GPT-2 ran its GEMMs on one core.
-static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
-  const bool bf16 = x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.w.scalar_type());
-  const at::Tensor xb = bf16 ? x.to(at::kBFloat16) : at::Tensor();
+// outputs(o, n) for n outputs from o, covering [0, O): in one call where torch's ops may use several threads
+// themselves (or there is one, or too few outputs), else in one piece per pool thread, each calling torch on that
+// thread alone (OneOpenMPThread in block.cpp): before, a 32-row step of bf16 GPT-2 ran its GEMMs on one core
+static void split_outputs(int64_t O, const std::function<void(int64_t, int64_t)>& outputs) {
   const int threads = pool().usable();
-  if (threads == 1 || at::get_num_threads() > 1 || w.O < 4 * PANEL * threads) {
-    torch_rows(w.w, w.bias, w.scale, x, xb, out);
+  if (threads == 1 || at::get_num_threads() > 1 || O < 4 * PANEL * threads) {
+    outputs(0, O);
     return;
   }
-  const int64_t pieces = threads, step = (w.O + pieces - 1) / pieces;
+  const int64_t step = (O + threads - 1) / threads;
+  pool().run(threads, 1, [&](int64_t begin, int64_t end) {
+    c10::InferenceMode inference;  // out may be an inference tensor; a worker thread starts outside inference mode
+    for (int64_t p = begin; p < end; p++) {
+      const int64_t o = p * step, n = std::min(step, O - o);
+      if (n > 0) outputs(o, n);
+    }
+  });
+}
+
+// out (M, O) contiguous = x @ (w * scale).T + b with x rounded per row to int8 (`int8_gemm`: W8A8, as llama.cpp's
+// q8_0 and vLLM's int8 modes do): torch's int8 GEMM (oneDNN, VNNI or AMX) adds the integer products exactly in
+// int32, then each sum is scaled by its row's and output's scales. Split by outputs over the pool as below.
+static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
+  const int64_t M = x.size(0), O = w.O;
+  const QuantizedRows<int8_t> xq(x.data_ptr<float>(), M, w.I, 127.f);
+  const at::Tensor xt = at::from_blob(const_cast<int8_t*>(xq.values.data()), {M, w.I}, at::kChar);
+  const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+  auto outputs = [&](int64_t o, int64_t n) {
+    const at::Tensor acc = at::_int_mm(xt, w.w.narrow(0, o, n).t());  // (M, n) int32
+    const int32_t* a = acc.data_ptr<int32_t>();
+    for (int64_t m = 0; m < M; m++) {
+      const float xs = xq.scales[m], *wo = ws + o;
+      const int32_t* am = a + m * n;
+      float* ym = y + m * O + o;
+      if (b) for (int64_t j = 0; j < n; j++) ym[j] = float(am[j]) * (xs * wo[j]) + b[o + j];
+      else for (int64_t j = 0; j < n; j++) ym[j] = float(am[j]) * (xs * wo[j]);
+    }
+  };
+  split_outputs(O, outputs);
+}
+
+// The product through torch into out (M, O): int8 weights in the int8 GEMM where `int8_gemm` says so, else
+// `torch_rows`, split by outputs (split_outputs).
+static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
+  if (x.scalar_type() == at::kFloat && int8_gemm(x.size(0), w.w.scalar_type()) && out.is_contiguous()) {
+    int8_product(w, x.contiguous(), out);
+    return;
+  }
+  const bool bf16 = x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.w.scalar_type());
+  const at::Tensor xb = bf16 ? x.to(at::kBFloat16) : at::Tensor();
   auto part = [&](const OptionalTensor& t, int64_t o, int64_t n) -> OptionalTensor {
     return t ? OptionalTensor(t->narrow(0, o, n)) : t;
   };
-  pool().run(pieces, 1, [&](int64_t begin, int64_t end) {
-    c10::InferenceMode inference;  // out may be an inference tensor; a worker thread starts outside inference mode
-    for (int64_t p = begin; p < end; p++) {
-      const int64_t o = p * step, n = std::min(step, w.O - o);
-      if (n > 0)
-        torch_rows(w.w.narrow(0, o, n), part(w.bias, o, n), part(w.scale, o, n), x, xb, out.narrow(1, o, n));
-    }
+  split_outputs(w.O, [&](int64_t o, int64_t n) {
+    torch_rows(w.w.narrow(0, o, n), part(w.bias, o, n), part(w.scale, o, n), x, xb, out.narrow(1, o, n));
   });
 }
 
