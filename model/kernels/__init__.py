@@ -2,17 +2,17 @@
 in one call each, installed into a GPT by swapping its modules.
 
 Decoding one token reads every weight once and does two flops per weight, so on a CPU a decode step is bound by
-memory bandwidth, and torch's fp32 `linear` for one row (MKL's GEMV) reads the weights well below it; for 2-64
-rows MKL's GEMM is slower still. The kernels (C++ in `csrc/`) stream each weight row once for all (up to
-`MAX_ROWS`) input rows: below `PACKED_MIN_ROWS` rows as dot products (tiles of 4 weight rows x 3 input rows in
-AVX2 registers, 8 weight rows for one input row); from there on, from a copy of the weight packed in panels of
-16 outputs, a tile of 6 input rows x 16 outputs accumulating outer products with no reductions. A decode step's
-attention (cache write, scores, softmax, weighted sum) for every row and head is one call where torch needs a
-dozen small ops per layer, and `FusedBlocks` runs all of a model's transformer blocks in one call from Python:
-for small models Python's per-op cost mattered more than any kernel. Everything runs on the kernels' own spinning thread
-pool (sized by `torch.set_num_threads`; `csrc/pool.h` says why not OpenMP's); torch's element-wise ops inside
-run on the calling thread alone, and `serial_torch_ops()` does the same for a whole decode step. Measured
-figures: bench/results/kernels.md.
+memory bandwidth, and torch's fp32 `linear` for one row (MKL's GEMV) reads the weights well below it; for 2-64 rows
+MKL's GEMM is slower still. The kernels (C++ in `csrc/`) stream each weight row once for all (up to `MAX_ROWS`)
+input rows: from a copy of the weight packed in panels of 16 outputs (from `PACKED_MIN_ROWS` rows), a tile of 6
+input rows x 16 outputs accumulating outer products with no reductions; where there is no packed copy as dot
+products (tiles of 4 weight rows x 3 input rows in AVX2 registers, 8 weight rows for one input row). A decode step's
+attention (cache write, scores, softmax, weighted sum) for every row and head is one call where torch needs a dozen
+small ops per layer, and `FusedBlocks` runs all of a model's transformer blocks in one call from Python: for small
+models Python's per-op cost mattered more than any kernel. Everything runs on the kernels' own spinning thread pool
+(sized by `torch.set_num_threads`; `csrc/pool.h` says why not OpenMP's); torch's element-wise ops inside run on the
+calling thread alone, and `serial_torch_ops()` does the same for a whole decode step. Measured figures:
+bench/results/kernels.md.
 
 Use: `load()` builds (once per machine, `build.py`) and loads the library; `install(model)` swaps the model's
 modules (`modules.py`); `status()` says whether the kernels are in use or why not. Where they cannot be used,

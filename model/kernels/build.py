@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 # Up to this many rows (a step's tokens) the kernels do a product, where they beat MKL's GEMV and GEMM; from about
 # twice as many, MKL's blocked GEMM is faster. A prompt goes to MKL.
 MAX_ROWS = 64
-# from this many rows a weight's packed copy is used: below, the dot products are as fast
-PACKED_MIN_ROWS = 4
+# from this many rows a weight's packed copy is used (where it has one; without, dot products). From one row: its
+# panels stream as one sequence, the dot products' rows as 8 short ones, and on AMD EPYC (Zen 5) a batch-1 step of
+# int8 GPT-2 took 10-15% less through the panels (its LM head ~1.0 ms against 1.7-2.0 at 2-3 rows), fp32 ~7% less
+PACKED_MIN_ROWS = 1
 # from this many rows bf16 weights go to torch's bf16 GEMM (oneDNN) where the CPU multiplies bf16 natively: it beats
 # the kernels' widening to fp32 from 16 rows (1.3x at 16, 1.5x at 32, 2x at 64 for GPT-2's MLP, AMD EPYC here)
 BF16_GEMM_MIN_ROWS = 16
