@@ -3,12 +3,18 @@
 // every weight type: fp32, int8 with a scale per output row (weight-only quantization: a quarter of the bytes)
 // and bf16 (half), each widened to fp32 in registers (simd.h), so the result is the fp32 product with the weight
 // as stored; and for both vector widths (simd.h's Vec: AVX2's 8 lanes or AVX-512's 16).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -416,27 +422,113 @@ static void split_outputs(int64_t O, const std::function<void(int64_t, int64_t)>
   });
 }
 
+// oneDNN's int8 linear over a copy of a weight it packed once (onednn::qlinear_pointwise and qlinear_prepack, the ops
+// torch's Inductor runs quantized linears with). at::_int_mm repacks the weight on every call, which for a decode
+// step's 16-64 rows cost as much as the products: on AMD EPYC (Zen 5), one thread, 32 rows, 768 x 1536 took 197 us
+// through _int_mm and 118 us packed once, half of GPT-2's LM head 3.2 ms and 1.7. For a prompt's hundreds of rows
+// _int_mm was as fast or faster, and it is used there. Absent where torch was built without oneDNN.
+class PackedInt8 {
+ public:
+  using Linear = at::Tensor(at::Tensor, double, int64_t, at::Tensor, at::Tensor, at::Tensor, std::optional<at::Tensor>,
+                            double, int64_t, std::optional<at::ScalarType>, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, c10::string_view);
+  using Prepack = at::Tensor(at::Tensor, std::optional<c10::List<int64_t>>);
+
+  static PackedInt8& get() {
+    static PackedInt8 one;
+    return one;
+  }
+  bool available() const { return linear_.has_value(); }
+
+  // the packed copy of rows [o, o + n) of w (made at first use, kept while w lives unchanged), and the unit
+  // scales and zero points its call takes
+  struct Piece {
+    at::Tensor packed, ones, zeros;
+  };
+  Piece piece(const at::Tensor& w, int64_t o, int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Key key{w.unsafeGetTensorImpl(), o, n};
+    auto it = pieces_.find(key);
+    if (it != pieces_.end() && !it->second.owner.expired() && it->second.data == w.data_ptr()
+        && it->second.version == w._version())
+      return it->second.piece;
+    for (auto e = pieces_.begin(); e != pieces_.end();)  // weights that are gone, or changed since
+      e = e->second.owner.expired() ? pieces_.erase(e) : std::next(e);
+    const Piece made{prepack_->call(w.narrow(0, o, n).contiguous(), std::nullopt),
+                     at::ones({n}, w.options().dtype(at::kFloat)), at::zeros({n}, w.options().dtype(at::kInt))};
+    pieces_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), w.data_ptr(),
+                                        w._version(), made});
+    return made;
+  }
+
+  // (M, n) fp32: the exact integer sums of xu8 - 128 (int8 rows stored with an offset of 128, as oneDNN takes
+  // them) times the weight's rows
+  at::Tensor sums(const at::Tensor& xu8, const Piece& p) const {
+    return linear_->call(xu8, 1.0, 128, p.packed, p.ones, p.zeros, std::nullopt, 1.0, 0, at::kFloat, "none",
+                         c10::List<std::optional<at::Scalar>>(), "");
+  }
+
+ private:
+  PackedInt8() {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    const auto linear = dispatcher.findSchema({"onednn::qlinear_pointwise", ""});
+    const auto prepack = dispatcher.findSchema({"onednn::qlinear_prepack", ""});
+    if (linear && prepack) linear_.emplace(linear->typed<Linear>()), prepack_.emplace(prepack->typed<Prepack>());
+  }
+  using Key = std::tuple<const c10::TensorImpl*, int64_t, int64_t>;
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> owner;  // keeps the key's address from being reused while held
+    const void* data;
+    int64_t version;
+    Piece piece;
+  };
+  std::optional<c10::TypedOperatorHandle<Linear>> linear_;
+  std::optional<c10::TypedOperatorHandle<Prepack>> prepack_;
+  std::mutex mutex_;
+  std::map<Key, Entry> pieces_;
+};
+
+// y[:, o:o+n] (row stride O) = sums * (row scale * output scale) + bias
+template <typename S>
+static void scale_sums(const S* sums, int64_t M, int64_t n, const float* xs, const float* ws, const float* b,
+                       float* y, int64_t O) {
+  for (int64_t m = 0; m < M; m++) {
+    const S* sm = sums + m * n;
+    float* ym = y + m * O;
+    if (b) for (int64_t j = 0; j < n; j++) ym[j] = float(sm[j]) * (xs[m] * ws[j]) + b[j];
+    else for (int64_t j = 0; j < n; j++) ym[j] = float(sm[j]) * (xs[m] * ws[j]);
+  }
+}
+
 // out (M, O) contiguous = x @ (w * scale).T + b with x rounded per row to int8 (`int8_gemm`: W8A8, as llama.cpp's
-// q8_0 and vLLM's int8 modes do): torch's int8 GEMM (oneDNN, VNNI or AMX) adds the integer products exactly in
-// int32, then each sum is scaled by its row's and output's scales. Split by outputs over the pool as below.
+// q8_0 and vLLM's int8 modes do): oneDNN's int8 GEMM (VNNI or AMX) adds the integer products exactly (in int32;
+// packed once and up to MAX_ROWS rows, in fp32, exact below 2^24 and to fp32's rounding above), then each sum is
+// scaled by its row's and output's scales. Split by outputs over the pool as below.
 static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   const int64_t M = x.size(0), O = w.O;
   const QuantizedRows<int8_t> xq(x.data_ptr<float>(), M, w.I, 127.f);
   const at::Tensor xt = at::from_blob(const_cast<int8_t*>(xq.values.data()), {M, w.I}, at::kChar);
+  auto& packed = PackedInt8::get();
+  const bool once = M <= MAX_ROWS && packed.available() && !w.w.is_inference();
+  at::Tensor xu8;
+  if (once) {
+    xu8 = at::empty({M, w.I}, xt.options().dtype(at::kByte));
+    const int8_t* q = xq.values.data();
+    uint8_t* u = xu8.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < M * w.I; i++) u[i] = uint8_t(q[i]) ^ 0x80;  // q + 128
+  }
   const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
-  auto outputs = [&](int64_t o, int64_t n) {
-    const at::Tensor acc = at::_int_mm(xt, w.w.narrow(0, o, n).t());  // (M, n) int32
-    const int32_t* a = acc.data_ptr<int32_t>();
-    for (int64_t m = 0; m < M; m++) {
-      const float xs = xq.scales[m], *wo = ws + o;
-      const int32_t* am = a + m * n;
-      float* ym = y + m * O + o;
-      if (b) for (int64_t j = 0; j < n; j++) ym[j] = float(am[j]) * (xs * wo[j]) + b[o + j];
-      else for (int64_t j = 0; j < n; j++) ym[j] = float(am[j]) * (xs * wo[j]);
+  split_outputs(O, [&](int64_t o, int64_t n) {
+    const float* bo = b ? b + o : nullptr;
+    if (once) {
+      const at::Tensor sums = packed.sums(xu8, packed.piece(w.w, o, n));
+      scale_sums(sums.data_ptr<float>(), M, n, xq.scales.data(), ws + o, bo, y + o, O);
+    } else {
+      const at::Tensor sums = at::_int_mm(xt, w.w.narrow(0, o, n).t());  // (M, n) int32
+      scale_sums(sums.data_ptr<int32_t>(), M, n, xq.scales.data(), ws + o, bo, y + o, O);
     }
-  };
-  split_outputs(O, outputs);
+  });
 }
 
 // The product through torch into out (M, O): int8 weights in the int8 GEMM where `int8_gemm` says so, else
