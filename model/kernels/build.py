@@ -39,8 +39,10 @@ PACKED_MIN_ROWS = 1
 # the kernels' widening to fp32 from 16 rows (1.3x at 16, 1.5x at 32, 2x at 64 for GPT-2's MLP, AMD EPYC here)
 BF16_GEMM_MIN_ROWS = 16
 # from this many rows int8 weights go to torch's int8 GEMM (oneDNN) where the CPU multiplies int8 natively (VNNI,
-# AMX), the rows rounded to int8 first (W8A8); fewer rows are bandwidth-bound and keep the kernels' products
-INT8_GEMM_MIN_ROWS = 16
+# AMX), the rows rounded to int8 first (W8A8); fewer rows are bandwidth-bound and keep the kernels' products. On AMD
+# EPYC (Zen 5), int8 GPT-2 at 8 concurrent: 955-1,133 -> 1,217-1,246 tok/s, at 12: 1,212-1,221 -> 1,438-1,619; at 6
+# the kernels were faster (1,035 against 886), at 4 more so (950 against 660)
+INT8_GEMM_MIN_ROWS = 8
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
 # a cached forward of up to this many tokens (rows x chunk: a decode step, a prompt chunk) runs its blocks fused,

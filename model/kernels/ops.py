@@ -43,7 +43,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
-    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights with 16 rows or more run in
+    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights with 8 rows or more run in
     torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively (`native_int8_gemm`),
     and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies bf16 natively, as do
     int8 weights for a prompt on a CPU with bf16 but no int8 GEMM (`native_bf16_gemm`)."""

@@ -62,7 +62,7 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
         got = q(x)
         with kernels.disabled():
             plain = q(x)
-    # with the kernels: 16 rows or more of int8 weights run in torch's int8 GEMM with x rounded to int8 where the
+    # with the kernels: 8 rows or more of int8 weights run in torch's int8 GEMM with x rounded to int8 where the
     # CPU multiplies int8, and the avx512vnni kernels round x to int16 for fewer; 16 rows or more of bf16 weights
     # run in torch's bf16 GEMM where the CPU multiplies bf16: within those roundings' bounds; else the fp32 product
     # up to summation order (and always without the kernels)
@@ -78,7 +78,7 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
     print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
 
-@pytest.mark.parametrize("rows", [16, 40, 300])
+@pytest.mark.parametrize("rows", [8, 40, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
     """Where the kernels send int8 weights to torch's int8 GEMM: each row of x rounded to int8 (scale max |x_m| /
@@ -119,7 +119,7 @@ def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
 def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows: int) -> None:
     """Rows of 4104 of the largest int8 weight times equal activations, which the avx512vnni kernels round to
     int16's largest value: a packed panel's int32 sums would overflow past 516 such columns without the fp32 sums
-    it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (16 rows or more) adds in int32,
+    it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (8 rows or more) adds in int32,
     exact up to 133,000 such columns. Exact up to fp32 rounding on every path."""
     kernels.load()
     lin = torch.nn.Linear(4104, 40, bias=False)

@@ -90,7 +90,7 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
         for packed in (None, pack(stored)):
             got = lib.linear(x, stored, lin.bias.detach(), packed, scale)
             # bf16 from 16 rows runs in torch's bf16 GEMM where the CPU multiplies bf16; int8 dot products of the
-            # avx512vnni variant round x to int16, the int8 GEMM (16 rows or more) to int8: within those roundings'
+            # avx512vnni variant round x to int16, the int8 GEMM (8 rows or more) to int8: within those roundings'
             # bounds
             limit = 127 if lib.int8_gemm(rows, stored.dtype) else 32767
             slack = rounding_bound(x, dequantize(stored, scale), limit) if kind == "int8" else 2e-5
