@@ -90,17 +90,19 @@ static void dot_products(const W* w, const X* x, const float* xs, float* y, cons
   });
 }
 
-// x (M, I) rounded per row to a signed integer type T: scale max |x_m| / limit, each value round(x / scale) (to
-// nearest even, as torch.round). A row holding a NaN or an infinity gets scale NaN and zeros, so that its products
-// come out NaN. Rows are split over the pool for a prompt's many.
+// x (M, I) rounded per row to integers: scale max |x_m| / limit, each value round(x / scale) (to nearest even, as
+// torch.round), stored as T plus `offset` (oneDNN takes int8 rows as uint8 + 128). A row holding a NaN or an
+// infinity gets scale NaN and zeros, so that its products come out NaN. Rows are split over the pool from 8K values
+// a task (a decode batch's 32 rows of 768 went to one thread, ~4% of an int8 GPT-2 step).
 template <typename T>
 struct QuantizedRows {
-  QuantizedRows(const float* x, int64_t M, int64_t I, float limit) : values(M * I), scales(M) {
-    pool().run(M, std::max<int64_t>(1, 65536 / I), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; m++) quantize_row(x + m * I, I, limit, values.data() + m * I, scales[m]);
+  QuantizedRows(const float* x, int64_t M, int64_t I, float limit, int offset = 0) : values(M * I), scales(M) {
+    pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++)
+        quantize_row(x + m * I, I, limit, offset, values.data() + m * I, scales[m]);
     });
   }
-  static void quantize_row(const float* x, int64_t I, float limit, T* q, float& scale) {
+  static void quantize_row(const float* x, int64_t I, float limit, int offset, T* q, float& scale) {
     // |x|'s maximum in vector lanes; x * 0 is 0 unless x is a NaN or an infinity, so `probe` stays 0 for a finite row
     Vec top = vzero(), probe = vzero();
     const Vec zero = vzero();
@@ -117,11 +119,11 @@ struct QuantizedRows {
     }
     if (tail != 0.f || !std::isfinite(amax)) {
       scale = std::numeric_limits<float>::quiet_NaN();
-      std::fill(q, q + I, T(0));
+      std::fill(q, q + I, T(offset));
       return;
     }
     scale = amax > 0.f ? amax / limit : 1.f;
-    for (int64_t i = 0; i < I; i++) q[i] = T(std::nearbyint(x[i] / scale));
+    for (int64_t i = 0; i < I; i++) q[i] = T(int(std::nearbyint(x[i] / scale)) + offset);
   }
   std::vector<T> values;
   std::vector<float> scales;
@@ -506,28 +508,23 @@ static void scale_sums(const S* sums, int64_t M, int64_t n, const float* xs, con
 // scaled by its row's and output's scales. Split by outputs over the pool as below.
 static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   const int64_t M = x.size(0), O = w.O;
-  const QuantizedRows<int8_t> xq(x.data_ptr<float>(), M, w.I, 127.f);
-  const at::Tensor xt = at::from_blob(const_cast<int8_t*>(xq.values.data()), {M, w.I}, at::kChar);
   auto& packed = PackedInt8::get();
-  const bool once = M <= MAX_ROWS && packed.available() && !w.w.is_inference();
-  at::Tensor xu8;
-  if (once) {
-    xu8 = at::empty({M, w.I}, xt.options().dtype(at::kByte));
-    const int8_t* q = xq.values.data();
-    uint8_t* u = xu8.data_ptr<uint8_t>();
-    for (int64_t i = 0; i < M * w.I; i++) u[i] = uint8_t(q[i]) ^ 0x80;  // q + 128
-  }
   const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
-  split_outputs(O, [&](int64_t o, int64_t n) {
-    const float* bo = b ? b + o : nullptr;
-    if (once) {
+  if (M <= MAX_ROWS && packed.available() && !w.w.is_inference()) {
+    const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, 128);
+    const at::Tensor xu8 = at::from_blob(const_cast<uint8_t*>(xq.values.data()), {M, w.I}, at::kByte);
+    split_outputs(O, [&](int64_t o, int64_t n) {
       const at::Tensor sums = packed.sums(xu8, packed.piece(w.w, o, n));
-      scale_sums(sums.data_ptr<float>(), M, n, xq.scales.data(), ws + o, bo, y + o, O);
-    } else {
-      const at::Tensor sums = at::_int_mm(xt, w.w.narrow(0, o, n).t());  // (M, n) int32
-      scale_sums(sums.data_ptr<int32_t>(), M, n, xq.scales.data(), ws + o, bo, y + o, O);
-    }
+      scale_sums(sums.data_ptr<float>(), M, n, xq.scales.data(), ws + o, b ? b + o : nullptr, y + o, O);
+    });
+    return;
+  }
+  const QuantizedRows<int8_t> xq(x.data_ptr<float>(), M, w.I, 127.f);
+  const at::Tensor xt = at::from_blob(const_cast<int8_t*>(xq.values.data()), {M, w.I}, at::kChar);
+  split_outputs(O, [&](int64_t o, int64_t n) {
+    const at::Tensor sums = at::_int_mm(xt, w.w.narrow(0, o, n).t());  // (M, n) int32
+    scale_sums(sums.data_ptr<int32_t>(), M, n, xq.scales.data(), ws + o, b ? b + o : nullptr, y + o, O);
   });
 }
 
