@@ -21,19 +21,19 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     return w if scale is None else w * scale.to(dtype)[:, None]
 
 
-def native_bf16_gemm(rows: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels' `linear` sends `rows` rows against weights of `dtype` to torch's bf16 GEMM (x and the
+def native_bf16_gemm(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to torch's bf16 GEMM (x and the
     product rounded to bf16); the library's own rule (linear.cpp), False without the kernels."""
     lib = library()
-    return lib is not None and lib.bf16_gemm(rows, dtype)
+    return lib is not None and lib.bf16_gemm(rows, weight.dtype, weight.numel())
 
 
-def native_int8_gemm(rows: int, dtype: torch.dtype) -> bool:
-    """Whether the kernels' `linear` sends `rows` rows against weights of `dtype` to torch's int8 GEMM (int8 weights;
-    each row of x rounded to int8 with a scale per row); the library's own rule (linear.cpp), False without the
-    kernels."""
+def native_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to torch's int8 GEMM (int8 weights
+    of at least INT8_GEMM_MIN_WEIGHTS values; each row of x rounded to int8 with a scale per row); the library's own
+    rule (linear.cpp), False without the kernels."""
     lib = library()
-    return lib is not None and lib.int8_gemm(rows, dtype)
+    return lib is not None and lib.int8_gemm(rows, weight.dtype, weight.numel())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -43,8 +43,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
-    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights with 8 rows or more run in
-    torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively (`native_int8_gemm`),
+    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights (not small ones) with 8 rows
+    or more run in torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively
+    (`native_int8_gemm`),
     and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies bf16 natively, as do
     int8 weights for a prompt on a CPU with bf16 but no int8 GEMM (`native_bf16_gemm`)."""
     lib = library()

@@ -67,14 +67,14 @@ def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, r
     # run in torch's bf16 GEMM where the CPU multiplies bf16: within those roundings' bounds; else the fp32 product
     # up to summation order (and always without the kernels)
     slack: torch.Tensor | float = 1e-4
-    if native_bf16_gemm(rows, q.stored.dtype):
+    if native_bf16_gemm(rows, q.stored):
         slack = bf16_gemm_bound(x, q.dequantized())
     elif kind == "int8":
-        slack = rounding_bound(x, q.dequantized(), 127 if native_int8_gemm(rows, torch.int8) else 32767)
+        slack = rounding_bound(x, q.dequantized(), 127 if native_int8_gemm(rows, q.stored) else 32767)
     assert ((got.double() - want).abs() <= slack).all()
     assert torch.allclose(plain.double(), want, atol=1e-4)
     path = "kernel" if library() is not None and rows <= 64 else "torch"
-    path = "int8 GEMM" if native_int8_gemm(rows, q.stored.dtype) else path
+    path = "int8 GEMM" if native_int8_gemm(rows, q.stored) else path
     print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
 
 
@@ -86,11 +86,11 @@ def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
     formula in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the pool; a
     row holding a NaN or an infinity comes out NaN and leaves the others alone."""
     kernels.load()
-    if not native_int8_gemm(rows, torch.int8):
-        pytest.skip("no int8 GEMM here: the kernels are not loaded or the CPU has neither VNNI nor AMX-INT8")
     torch.manual_seed(rows)
-    q = Int8Linear(torch.nn.Linear(200, 100, bias=bias))
-    x = torch.randn(rows, 200) * torch.rand(rows, 1) * 10
+    q = Int8Linear(torch.nn.Linear(768, 384, bias=bias))  # big enough for the int8 GEMM (INT8_GEMM_MIN_WEIGHTS)
+    if not native_int8_gemm(rows, q.stored):
+        pytest.skip("no int8 GEMM here: the kernels are not loaded or the CPU has neither VNNI nor AMX-INT8")
+    x = torch.randn(rows, 768) * torch.rand(rows, 1) * 10
     x[1] = 0.0  # an all-zero row: scale 1, the bias alone
     want = w8a8_product(x, q.stored, q.scale, q.bias)
     with torch.inference_mode():

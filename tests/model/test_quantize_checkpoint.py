@@ -92,8 +92,8 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(variant: build.
             # bf16 from 16 rows runs in torch's bf16 GEMM where the CPU multiplies bf16; int8 dot products of the
             # avx512vnni variant round x to int16, the int8 GEMM (8 rows or more) to int8: within those roundings'
             # bounds
-            limit = 127 if lib.int8_gemm(rows, stored.dtype) else 32767
+            limit = 127 if lib.int8_gemm(rows, stored.dtype, stored.numel()) else 32767
             slack = rounding_bound(x, dequantize(stored, scale), limit) if kind == "int8" else 2e-5
-            if lib.bf16_gemm(rows, stored.dtype):
+            if lib.bf16_gemm(rows, stored.dtype, stored.numel()):
                 slack = bf16_gemm_bound(x, dequantize(stored, scale))
             assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())

@@ -325,13 +325,13 @@ static bool native_int8() {
   return yes;
 }
 
-bool int8_gemm(int64_t rows, at::ScalarType weight) {
-  return weight == at::kChar && rows >= INT8_GEMM_MIN_ROWS && native_int8();
+bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
+  return weight == at::kChar && rows >= INT8_GEMM_MIN_ROWS && weights >= INT8_GEMM_MIN_WEIGHTS && native_int8();
 }
 
-bool bf16_gemm(int64_t rows, at::ScalarType weight) {
+bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
   return native_bf16() && ((weight == at::kBFloat16 && rows >= BF16_GEMM_MIN_ROWS)
-                           || (weight == at::kChar && rows > MAX_ROWS && !int8_gemm(rows, weight)));
+                           || (weight == at::kChar && rows > MAX_ROWS && !int8_gemm(rows, weight, weights)));
 }
 
 // w as fp32, times its scale per output row where it has one
@@ -362,7 +362,8 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 // product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of
 // 8 go to the kernels, more to torch's linear with the dequantized weight.
 static bool by_kernels(const Weight& w, int64_t M) {
-  return !int8_gemm(M, w.w.scalar_type()) && !bf16_gemm(M, w.w.scalar_type()) && M <= MAX_ROWS && w.I % 8 == 0;
+  const auto type = w.w.scalar_type();
+  return !int8_gemm(M, type, w.O * w.I) && !bf16_gemm(M, type, w.O * w.I) && M <= MAX_ROWS && w.I % 8 == 0;
 }
 
 // rows [begin, end) of w (O, I) int8 times their scales, rounded to bf16 (to nearest even, as torch's .to(bfloat16))
@@ -531,11 +532,11 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
 // The product through torch into out (M, O): int8 weights in the int8 GEMM where `int8_gemm` says so, else
 // `torch_rows`, split by outputs (split_outputs).
 static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
-  if (x.scalar_type() == at::kFloat && int8_gemm(x.size(0), w.w.scalar_type()) && out.is_contiguous()) {
+  if (x.scalar_type() == at::kFloat && int8_gemm(x.size(0), w.w.scalar_type(), w.O * w.I) && out.is_contiguous()) {
     int8_product(w, x.contiguous(), out);
     return;
   }
-  const bool bf16 = x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.w.scalar_type());
+  const bool bf16 = x.scalar_type() == at::kFloat && bf16_gemm(x.size(0), w.w.scalar_type(), w.O * w.I);
   const at::Tensor xb = bf16 ? x.to(at::kBFloat16) : at::Tensor();
   auto part = [&](const OptionalTensor& t, int64_t o, int64_t n) -> OptionalTensor {
     return t ? OptionalTensor(t->narrow(0, o, n)) : t;

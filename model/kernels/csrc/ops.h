@@ -8,7 +8,7 @@
 
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
-    || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)
+    || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -25,6 +25,7 @@ static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 // from this many rows int8 weights go to torch's int8 GEMM, the rows rounded to int8, where the CPU multiplies int8
 // natively (linear.cpp)
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
+static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
 static constexpr int64_t PANEL = FOLIO_PANEL;
 static_assert(PANEL == 16, "linear.cpp's panel tiles hold 16 outputs");
@@ -51,14 +52,15 @@ void product_into(const Weight& w, const float* x, int64_t M, float* y);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale);
 
-// whether `linear` sends `rows` rows against a weight of type `weight` to torch's bf16 GEMM: bf16 weights from
-// BF16_GEMM_MIN_ROWS rows, int8 ones from more than MAX_ROWS where int8_gemm does not take them, on a CPU with
-// AVX512-BF16 or AMX-BF16 (linear.cpp)
-bool bf16_gemm(int64_t rows, at::ScalarType weight);
+// whether `linear` sends `rows` rows against a weight of type `weight` and `weights` values to torch's bf16 GEMM:
+// bf16 weights from BF16_GEMM_MIN_ROWS rows, int8 ones from more than MAX_ROWS where int8_gemm does not take them,
+// on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp)
+bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
-// whether `linear` sends `rows` rows against int8 weights to torch's int8 GEMM with the rows rounded to int8 (a
-// scale per row): from INT8_GEMM_MIN_ROWS rows, on a CPU with VNNI or AMX-INT8 (linear.cpp)
-bool int8_gemm(int64_t rows, at::ScalarType weight);
+// whether `linear` sends `rows` rows against int8 weights (`weights` values) to torch's int8 GEMM with the rows
+// rounded to int8 (a scale per row): from INT8_GEMM_MIN_ROWS rows against INT8_GEMM_MIN_WEIGHTS weights or more,
+// on a CPU with VNNI or AMX-INT8 (linear.cpp)
+bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
 // Attention for B new tokens (attention.cpp): qkv (B, 3C) holds each token's query, key and value; each token's
 // key and value go to slot pos[b] of cache row rows[b] of k_cache, v_cache ((cache rows, n_head, L, hs) each),
