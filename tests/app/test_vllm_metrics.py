@@ -15,12 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.testing import metric, serving
 from app.vllm_metrics import ENGINE_INDEX
+from model.engine import Engine
 
 MODEL = "tiny-char"  # the served model id: the checkpoint's directory name (tests/app/conftest.py)
 LABELS = {"model_name": MODEL, "engine": ENGINE_INDEX}
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
               "vllm:e2e_request_latency_seconds")
-WARMUP_TOKENS = 4  # Engine.warmup: one request of 4 new tokens, which Folio's counter counts and vLLM's names do not
+# Engine.warmup's tokens (the server's batch holds WARMUP_ROWS), which Folio's counter counts and vLLM's names do not
+WARMUP_TOKENS = Engine.WARMUP_ROWS * Engine.WARMUP_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
