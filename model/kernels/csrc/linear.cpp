@@ -427,7 +427,7 @@ static void split_outputs(int64_t O, const std::function<void(int64_t, int64_t)>
 
 // oneDNN's int8 linear over a copy of a weight it packed once (onednn::qlinear_pointwise and qlinear_prepack, the ops
 // torch's Inductor runs quantized linears with). at::_int_mm repacks the weight on every call, which for a decode
-// step's 16-64 rows cost as much as the products: on AMD EPYC (Zen 5), one thread, 32 rows, 768 x 1536 took 197 us
+// step's 8-64 rows cost as much as the products: on AMD EPYC (Zen 5), one thread, 32 rows, 768 x 1536 took 197 us
 // through _int_mm and 118 us packed once, half of GPT-2's LM head 3.2 ms and 1.7. For a prompt's hundreds of rows
 // _int_mm was as fast or faster, and it is used there. Absent where torch was built without oneDNN.
 class PackedInt8 {
@@ -443,8 +443,8 @@ class PackedInt8 {
   }
   bool available() const { return linear_.has_value(); }
 
-  // the packed copy of rows [o, o + n) of w (made at first use, kept while w lives unchanged), and the unit
-  // scales and zero points its call takes
+  // the packed copy of rows [o, o + n) of w (made at first use, kept while w lives unchanged; the copies of
+  // weights that are gone are dropped at the next copy made), and the unit scales and zero points its call takes
   struct Piece {
     at::Tensor packed, ones, zeros;
   };
