@@ -140,16 +140,13 @@ class Engine:
         use, ~0.4 s for GPT-2 small, which the first batch of requests would otherwise wait for."""
         params = SamplingParams(max_new_tokens=self.WARMUP_NEW_TOKENS, seed=0)
         prompt = [0] * min(8, self.block_size - 1)
-        inboxes: list[queue.Queue[Event]] = []
+        pending = []
         for _ in range(min(self.WARMUP_ROWS, self.max_batch_size)):
-            inboxes.append(queue.Queue())
-            self._enqueue(prompt, params, inboxes[-1].put, None)
+            events: queue.Queue[Event] = queue.Queue()
+            pending.append((self._enqueue(prompt, params, events.put, None), events))
         self.start()
-        for inbox in inboxes:
-            while not isinstance(ev := inbox.get(), (Finished, EngineError)):
-                pass
-            if isinstance(ev, EngineError):
-                raise ev
+        for req, events in pending:
+            self._wait(req, events, None)
 
     # -- submission -----------------------------------------------------------------------------------
     def validate(self, prompt: list[int], truncate: int | None = None,
@@ -243,6 +240,11 @@ class Engine:
         events: queue.Queue[Event] = queue.Queue()
         req = self._enqueue(prompt, params, events.put, truncate)
         self.start()
+        return self._wait(req, events, timeout)
+
+    def _wait(self, req: Request, events: queue.Queue[Event], timeout: float | None) -> Result:
+        """`req`'s result from the queue its events go to (`generate`, `warmup`); cancelled after `timeout` seconds
+        without an event."""
         tokens: list[TokenEvent] = []
         while True:
             try:
