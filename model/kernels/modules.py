@@ -244,9 +244,6 @@ def install(model: nn.Module, *, pack: bool = True) -> InstallReport:
     linears = [m for m in model.modules() if isinstance(m, KERNEL_BACKED)]
     if pack:
         for linear in linears:
-            linear.pack()
-        for fused in model.modules():
-            if isinstance(fused, FusedBlocks):
-                fused.__dict__.pop("_stack", None)  # the new packed copies
+            linear.pack()  # a new packed copy is a buffer registered: the fused blocks make their Stack again
     blocks = sum(len(m) for m in model.modules() if isinstance(m, FusedBlocks))
     return InstallReport(linears=len(linears), blocks=blocks, packed_bytes=sum(_packed_bytes(m) for m in linears))
