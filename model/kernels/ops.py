@@ -45,9 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
     the activations to int16 first (a scale per row; see linear.cpp), that int8 weights (not small ones) with 8 rows
     or more run in torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively
-    (`native_int8_gemm`),
-    and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies bf16 natively, as do
-    int8 weights for a prompt on a CPU with bf16 but no int8 GEMM (`native_bf16_gemm`)."""
+    (`native_int8_gemm`), and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies
+    bf16 natively, as do int8 weights for a prompt that the int8 GEMM does not take (`native_bf16_gemm`)."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

@@ -374,11 +374,13 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
   }
 }
 
-// The one rule for who does a product of M fp32 rows. On a CPU that multiplies bf16: bf16 weights with enough
-// rows, and a prompt against int8 weights (dequantized to bf16 once for the call, as it would be to fp32), go to
-// torch's bf16 GEMM (oneDNN), which beats widening to fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the
-// product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of
-// 8 go to the kernels, more to torch's linear with the dequantized weight.
+// The one rule for who does a product of M fp32 rows. On a CPU that multiplies int8: int8 weights that are not small,
+// from INT8_GEMM_MIN_ROWS rows, go to oneDNN's int8 GEMM with x rounded to int8 (`int8_gemm`, `int8_product`). On a
+// CPU that multiplies bf16: bf16 weights with enough rows, and a prompt against the other int8 weights (dequantized
+// to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN), which beats widening to
+// fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's bf16 mode.
+// Else up to MAX_ROWS rows of a width that is a multiple of 8 go to the kernels, more to torch's linear with the
+// dequantized weight.
 static bool by_kernels(const Weight& w, int64_t M) {
   const auto type = w.w.scalar_type();
   return !int8_gemm(M, type, w.O * w.I) && !bf16_gemm(M, type, w.O * w.I) && M <= MAX_ROWS && w.I % 8 == 0;
@@ -526,6 +528,7 @@ static void scale_sums(const S* sums, int64_t M, int64_t n, const float* xs, con
 // packed once and up to MAX_ROWS rows, in fp32, exact below 2^24 and to fp32's rounding above), then each sum is
 // scaled by its row's and output's scales. Split by outputs over the pool as below.
 static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
+  TORCH_CHECK(out.is_contiguous(), "linear: a contiguous output");
   const int64_t M = x.size(0), O = w.O;
   auto& packed = PackedInt8::get();
   const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
@@ -550,7 +553,7 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
 // The product through torch into out (M, O): int8 weights in the int8 GEMM where `int8_gemm` says so, else
 // `torch_rows`, split by outputs (split_outputs).
 static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
-  if (x.scalar_type() == at::kFloat && int8_gemm(x.size(0), w.w.scalar_type(), w.O * w.I) && out.is_contiguous()) {
+  if (x.scalar_type() == at::kFloat && int8_gemm(x.size(0), w.w.scalar_type(), w.O * w.I)) {
     int8_product(w, x.contiguous(), out);
     return;
   }

@@ -8,7 +8,8 @@
 
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
-    || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS)
+    || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
+    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -45,7 +46,7 @@ struct Weight {
 };
 
 // y (M, O) = x (M, I) fp32 @ (w * scale).T + b: the kernels for up to MAX_ROWS rows (from PACKED_MIN_ROWS rows
-// through the packed copy when there is one, else dot products), torch's linear (or bf16 GEMM) otherwise
+// through the packed copy when there is one, else dot products), torch's linear (or its int8 or bf16 GEMM) otherwise
 void product_into(const Weight& w, const float* x, int64_t M, float* y);
 
 // the same on tensors: x (M, I) -> (M, O) (any float type; the kernels take fp32)
