@@ -16,6 +16,7 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.engine import Engine
 from model.eval import score
+from model.kernels import build
 from model.kernels.loader import library
 from model.kernels.ops import native_bf16_gemm, native_int8_gemm
 from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
@@ -119,15 +120,17 @@ def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
 def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows: int) -> None:
     """Rows of 4104 of the largest int8 weight times equal activations, which the avx512vnni kernels round to
     int16's largest value: a packed panel's int32 sums would overflow past 516 such columns without the fp32 sums
-    it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (8 rows or more) adds in int32,
-    exact up to 133,000 such columns. Exact up to fp32 rounding on every path."""
+    it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (8 rows or more; 64 outputs make
+    the weight big enough for it) adds in int32, exact up to 133,000 such columns. Exact up to fp32 rounding on
+    every path."""
     kernels.load()
-    lin = torch.nn.Linear(4104, 40, bias=False)
+    lin = torch.nn.Linear(4104, 64, bias=False)
     with torch.no_grad():
         lin.weight.fill_(0.5)
         lin.weight[::2] = -0.5  # half the outputs negative
     q = Int8Linear(lin)
     assert q.stored.abs().min() == 127
+    assert q.stored.numel() >= build.INT8_GEMM_MIN_WEIGHTS  # the int8 GEMM takes it, where there is one
     if packed and library() is not None:
         q.pack()
     with torch.inference_mode():
