@@ -123,7 +123,24 @@ struct QuantizedRows {
       return;
     }
     scale = amax > 0.f ? amax / limit : 1.f;
-    for (int64_t i = 0; i < I; i++) q[i] = T(int(std::nearbyint(x[i] / scale)) + offset);
+    // x / scale rounded half to even (vround: as nearbyint), in vector lanes: one at a time this loop took ~5% of an
+    // int8 GPT-2 step at 32 rows
+    const Vec divisor = vbroadcast(scale);
+    i = 0;
+    for (; i + LANES <= I; i += LANES) store_ints(q + i, vround(vdiv(vload(x + i), divisor)), offset);
+    for (; i < I; i++) q[i] = T(int(std::nearbyint(x[i] / scale)) + offset);
+  }
+  // LANES whole numbers (within T's range once offset) as T
+  static void store_ints(T* q, Vec v, int offset) {
+#ifdef FOLIO_VEC512
+    const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(offset));
+    if constexpr (sizeof(T) == 1) _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(n));
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(n));
+#else
+    alignas(32) float f[LANES];
+    vstore(f, v);
+    for (int k = 0; k < LANES; k++) q[k] = T(int(f[k]) + offset);
+#endif
   }
   std::vector<T> values;
   std::vector<float> scales;
