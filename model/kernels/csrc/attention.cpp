@@ -88,6 +88,14 @@ struct LanesVec {
   static void store(float* p, Vec v) { vstore(p, v); }
 };
 
+// each cache line of `bytes` bytes from p into the caches: a (token, head)'s keys are a few KB at an address of
+// their own, too short a stream for the hardware's prefetchers, which left attention waiting on memory
+template <typename T>
+static inline void prefetch(const T* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 // One query against the p + 1 cached keys and values of its row and head (kr, vr: (L, hs)), into out (hs);
 // s holds at least p + 1 + LANES scores
 static inline void attend(const float* q, const float* kr, const float* vr, int64_t p, int64_t hs, float scale,
@@ -200,9 +208,14 @@ void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, floa
   const int64_t n_alone = alone.size();
   pool().run(n_alone * n_head, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> s(L + LANES);
+    auto cached_at = [&](int64_t bh) { return (rp[alone[bh / n_head]] * n_head + bh % n_head) * L * hs; };
     for (int64_t bh = begin; bh < end; bh++) {
       const int64_t b = alone[bh / n_head], h = bh % n_head;
-      const int64_t cached = (rp[b] * n_head + h) * L * hs;  // this row and head: (L, hs)
+      const int64_t cached = cached_at(bh);  // this row and head: (L, hs)
+      if (bh + 1 < end) {  // the next (token, head)'s keys and values on their way while this one computes
+        const int64_t next = cached_at(bh + 1), bytes = (pp[alone[(bh + 1) / n_head]] + 1) * hs * sizeof(float);
+        prefetch(kc + next, bytes), prefetch(vc + next, bytes);
+      }
       attend(qp + b * 3 * C + h * hs, kc + cached, vc + cached, pp[b], hs, scale, s.data(), yp + b * C + h * hs);
     }
   });
