@@ -49,6 +49,7 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
         prefill_chunk=settings.prefill_chunk,
         window_shift=settings.window_shift or None,
         threads=settings.threads or None,
+        kv_cache_dtype=settings.kv_cache_dtype,
     )
     if settings.fault_injection:
         log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "

@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         "none", description="weights of the blocks' products and the LM head stored as int8 (a scale per output "
         "row; a quarter of fp32's bytes) or bf16 (half), quantized at load; activations stay fp32 "
         "(model/quantize.py)")
+    kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
+        "auto", description="the KV cache's element type: fp16 halves its memory and the bytes each decode step's "
+        "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "
+        "where the weights are quantized (--quantize, or a quantized checkpoint) and computed in fp32, else the "
+        "model's dtype (model/engine/runner.py)")
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
 

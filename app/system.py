@@ -138,6 +138,8 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "threads": engine.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
         "quantization": ck.meta.get("quantization") or service.settings.quantize,  # stored, or done at load
         "packed_weight_bytes": engine.packed_bytes,  # the kernels' second copy of the linear weights
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),  # --kv-cache-dtype, "auto" resolved
+        "kv_cache_bytes": engine.kv_cache_bytes,  # keys and values of every layer and batch row
         "max_batch_size": engine.max_batch_size,
         "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,
         "max_waiting": engine.max_waiting,

@@ -29,8 +29,22 @@ from model.config import GPTConfig
 CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def stored_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype` stores it: fp16 saturates at +-65504 (a key beyond is stored as the largest half,
+    not as an infinity that would turn its row's attention into NaN) and rounds to nearest even, as the kernels'
+    F16C conversion does; NaN stays NaN."""
+    if dtype == torch.float16 and x.dtype != torch.float16:
+        x = x.clamp(-FP16_MAX, FP16_MAX)
+    return x.to(dtype)
+
+
 class KVCache:
-    """Keys and values for every layer, preallocated: (n_layer, batch, n_head, max_len, head_size)."""
+    """Keys and values for every layer, preallocated: (n_layer, batch, n_head, max_len, head_size), stored in
+    `dtype` (fp16 halves the bytes each decode step's attention reads; `stored_as`) and widened to the queries'
+    dtype where they are read."""
 
     def __init__(
         self,
@@ -76,8 +90,8 @@ class CacheStep:
         """Write layer i's new keys and values (B, nh, T, hs) at each token's own position, cache[row, :, pos];
         return the keys and values its queries attend to, (B, nh, kv_len, hs), through `mask`."""
         k_cache, v_cache = self.layer(i)
-        k_cache[self._write_rows, :, self.pos] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[self._write_rows, :, self.pos] = v.transpose(1, 2).to(v_cache.dtype)
+        k_cache[self._write_rows, :, self.pos] = stored_as(k.transpose(1, 2), k_cache.dtype)
+        v_cache[self._write_rows, :, self.pos] = stored_as(v.transpose(1, 2), v_cache.dtype)
         # rows 0..B-1 in order read as a slice: a view, not a gather
         read = slice(0, self.pos.shape[0]) if self.rows is None else self.rows
         return k_cache[read, :, : self.kv_len], v_cache[read, :, : self.kv_len]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from model.cli import ArgumentParser
-from model.gpt import GPT
+from model.gpt import GPT, CacheStep, KVCache, stored_as
 from model.sampler import mask_unusable
 from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, token_spans
@@ -120,9 +120,13 @@ class Inspector:
     """One inspection as steps: `steps()` does the embeddings, then one block per step, then the final scores, and
     ends with the result (`result`). The engine runs one step between two of its decode steps."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions) -> None:
+    def __init__(self, model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions, *,
+                 kv_dtype: torch.dtype | None = None) -> None:
         check_options(options, len(ids), model, tokenizer.n_vocab)
         self.model, self.tokenizer, self.ids, self.options = model, tokenizer, ids, options
+        # keys and values as the serving cache stores them (an fp16 cache rounds them): the maps and every layer
+        # after show what the served model computes; None: as the forward computes them
+        self.kv_dtype = kv_dtype
         cfg = model.config
         self.layers = set(options.layers if options.layers is not None else range(cfg.n_layer))
         self.heads = list(options.heads if options.heads is not None else range(cfg.n_head))
@@ -135,11 +139,16 @@ class Inspector:
         idx = torch.tensor([self.ids], device=device)
         with torch.inference_mode():
             tr = self.model.transformer
-            x = tr.drop(tr.wte(idx) + tr.wpe(torch.arange(len(self.ids), device=device)))
+            positions = torch.arange(len(self.ids), device=device)
+            x = tr.drop(tr.wte(idx) + tr.wpe(positions))
+            rounded = self.kv_dtype not in (None, x.dtype)
+            # the text as one prompt into a cache of that type: attention reads the keys and values as stored
+            cache = KVCache(self.model.config, 1, max_len=len(self.ids), device=device, dtype=self.kv_dtype)\
+                .step(positions[None]) if rounded else None
             yield from self._read_out(0, x)
             yield
             for layer, block in enumerate(tr.h):
-                x = self._block(layer, block, x)
+                x = self._block(layer, block, x, cache)
                 yield from self._read_out(layer + 1, x)
                 yield
 
@@ -148,16 +157,18 @@ class Inspector:
             pass
         return self.result
 
-    def _block(self, layer: int, block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _block(self, layer: int, block: torch.nn.Module, x: torch.Tensor, cache: CacheStep | None) -> torch.Tensor:
         if not (self.options.attention and layer in self.layers):
-            return block(x, None)
+            return block(x, cache)
         captured: list[torch.Tensor] = []
         handle = block.attn.c_attn.register_forward_hook(lambda _m, _i, out: captured.append(out))
         try:
-            y = block(x, None)
+            y = block(x, cache)
         finally:
             handle.remove()
         q, k, _ = captured[0][0].split(self.model.config.n_embd, dim=-1)  # (T, C) each
+        if cache is not None:
+            k = stored_as(k, cache.cache.k.dtype)
         hs = self.model.config.head_size
         for head in self.heads:
             qh, kh = q[:, head * hs : (head + 1) * hs].float(), k[:, head * hs : (head + 1) * hs].float()
@@ -213,16 +224,19 @@ class Inspector:
         return TopToken(token, self.tokenizer.decode([token]), 0.0, token == self.tokenizer.eos_id)
 
 
-def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions | None = None) -> Inspection:
-    """The whole inspection at once (offline use; the engine steps an `Inspector` itself)."""
-    return Inspector(model, tokenizer, ids, options or InspectOptions()).run()
+def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions | None = None, *,
+            kv_dtype: torch.dtype | None = None) -> Inspection:
+    """The whole inspection at once (offline use; the engine steps an `Inspector` itself, with its cache's type)."""
+    return Inspector(model, tokenizer, ids, options or InspectOptions(), kv_dtype=kv_dtype).run()
 
 
 def reference_attention(model: GPT, ids: list[int], layer: int,
-                        product: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                        product: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                        kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An independent reference for tests: the layer's attention weights (n_head, T, T) from a plain forward
     written out with F.linear and softmax(q k^T / sqrt(d)), no hooks. `product(linear, x)` applies a block's linear
-    layer where F.linear of its weight and bias would not (a quantized product as the kernels compute it)."""
+    layer where F.linear of its weight and bias would not (a quantized product as the kernels compute it); keys and
+    values are rounded to `kv_dtype` as a cache of that type stores them."""
     cfg, tr = model.config, model.transformer
     product = product or (lambda linear, x: F.linear(x, linear.weight, linear.bias))
     with torch.inference_mode():
@@ -232,6 +246,7 @@ def reference_attention(model: GPT, ids: list[int], layer: int,
             qkv = product(block.attn.c_attn, h)
             q, k, v = (t.view(1, len(ids), cfg.n_head, cfg.head_size).transpose(1, 2)
                        for t in qkv.split(cfg.n_embd, dim=2))
+            k, v = stored_as(k, kv_dtype).float(), stored_as(v, kv_dtype).float()
             att = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_size)
             att = att.masked_fill(~torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), float("-inf")).softmax(-1)
             if n == layer:

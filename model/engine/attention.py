@@ -103,7 +103,7 @@ def _last_token_attention(model: GPT, cache: KVCache, rows: list[int], tokens: l
         att = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out.append(att[:, :, 0])
         if layer < deepest:  # the rest of the block, for the next layer's query
-            y = (att.to(values.dtype) @ values).transpose(1, 2).reshape(n, 1, C)
+            y = (att @ values.float()).transpose(1, 2).reshape(n, 1, C)  # as the attention kernels: in fp32
             x = x + block.attn.c_proj(y.to(x.dtype))
             x = x + block.mlp(block.ln_2(x))
     return torch.stack(out, 1)

@@ -42,7 +42,7 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, max_batch_size: int = 16, max_waiting: int = 64,
                  prefill_chunk: int = 512, window_shift: int | None = None, threads: int | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, kv_cache_dtype: str = "auto") -> None:
         if max_batch_size < 1 or max_waiting < 0 or prefill_chunk < 1:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
         self.config, self.tokenizer = checkpoint.config, checkpoint.tokenizer
@@ -50,7 +50,8 @@ class Engine:
         self.window_shift = window_shift or max(1, self.block_size // 8)
         if not 1 <= self.window_shift < self.block_size:
             raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
-        self.runner = ModelRunner(checkpoint, max_batch_size, device=device, dtype=dtype, threads=threads)
+        self.runner = ModelRunner(checkpoint, max_batch_size, device=device, dtype=dtype, threads=threads,
+                                  kv_cache=kv_cache_dtype)
         self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id
         self.max_batch_size, self.max_waiting, self.prefill_chunk = max_batch_size, max_waiting, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_size=max_batch_size,
@@ -69,6 +70,8 @@ class Engine:
     dtype = property(lambda self: self.runner.dtype)
     cpu_kernels = property(lambda self: self.runner.cpu_kernels)
     threads = property(lambda self: self.runner.threads)
+    kv_cache_dtype = property(lambda self: self.runner.kv_dtype)
+    kv_cache_bytes = property(lambda self: 2 * self.runner.cache.k.numel() * self.runner.cache.k.element_size())
     packed_bytes = property(lambda self: self.runner.packed_bytes)
 
     @property
@@ -279,7 +282,7 @@ class Engine:
                 reservation: Reservation | None = None) -> JobHandle:
         """Look inside the model for `ids` (`model.inspect`), one layer per engine step; the handle's result is an
         `Inspection`. Raises `InspectError` at once for options outside the limits."""
-        inspector = Inspector(self.runner.model, self.tokenizer, ids, options)
+        inspector = Inspector(self.runner.model, self.tokenizer, ids, options, kv_dtype=self.runner.kv_dtype)
         return self.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)
 
     def cancel(self, req: Request | Job) -> None:

@@ -14,6 +14,10 @@ from model.checkpoint import Checkpoint
 from model.devices import default_dtype, resolve_device
 from model.engine.prefix_cache import RowContents
 from model.gpt import KVCache
+from model.kernels.modules import StoredLinear
+
+# what `--kv-cache-dtype` names: the cache's element type ("auto": `kv_cache_dtype`'s rule)
+KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 # a CPU thread pays off from about this many parameters a model has: below, handing a small product's pieces to a
 # second thread costs more than it saves (bench/threads.py measures it: bench/results/threads.json)
@@ -27,9 +31,24 @@ def default_threads(n_params: int, cores: int | None = None) -> int:
     return max(1, min(cores, n_params // PARAMS_PER_THREAD))
 
 
+def kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for `choice` ("auto", or a key of KV_CACHE_DTYPES) and a model computing in
+    `dtype`. "auto" is the model's dtype, except fp16 where its weights are quantized (int8, bf16) and it computes in
+    fp32 on CPU: those weights already trade a measured sliver of quality for speed, and a decode step of many rows
+    reads as many cache bytes as weight bytes (32 rows of GPT-2 small at position 64: 113 MB of fp32 keys and
+    values, 125 MB of int8 weights). llama.cpp keeps its cache in f16 by default too."""
+    if choice != "auto":
+        if choice not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {choice!r}")
+        return KV_CACHE_DTYPES[choice]
+    quantized = any(isinstance(m, StoredLinear) for m in model.modules())
+    return torch.float16 if quantized and dtype == torch.float32 else dtype
+
+
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, threads: int | None = None) -> None:
+                 dtype: torch.dtype | None = None, threads: int | None = None,
+                 kv_cache: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
         # CPU threads: as asked, else by the model's size (the engine's thread applies them: on_engine_thread)
@@ -48,7 +67,8 @@ class ModelRunner:
         self.packed_bytes = kernels.install(self.model).packed_bytes
         self.block_size = checkpoint.config.block_size
         # a cache row per batch slot, and which tokens each row holds (prefix reuse)
-        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.dtype)
+        self.kv_dtype = kv_cache_dtype(kv_cache, self.model, self.dtype)
+        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.kv_dtype)
         self.contents = RowContents(rows)
 
     def on_engine_thread(self) -> None:

@@ -68,13 +68,14 @@ class Variant:
 
 # from the least to the most capable; every variant builds from the same sources, which pick their code by the
 # compiler's flags (simd.h): "avx2" computes in 8 fp32 lanes, "avx512" in 16 (and 12-row panel tiles), and
-# "avx512vnni" also multiplies int8 weights with int16-rounded activations in VNNI's vpdpwssd.
+# "avx512vnni" also multiplies int8 weights with int16-rounded activations in VNNI's vpdpwssd. Each reads an fp16 KV
+# cache with F16C's conversions (every AVX2 CPU has them).
 VARIANTS = (
-    Variant("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
-    Variant("avx512", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"),
-            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})),
-    Variant("avx512vnni", ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
+    Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+    Variant("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"),
+            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})),
+    Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})),
 )
 
 
@@ -88,7 +89,7 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     capability = torch.backends.cpu.get_cpu_capability()
-    return frozenset({"avx2", "fma"}) if capability in ("AVX2", "AVX512") else frozenset()
+    return frozenset({"avx2", "fma", "f16c"}) if capability in ("AVX2", "AVX512") else frozenset()
 
 
 def best_variant(flags: frozenset[str] | None = None) -> Variant | None:

@@ -56,6 +56,24 @@ def test_attention_equals_the_reference_on_the_bundled_model(bundled, path) -> N
                 torch.testing.assert_close(torch.tensor(row), want[head, q, : q + 1], rtol=0, atol=1e-5)
 
 
+def test_attention_over_an_fp16_cache_is_the_reference_with_keys_and_values_rounded(bundled) -> None:
+    """As an engine with an fp16 cache serves it: every layer attends to keys and values rounded to fp16, and the
+    maps are the reference's with the same rounding, not the fp32 one's (they differ by more than the tolerance).
+    Through torch's products, as the reference's, and in layer 1: a key summed in another order can round to the
+    neighbouring half, a difference that deeper layers amplify (~1e-4 by layer 5)."""
+    ids = bundled.tokenizer.encode("ROMEO:\nWherefore art thou Romeo? Deny thy father")
+    with kernels.disabled():
+        result = inspect(bundled.model, bundled.tokenizer, ids, InspectOptions(layers=(1,), lens=False),
+                         kv_dtype=torch.float16)
+    got = torch.zeros(bundled.config.n_head, len(ids), len(ids))
+    for a in result.attention:
+        for q, row in enumerate(a.weights):
+            got[a.head, q, : q + 1] = torch.tensor(row)
+    torch.testing.assert_close(got, reference_attention(bundled.model, ids, 1, kv_dtype=torch.float16), rtol=0,
+                               atol=1e-5)
+    assert not torch.allclose(got, reference_attention(bundled.model, ids, 1), rtol=0, atol=1e-4)
+
+
 def test_attention_equals_the_reference_on_a_gpt2_shape_sparse(gpt2_shape) -> None:
     model, tok = gpt2_shape
     ids = tok.encode("It was the best of times, it was the worst of times.")

@@ -17,12 +17,13 @@ from model.kernels import build
 def test_the_best_variant_is_the_most_capable_one_the_cpu_runs() -> None:
     avx2 = build.VARIANTS[0]
     x86 = platform.machine() in build.X86_64
-    assert avx2.name == "avx2" and avx2.cpu_flags == {"avx2", "fma"}
-    assert build.best_variant(frozenset({"sse2", "avx", "avx2", "fma", "avx512f"})) == (avx2 if x86 else None)
-    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
+    assert avx2.name == "avx2" and avx2.cpu_flags == {"avx2", "fma", "f16c"}
+    assert build.best_variant(frozenset({"sse2", "avx", "avx2", "fma", "f16c", "avx512f"})) == (avx2 if x86 else None)
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
     assert build.best_variant(frozenset(avx512)) == (build.VARIANTS[1] if x86 else None)
     assert build.best_variant(frozenset(avx512 | {"avx512_vnni"})) == (build.VARIANTS[2] if x86 else None)
-    assert build.best_variant(frozenset({"sse2", "avx", "avx2"})) is None  # no FMA
+    assert build.best_variant(frozenset({"sse2", "avx", "avx2", "f16c"})) is None  # no FMA
+    assert build.best_variant(frozenset({"avx2", "fma"})) is None  # no F16C (the fp16 KV cache's conversions)
     assert build.best_variant(frozenset()) is None
 
 

@@ -167,7 +167,8 @@ def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(rep
 def test_a_server_with_quantize_serves_and_says_so(repo, kind: str) -> None:
     settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize=kind)
     with TestClient(create_app(settings)) as c:
-        assert c.get("/info").json()["quantization"] == kind
+        info = c.get("/info").json()
+        assert (info["quantization"], info["kv_cache_dtype"]) == (kind, "float16")  # auto: fp16 for quantized weights
         engine = c.app.state.service.engine
         assert any(isinstance(m, SWAPS[kind]) for m in engine.runner.model.modules())
         r = c.post("/generate", json={"inputs": "ROMEO:", "parameters": {"max_new_tokens": 20}})

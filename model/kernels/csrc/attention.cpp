@@ -1,6 +1,7 @@
 // A cached forward's attention in one call: every new token's key and value into the cache, then each token's
 // query against its row's cached keys, for every (token, head): a decode step's tokens one at a time, a prompt
-// chunk's in blocks.
+// chunk's in blocks. The cache holds fp32 or fp16 (KV, widened to fp32 in registers; the new keys and values are
+// rounded to it as they are written, so every query reads them as stored).
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -11,9 +12,10 @@
 
 namespace folio {
 
-static inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KV>
+static inline float dot(const float* a, const KV* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8_ps(b + i), acc);
   return hsum(acc);
 }
 
@@ -25,7 +27,8 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 
 // q . k[r] for the four rows k[0..3] (row stride n, n % 8 == 0): four independent chains, not one; in Vec lanes
 // where n is a multiple of them, else eight
-static inline __m128 dot4(const float* q, const float* k, int64_t n) {
+template <typename KV>
+static inline __m128 dot4(const float* q, const KV* k, int64_t n) {
   if (n % LANES == 0) {
     Vec a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < n; i += LANES) {
@@ -38,18 +41,18 @@ static inline __m128 dot4(const float* q, const float* k, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + n + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * n + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * n + i), a3);
+    a0 = _mm256_fmadd_ps(qv, load8_ps(k + i), a0);
+    a1 = _mm256_fmadd_ps(qv, load8_ps(k + n + i), a1);
+    a2 = _mm256_fmadd_ps(qv, load8_ps(k + 2 * n + i), a2);
+    a3 = _mm256_fmadd_ps(qv, load8_ps(k + 3 * n + i), a3);
   }
   return hsum4(a0, a1, a2, a3);
 }
 
 // out (hs) = out * corr + sum_j p[j] v[j] over j < n (value rows of stride hs), up to four vectors of outputs
 // at a time, each its own chain of FMAs (one chain waited on each FMA's latency)
-template <typename V>
-static inline void weigh_values(const float* p, const float* v, int64_t n, int64_t hs, float corr, float* out) {
+template <typename V, typename KV>
+static inline void weigh_values(const float* p, const KV* v, int64_t n, int64_t hs, float corr, float* out) {
   constexpr int64_t G = 4 * V::lanes;
   for (int64_t d = 0; d < hs; d += G) {
     const int64_t vecs = std::min<int64_t>(G, hs - d) / V::lanes;
@@ -59,7 +62,7 @@ static inline void weigh_values(const float* p, const float* v, int64_t n, int64
     if (vecs > 3) o3 = V::mul(V::load(out + d + 3 * V::lanes), V::set(corr));
     for (int64_t j = 0; j < n; j++) {
       const auto pj = V::set(p[j]);
-      const float* r = v + j * hs + d;
+      const KV* r = v + j * hs + d;
       o0 = V::fma(pj, V::load(r), o0);
       if (vecs > 1) o1 = V::fma(pj, V::load(r + V::lanes), o1);
       if (vecs > 2) o2 = V::fma(pj, V::load(r + 2 * V::lanes), o2);
@@ -73,7 +76,8 @@ static inline void weigh_values(const float* p, const float* v, int64_t n, int64
 }
 struct Lanes8 {
   static constexpr int64_t lanes = 8;
-  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static __m256 load(const T* p) { return load8_ps(p); }
   static __m256 set(float v) { return _mm256_set1_ps(v); }
   static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
   static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -81,7 +85,8 @@ struct Lanes8 {
 };
 struct LanesVec {
   static constexpr int64_t lanes = LANES;
-  static Vec load(const float* p) { return vload(p); }
+  template <typename T>
+  static Vec load(const T* p) { return vload(p); }
   static Vec set(float v) { return vbroadcast(v); }
   static Vec mul(Vec a, Vec b) { return folio::vmul(a, b); }
   static Vec fma(Vec a, Vec b, Vec c) { return vfma(a, b, c); }
@@ -98,7 +103,8 @@ static inline void prefetch(const T* p, int64_t bytes) {
 
 // One query against the p + 1 cached keys and values of its row and head (kr, vr: (L, hs)), into out (hs);
 // s holds at least p + 1 + LANES scores
-static inline void attend(const float* q, const float* kr, const float* vr, int64_t p, int64_t hs, float scale,
+template <typename KV>
+static inline void attend(const float* q, const KV* kr, const KV* vr, int64_t p, int64_t hs, float scale,
                           float* s, float* out) {
   // scores four keys at a time (a single dot product per key waits on its own chain of FMAs)
   const int64_t n = p + 1;
@@ -129,14 +135,15 @@ static inline void attend(const float* q, const float* kr, const float* vr, int6
 // once per query, no masked block is computed).
 static constexpr int QB = 8;
 
-static void attend_run(const float* q, int64_t q_stride, const float* kr, const float* vr, int64_t p0, int64_t T,
+template <typename KV>
+static void attend_run(const float* q, int64_t q_stride, const KV* kr, const KV* vr, int64_t p0, int64_t T,
                        int64_t hs, float scale, float* y, int64_t y_stride, std::vector<float>& kt,
                        std::vector<float>& out) {
   const int64_t keys = p0 + T, blocks = (keys + LANES - 1) / LANES;
   kt.assign(blocks * hs * LANES, 0.f);
   for (int64_t j = 0; j < keys; j++) {
     float* to = kt.data() + (j / LANES) * hs * LANES + j % LANES;
-    for (int64_t d = 0; d < hs; d++) to[d * LANES] = kr[j * hs + d];
+    for (int64_t d = 0; d < hs; d++) to[d * LANES] = to_float(kr[j * hs + d]);
   }
   out.resize(QB * hs);
   float p[LANES];
@@ -180,7 +187,8 @@ static void attend_run(const float* q, int64_t q_stride, const float* kr, const 
 
 // Attention for B new tokens at once, every (token, head) (declared in ops.h). A decode step has one token per
 // row; a prompt chunk several, which see each other's keys causally through their positions.
-void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, float* kc, float* vc, int64_t cache_rows,
+template <typename KV>
+void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, KV* kc, KV* vc, int64_t cache_rows,
                     int64_t L, const int64_t* rp, const int64_t* pp, float* yp) {
   TORCH_CHECK(hs % 8 == 0, "attention: head size");
   for (int64_t b = 0; b < B; b++)
@@ -195,8 +203,8 @@ void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, floa
   for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < n_head; h++) {
       const int64_t slot = ((rp[b] * n_head + h) * L + pp[b]) * hs;
-      std::memcpy(kc + slot, qp + b * 3 * C + C + h * hs, hs * sizeof(float));
-      std::memcpy(vc + slot, qp + b * 3 * C + 2 * C + h * hs, hs * sizeof(float));
+      store_as(kc + slot, qp + b * 3 * C + C + h * hs, hs);
+      store_as(vc + slot, qp + b * 3 * C + 2 * C + h * hs, hs);
     }
   // runs of at least QB consecutive tokens of one row (a prompt chunk) in blocks; every other token on its own
   std::vector<int64_t> alone, runs;  // runs: (first token, length) pairs
@@ -213,7 +221,7 @@ void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, floa
       const int64_t b = alone[bh / n_head], h = bh % n_head;
       const int64_t cached = cached_at(bh);  // this row and head: (L, hs)
       if (bh + 1 < end) {  // the next (token, head)'s keys and values on their way while this one computes
-        const int64_t next = cached_at(bh + 1), bytes = (pp[alone[(bh + 1) / n_head]] + 1) * hs * sizeof(float);
+        const int64_t next = cached_at(bh + 1), bytes = (pp[alone[(bh + 1) / n_head]] + 1) * hs * sizeof(KV);
         prefetch(kc + next, bytes), prefetch(vc + next, bytes);
       }
       attend(qp + b * 3 * C + h * hs, kc + cached, vc + cached, pp[b], hs, scale, s.data(), yp + b * C + h * hs);
@@ -230,21 +238,27 @@ void attention_into(const float* qp, int64_t B, int64_t n_head, int64_t hs, floa
   });
 }
 
+template void attention_into<float>(const float*, int64_t, int64_t, int64_t, float*, float*, int64_t, int64_t,
+                                     const int64_t*, const int64_t*, float*);
+template void attention_into<fp16>(const float*, int64_t, int64_t, int64_t, fp16*, fp16*, int64_t, int64_t,
+                                    const int64_t*, const int64_t*, float*);
+
 at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cache, at::Tensor rows, at::Tensor pos,
                             int64_t n_head) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.scalar_type() == at::kFloat, "attention: qkv");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
-              && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat
-              && v_cache.sizes() == k_cache.sizes(), "attention: cache");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() && kv_cache_type(k_cache)
+              && v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes(),
+              "attention: cache (fp32 or fp16)");
   const int64_t B = qkv.size(0), C = qkv.size(1) / 3, hs = C / n_head;
   TORCH_CHECK(k_cache.size(1) == n_head && k_cache.size(3) == hs, "attention: head size");
   auto rows_c = rows.to(at::kLong).contiguous();
   auto pos_c = pos.to(at::kLong).contiguous();
   TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "attention: a row and a position per token");
   auto y = at::empty({B, C}, qkv.options());
-  attention_into(qkv.data_ptr<float>(), B, n_head, hs, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 k_cache.size(0), k_cache.size(2), rows_c.data_ptr<int64_t>(), pos_c.data_ptr<int64_t>(),
-                 y.data_ptr<float>());
+  with_kv_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    attention_into(qkv.data_ptr<float>(), B, n_head, hs, kc, vc, k_cache.size(0), k_cache.size(2),
+                   rows_c.data_ptr<int64_t>(), pos_c.data_ptr<int64_t>(), y.data_ptr<float>());
+  });
   return y;
 }
 

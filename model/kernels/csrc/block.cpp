@@ -69,9 +69,9 @@ at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor
   const int64_t B = x_in.size(0), C = C_, hs = C / n_head_, layers = blocks_.size();
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == C && x_in.scalar_type() == at::kFloat, "stack: x (B, C) fp32");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.size(0) == layers && k_cache.size(2) == n_head_ && k_cache.size(4) == hs
-              && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat
-              && v_cache.scalar_type() == at::kFloat && v_cache.sizes() == k_cache.sizes(),
-              "stack: caches (n_layer, rows, n_head, max_len, head_size) fp32");
+              && k_cache.is_contiguous() && v_cache.is_contiguous() && kv_cache_type(k_cache)
+              && v_cache.scalar_type() == k_cache.scalar_type() && v_cache.sizes() == k_cache.sizes(),
+              "stack: caches (n_layer, rows, n_head, max_len, head_size), both fp32 or both fp16");
   auto rows_c = rows.to(at::kLong).contiguous();
   auto pos_c = pos.to(at::kLong).contiguous();
   TORCH_CHECK(rows_c.numel() == B && pos_c.numel() == B, "stack: a cache row and a position per token");
@@ -97,9 +97,10 @@ at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor
     const Block& blk = blocks_[l];
     norm(blk.ln1_w, blk.ln1_b);
     product_into(blk.products[0], h, B, qkv);
-    attention_into(qkv, B, n_head_, hs, k_cache.data_ptr<float>() + l * per_layer,
-                   v_cache.data_ptr<float>() + l * per_layer, cache_rows, L, rows_c.data_ptr<int64_t>(),
-                   pos_c.data_ptr<int64_t>(), att);
+    with_kv_cache(k_cache, v_cache, [&](auto* kc, auto* vc) {
+      attention_into(qkv, B, n_head_, hs, kc + l * per_layer, vc + l * per_layer, cache_rows, L,
+                     rows_c.data_ptr<int64_t>(), pos_c.data_ptr<int64_t>(), att);
+    });
     product_into(blk.products[1], att, B, t);
     add(t);
     norm(blk.ln2_w, blk.ln2_b);

@@ -63,10 +63,29 @@ bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 // on a CPU with VNNI or AMX-INT8 (linear.cpp)
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
+// an IEEE half's bits (simd.h): a KV cache's element where it is stored in fp16
+struct fp16;
+
+// whether the kernels' attention reads a cache of t's type: fp32 or fp16
+inline bool kv_cache_type(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
+}
+
+// fn(k, v) with the caches' data as float* or fp16* (the two of one type, checked by the caller)
+template <typename F>
+void with_kv_cache(const at::Tensor& k, const at::Tensor& v, F fn) {
+  if (k.scalar_type() == at::kHalf)
+    fn(reinterpret_cast<fp16*>(k.data_ptr()), reinterpret_cast<fp16*>(v.data_ptr()));
+  else
+    fn(k.data_ptr<float>(), v.data_ptr<float>());
+}
+
 // Attention for B new tokens (attention.cpp): qkv (B, 3C) holds each token's query, key and value; each token's
-// key and value go to slot pos[b] of cache row rows[b] of k_cache, v_cache ((cache rows, n_head, L, hs) each),
-// then each query attends to slots 0..pos[b] of its row, into y (B, C). The rows and positions are checked.
-void attention_into(const float* qkv, int64_t B, int64_t n_head, int64_t hs, float* k_cache, float* v_cache,
+// key and value go to slot pos[b] of cache row rows[b] of k_cache, v_cache ((cache rows, n_head, L, hs) each, KV
+// float or fp16: rounded to it as written), then each query attends to slots 0..pos[b] of its row, into y (B, C).
+// The rows and positions are checked.
+template <typename KV>
+void attention_into(const float* qkv, int64_t B, int64_t n_head, int64_t hs, KV* k_cache, KV* v_cache,
                     int64_t cache_rows, int64_t L, const int64_t* rows, const int64_t* pos, float* y);
 
 // the same on tensors: qkv (B, 3C) -> (B, C)
@@ -83,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits
 class Stack {
  public:
   Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_head);
-  // x (B, C) -> (B, C) after every block; k_cache, v_cache: (n_layer, cache rows, n_head, L, hs)
+  // x (B, C) -> (B, C) after every block; k_cache, v_cache: (n_layer, cache rows, n_head, L, hs), fp32 or fp16
   at::Tensor forward(const at::Tensor& x, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
                      const at::Tensor& pos) const;
 

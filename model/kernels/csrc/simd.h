@@ -6,6 +6,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace folio {
@@ -20,6 +21,33 @@ static inline float hsum(__m256 v) {
 
 // a bfloat16's bits: the upper half of an fp32
 using bf16 = uint16_t;
+
+// an IEEE half's bits (fp16: 5 exponent bits, 10 of mantissa): a KV cache stored in half precision, widened to fp32
+// in registers by F16C's conversions
+struct fp16 {
+  uint16_t bits;
+};
+// the largest finite fp16: values beyond are stored as it (saturated), not as infinities
+static constexpr float FP16_MAX = 65504.f;
+
+// 8 values as fp32: the 8-lane loads of attention's head-size loops
+static inline __m256 load8_ps(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_ps(const fp16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline float to_float(float v) { return v; }
+static inline float to_float(fp16 v) { return _cvtsh_ss(v.bits); }
+
+// n values (n % 8 == 0) stored as T: fp16 rounded to nearest even and saturated at +-FP16_MAX (NaN stays NaN; min
+// and max return their second operand for a NaN), which is torch's x.clamp(-65504, 65504).half()
+static inline void store_as(float* to, const float* from, int64_t n) { std::copy(from, from + n, to); }
+static inline void store_as(fp16* to, const float* from, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(from + i);
+    const __m256 sat = _mm256_max_ps(_mm256_set1_ps(-FP16_MAX), _mm256_min_ps(_mm256_set1_ps(FP16_MAX), v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i), _mm256_cvtps_ph(sat, _MM_FROUND_TO_NEAREST_INT));
+  }
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FOLIO_VEC512 1
@@ -56,6 +84,9 @@ static inline Vec vload(const int8_t* p) {
 static inline Vec vload(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline Vec vload(const fp16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // the first 8 lanes from p, the others zero: the end of a row whose length is a multiple of 8 but not of 16
 static inline Vec vload8(const float* p) { return _mm512_maskz_loadu_ps(0xFF, p); }
@@ -107,6 +138,7 @@ static inline Vec vload(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+static inline Vec vload(const fp16* p) { return load8_ps(p); }
 template <typename W>
 static inline Vec vload8(const W* p) { return vload(p); }
 #endif

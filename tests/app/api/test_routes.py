@@ -83,6 +83,8 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     linears = [m.weight.shape for m in ck.model.modules() if isinstance(m, torch.nn.Linear)]
     packed = sum(-(-out // 16) * 16 * n_in * 4 for out, n_in in linears)
     assert info["packed_weight_bytes"] == (packed if kernels.status().startswith("loaded") else 0)
+    # fp32 weights: an fp32 cache (auto), keys and values of 2 layers x 4 rows x 64 positions x 32 values
+    assert (info["kv_cache_dtype"], info["kv_cache_bytes"]) == ("float32", 2 * 2 * 4 * 64 * 32 * 4)
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION
