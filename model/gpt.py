@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.config import GPTConfig
+from model.hugepages import zeros_on_huge_pages
 
 # Cached attention (a mask, and keys that grow by one every step) never goes to cuDNN's backend: it builds a plan
 # for every new shape, which made decoding on an H200 4.3x slower (bench/engine_decode.py --device cuda)
@@ -59,8 +60,11 @@ class KVCache:
         if self.max_len > config.block_size:
             raise ValueError(f"max_len {self.max_len} exceeds block_size {config.block_size}")
         shape = (config.n_layer, batch_size, config.n_head, self.max_len, config.head_size)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if torch.device(device).type == "cpu":  # attention's scattered reads: huge pages spare TLB misses
+            self.k, self.v = zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         # each layer's view, made once (indexing per layer per step is a tensor op each time)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 

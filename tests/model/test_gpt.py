@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from model.config import GPTConfig
 from model.convert import load_hf_gpt2
 from model.gpt import GPT, KVCache
+from model.hugepages import HUGE_PAGE, zeros_on_huge_pages
 
 # --- parity with transformers --------------------------------------------------------------------------------
 
@@ -136,6 +139,37 @@ def test_take_returns_each_rows_chosen_position(tiny_model: GPT, seqs: torch.Ten
 def test_cache_longer_than_block_size_is_refused(tiny_config: GPTConfig) -> None:
     with pytest.raises(ValueError, match="exceeds block_size"):
         KVCache(tiny_config, batch_size=1, max_len=tiny_config.block_size + 1)
+
+
+def _vm_flags_and_huge_kb(address: int) -> tuple[list[str], int]:
+    """The VmFlags and AnonHugePages (kB) of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside, flags, huge = False, [], 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+        elif inside and head == "AnonHugePages:":
+            huge = int(line.split()[1])
+    return flags, huge
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages are Linux's")
+def test_a_cpu_cache_is_advised_onto_huge_pages_and_starts_zeroed() -> None:
+    """The cache's whole 2 MiB pages carry the huge-page advice (VmFlags "hg") given before the first write, so the
+    kernel backs them with 2 MiB pages where transparent huge pages are on; the cache reads as zeros."""
+    config = GPTConfig(block_size=256, vocab_size=64, n_layer=4, n_head=4, n_embd=128)
+    cache = KVCache(config, batch_size=32, dtype=torch.float16)  # 8 MiB each
+    for t in (cache.k, cache.v):
+        assert t.dtype == torch.float16 and not t.any()
+        flags, huge = _vm_flags_and_huge_kb(t.data_ptr() + HUGE_PAGE + 4096)
+        assert "hg" in flags, flags
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        print(f"\nTHP {mode.strip()}: {huge} kB of the cache on huge pages")
+    small = zeros_on_huge_pages((16,), torch.float32)  # less than a page: left as it is
+    assert small.tolist() == [0.0] * 16
 
 
 # --- names, init, size ---------------------------------------------------------------------------------------
