@@ -141,10 +141,10 @@ class Inspector:
             tr = self.model.transformer
             positions = torch.arange(len(self.ids), device=device)
             x = tr.drop(tr.wte(idx) + tr.wpe(positions))
-            rounded = self.kv_dtype not in (None, x.dtype)
-            # the text as one prompt into a cache of that type: attention reads the keys and values as stored
-            cache = KVCache(self.model.config, 1, max_len=len(self.ids), device=device, dtype=self.kv_dtype)\
-                .step(positions[None]) if rounded else None
+            cache = None
+            if self.kv_dtype not in (None, x.dtype):  # the text as one prompt into a cache of that type: attention
+                kv = KVCache(self.model.config, 1, max_len=len(self.ids), device=device, dtype=self.kv_dtype)
+                cache = kv.step(positions[None])  # reads the keys and values as stored
             yield from self._read_out(0, x)
             yield
             for layer, block in enumerate(tr.h):

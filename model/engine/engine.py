@@ -51,7 +51,7 @@ class Engine:
         if not 1 <= self.window_shift < self.block_size:
             raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
         self.runner = ModelRunner(checkpoint, max_batch_size, device=device, dtype=dtype, threads=threads,
-                                  kv_cache=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype)
         self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id
         self.max_batch_size, self.max_waiting, self.prefill_chunk = max_batch_size, max_waiting, prefill_chunk
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_size=max_batch_size,

@@ -16,7 +16,7 @@ from model.engine.prefix_cache import RowContents
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 
-# what `--kv-cache-dtype` names: the cache's element type ("auto": `kv_cache_dtype`'s rule)
+# what `--kv-cache-dtype` names: the cache's element type ("auto": `resolve_kv_cache_dtype`'s rule)
 KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 # a CPU thread pays off from about this many parameters a model has: below, handing a small product's pieces to a
@@ -31,7 +31,7 @@ def default_threads(n_params: int, cores: int | None = None) -> int:
     return max(1, min(cores, n_params // PARAMS_PER_THREAD))
 
 
-def kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type for `choice` ("auto", or a key of KV_CACHE_DTYPES) and a model computing in
     `dtype`. "auto" is the model's dtype, except fp16 where its weights are quantized (int8, bf16) and it computes in
     fp32 on CPU: those weights already trade a measured sliver of quality for speed, and a decode step of many rows
@@ -48,7 +48,7 @@ def kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dtype) -> t
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, threads: int | None = None,
-                 kv_cache: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = dtype or default_dtype(self.device)
         # CPU threads: as asked, else by the model's size (the engine's thread applies them: on_engine_thread)
@@ -67,7 +67,7 @@ class ModelRunner:
         self.packed_bytes = kernels.install(self.model).packed_bytes
         self.block_size = checkpoint.config.block_size
         # a cache row per batch slot, and which tokens each row holds (prefix reuse)
-        self.kv_dtype = kv_cache_dtype(kv_cache, self.model, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model, self.dtype)
         self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.kv_dtype)
         self.contents = RowContents(rows)
 

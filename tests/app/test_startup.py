@@ -61,6 +61,8 @@ BAD_STARTS = {
     "a CUDA device it lacks": ({}, ["--device", "cuda:99"], ["--device cuda:99"]),
     "unknown flag": ({}, ["--max-batches", "4"], ["--max-batches", "python -m app --help"]),
     "bad bool variable": ({"FOLIO_FAULT_INJECTION": "maybe"}, [], ["FOLIO_FAULT_INJECTION"]),
+    "bad --kv-cache-dtype": ({}, ["--kv-cache-dtype", "int4"], ["--kv-cache-dtype", "'fp16'", "got 'int4'"]),
+    "bad FOLIO_KV_CACHE_DTYPE": ({"FOLIO_KV_CACHE_DTYPE": "bf16"}, [], ["FOLIO_KV_CACHE_DTYPE", "got 'bf16'"]),
 }
 
 

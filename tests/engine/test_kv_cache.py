@@ -11,22 +11,22 @@ import torch
 
 from model import kernels
 from model.checkpoint import load_checkpoint
-from model.engine.runner import ModelRunner, kv_cache_dtype
+from model.engine.runner import ModelRunner, resolve_kv_cache_dtype
 from model.quantize import quantize
 from model.sampling_params import SamplingParams
 
 
 def test_auto_is_fp16_for_quantized_weights_computed_in_fp32_else_the_models_dtype(make_checkpoint) -> None:
     model = make_checkpoint().model
-    assert kv_cache_dtype("auto", model, torch.float32) == torch.float32
-    assert kv_cache_dtype("auto", model, torch.bfloat16) == torch.bfloat16  # a GPU's half-precision model
-    assert kv_cache_dtype("fp16", model, torch.float32) == torch.float16
+    assert resolve_kv_cache_dtype("auto", model, torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("auto", model, torch.bfloat16) == torch.bfloat16  # a GPU's half-precision model
+    assert resolve_kv_cache_dtype("fp16", model, torch.float32) == torch.float16
     int8 = copy.deepcopy(model)
     quantize(int8, "int8")
-    assert kv_cache_dtype("auto", int8, torch.float32) == torch.float16
-    assert kv_cache_dtype("fp32", int8, torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype("auto", int8, torch.float32) == torch.float16
+    assert resolve_kv_cache_dtype("fp32", int8, torch.float32) == torch.float32
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp32, fp16; got 'int4'"):
-        kv_cache_dtype("int4", model, torch.float32)
+        resolve_kv_cache_dtype("int4", model, torch.float32)
 
 
 @pytest.mark.parametrize("choice, want", [("auto", torch.float32), ("fp16", torch.float16)])
@@ -69,7 +69,7 @@ def test_an_fp16_cache_keeps_the_bundled_models_loss_as_decoded(repo, data_dir, 
     kernels.load()
     out = {}
     for choice in ("fp32", "fp16"):
-        runner = ModelRunner(ck, 1, device="cpu", threads=1, kv_cache=choice)
+        runner = ModelRunner(ck, 1, device="cpu", threads=1, kv_cache_dtype=choice)
         runner.on_engine_thread()
         out[choice] = decode_nll(runner, ids, ck.config.block_size)
     (nll32, lp32), (nll16, lp16) = out["fp32"], out["fp16"]
