@@ -3,7 +3,7 @@
 // chunk's in blocks. The cache holds fp32 or fp16 (KV, widened to fp32 in registers; the new keys and values are
 // rounded to it as they are written, so every query reads them as stored).
 #include <cmath>
-#include <cstring>
+#include <algorithm>
 #include <vector>
 
 #include "ops.h"
