@@ -119,8 +119,9 @@ class StoredLinear(nn.Module):
 
 # the linear layers the kernels compute (fp32 weights, or stored in another type)
 KERNEL_BACKED = (KernelLinear, StoredLinear)
-# the KV caches the fused blocks' attention reads (fp16 widened in registers)
-KV_CACHE_DTYPES = (torch.float32, torch.float16)
+# the KV cache types the fused blocks' attention reads (fp16 widened in registers; csrc/ops.h, kv_cache_type), as
+# KERNEL_WEIGHTS names the weight types; `--kv-cache-dtype`'s choices are model/engine/runner.py's
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)
 
 
 def _product_args(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
@@ -144,7 +145,7 @@ class FusedBlocks(Blocks):
         lib = library()
         B, T, C = x.size()
         if (lib is None or cache is None or self.training or torch.is_grad_enabled() or B * T > FUSED_MAX_TOKENS
-                or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype not in KV_CACHE_DTYPES):
+                or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype not in KERNEL_KV_DTYPES):
             return super().forward(x, cache)
         stack = self.stack(lib)
         if stack is None:
