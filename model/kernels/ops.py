@@ -29,11 +29,19 @@ def native_bf16_gemm(rows: int, weight: torch.Tensor) -> bool:
 
 
 def native_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to torch's int8 GEMM (int8 weights
-    of at least INT8_GEMM_MIN_WEIGHTS values; each row of x rounded to int8 with a scale per row); the library's own
-    rule (linear.cpp), False without the kernels."""
+    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to an int8 GEMM (int8 weights of
+    at least INT8_GEMM_MIN_WEIGHTS values; each row of x rounded to int8 with a scale per row): the kernels' own
+    where `vnni_int8_gemm`, else torch's (oneDNN). The library's own rule (linear.cpp), False without the kernels."""
     lib = library()
     return lib is not None and lib.int8_gemm(rows, weight.dtype, weight.numel())
+
+
+def vnni_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
+    """Whether the int8 GEMM (`native_int8_gemm`) of `rows` rows against `weight` is the kernels' own AVX512-VNNI
+    one (vnni_gemm.cpp: an avx512vnni build on a CPU without AMX-INT8, the width a multiple of 4) rather than
+    oneDNN's."""
+    lib = library()
+    return native_int8_gemm(rows, weight) and lib is not None and lib.vnni_gemm(weight.size(1))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -5,18 +5,16 @@
 // as stored; and for both vector widths (simd.h's Vec: AVX2's 8 lanes or AVX-512's 16).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/InferenceMode.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <tuple>
 #include <vector>
 
+#include "copies.h"
 #include "ops.h"
 #include "pool.h"
 #include "simd.h"
@@ -28,14 +26,6 @@ template <typename W>
 static const W* weight_data(const at::Tensor& w) {
   if constexpr (std::is_same_v<W, bf16>) return reinterpret_cast<const bf16*>(w.data_ptr<at::BFloat16>());
   else return w.data_ptr<W>();
-}
-
-// Tasks per thread for tasks that each read `bytes` of weights and do `flops`: a task is worth a thread when it
-// reads >= 512 KiB or does >= 2 MFLOP (waking a sleeping thread costs tens of microseconds, more than the whole
-// product for the small layers of a small model)
-static int64_t grain_for(int64_t bytes, int64_t flops) {
-  return std::max<int64_t>(1, std::min((int64_t(512) << 10) / std::max<int64_t>(1, bytes),
-                                       int64_t(2000000) / std::max<int64_t>(1, flops)));
 }
 
 // one tile of dot products: fp32 activations (any weight type), or int16 ones with a scale per row (int8 weights)
@@ -480,25 +470,16 @@ class PackedInt8 {
   }
   bool available() const { return linear_.has_value(); }
 
-  // the packed copy of rows [o, o + n) of w (made at first use, kept while w lives unchanged; the copies of
-  // weights that are gone are dropped at the next copy made), and the unit scales and zero points its call takes
+  // the packed copy of rows [o, o + n) of w (made at first use, kept while w lives unchanged: copies.h), and the
+  // unit scales and zero points its call takes
   struct Piece {
     at::Tensor packed, ones, zeros;
   };
   Piece piece(const at::Tensor& w, int64_t o, int64_t n) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const Key key{w.unsafeGetTensorImpl(), o, n};
-    auto it = pieces_.find(key);
-    if (it != pieces_.end() && !it->second.owner.expired() && it->second.data == w.data_ptr()
-        && it->second.version == w._version())
-      return it->second.piece;
-    for (auto e = pieces_.begin(); e != pieces_.end();)  // weights that are gone, or changed since
-      e = e->second.owner.expired() ? pieces_.erase(e) : std::next(e);
-    const Piece made{prepack_->call(w.narrow(0, o, n).contiguous(), std::nullopt),
-                     at::ones({n}, w.options().dtype(at::kFloat)), at::zeros({n}, w.options().dtype(at::kInt))};
-    pieces_.insert_or_assign(key, Entry{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()), w.data_ptr(),
-                                        w._version(), made});
-    return made;
+    return pieces_.get(w, o, n, [&] {
+      return Piece{prepack_->call(w.narrow(0, o, n).contiguous(), std::nullopt),
+                   at::ones({n}, w.options().dtype(at::kFloat)), at::zeros({n}, w.options().dtype(at::kInt))};
+    });
   }
 
   // (M, n) fp32: the exact integer sums of xu8 - 128 (int8 rows stored with an offset of 128, as oneDNN takes
@@ -515,17 +496,9 @@ class PackedInt8 {
     const auto prepack = dispatcher.findSchema({"onednn::qlinear_prepack", ""});
     if (linear && prepack) linear_.emplace(linear->typed<Linear>()), prepack_.emplace(prepack->typed<Prepack>());
   }
-  using Key = std::tuple<const c10::TensorImpl*, int64_t, int64_t>;
-  struct Entry {
-    c10::weak_intrusive_ptr<c10::TensorImpl> owner;  // keeps the key's address from being reused while held
-    const void* data;
-    int64_t version;
-    Piece piece;
-  };
   std::optional<c10::TypedOperatorHandle<Linear>> linear_;
   std::optional<c10::TypedOperatorHandle<Prepack>> prepack_;
-  std::mutex mutex_;
-  std::map<Key, Entry> pieces_;
+  WeightCopies<Piece> pieces_;
 };
 
 // y[:, o:o+n] (row stride O) = sums * (row scale * output scale) + bias
@@ -541,7 +514,8 @@ static void scale_sums(const S* sums, int64_t M, int64_t n, const float* xs, con
 }
 
 // out (M, O) contiguous = x @ (w * scale).T + b with x rounded per row to int8 (`int8_gemm`: W8A8, as llama.cpp's
-// q8_0 and vLLM's int8 modes do): oneDNN's int8 GEMM (VNNI or AMX) adds the integer products exactly (in int32;
+// q8_0 and vLLM's int8 modes do): the kernels' VNNI GEMM where `vnni_gemm` (vnni_gemm.cpp: faster than oneDNN's for
+// decode steps and prompts alike), else oneDNN's int8 GEMM (VNNI or AMX) adds the integer products exactly (in int32;
 // packed once and up to MAX_ROWS rows, in fp32, exact below 2^24 and to fp32's rounding above), then each sum is
 // scaled by its row's and output's scales. Split by outputs over the pool as below.
 static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
@@ -550,8 +524,12 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   auto& packed = PackedInt8::get();
   const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
-  if (M <= MAX_ROWS && packed.available() && !w.w.is_inference()) {
+  if (!w.w.is_inference() && (vnni_gemm(w.I) || (M <= MAX_ROWS && packed.available()))) {
     const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, 128);
+    if (vnni_gemm(w.I)) {
+      vnni_product(w.w, xq.values.data(), xq.scales.data(), M, ws, b, y);
+      return;
+    }
     const at::Tensor xu8 = at::from_blob(const_cast<uint8_t*>(xq.values.data()), {M, w.I}, at::kByte);
     split_outputs(O, [&](int64_t o, int64_t n) {
       const at::Tensor sums = packed.sums(xu8, packed.piece(w.w, o, n));

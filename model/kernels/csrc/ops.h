@@ -63,6 +63,16 @@ bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 // on a CPU with VNNI or AMX-INT8 (linear.cpp)
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
+// whether vnni_product multiplies rows of `columns` int8 values: a build with AVX512-VNNI on a CPU without AMX-INT8
+// (where oneDNN's AMX GEMM is faster), columns a multiple of 4 within int32's exact range (vnni_gemm.cpp)
+bool vnni_gemm(int64_t columns);
+
+// y (M, O) = (x - 128) . w.T * (xs[m] * ws[o]) + b[o]: x (M, I) int8 rows stored as unsigned with an offset of 128
+// and a scale per row, w (O, I) int8 (packed at first use and kept while w lives unchanged: not an inference
+// tensor), ws its scale per output, b a bias or nullptr; split over the pool (vnni_gemm.cpp)
+void vnni_product(const at::Tensor& w, const uint8_t* x, const float* xs, int64_t M, const float* ws, const float* b,
+                  float* y);
+
 // an IEEE half's bits (simd.h): a KV cache's element where it is stored in fp16
 struct fp16;
 

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -107,6 +108,14 @@ class Pool {
 // The process's pool (pool.cpp), made at first use with torch's thread count at that moment.
 Pool& pool();
 int64_t pool_threads();
+
+// Tasks per thread for tasks that each read `bytes` of weights and do `flops`: a task is worth a thread when it
+// reads >= 512 KiB or does >= 2 MFLOP (waking a sleeping thread costs tens of microseconds, more than the whole
+// product for the small layers of a small model)
+inline int64_t grain_for(int64_t bytes, int64_t flops) {
+  return std::max<int64_t>(1, std::min((int64_t(512) << 10) / std::max<int64_t>(1, bytes),
+                                       int64_t(2000000) / std::max<int64_t>(1, flops)));
+}
 
 // The calling thread's jobs use n of the pool's threads (grown to n if it has fewer), and its torch ops n OpenMP
 // threads: an engine's thread calls it once with its thread count (pool.cpp).
