@@ -43,6 +43,10 @@ BF16_GEMM_MIN_ROWS = 16
 # EPYC (Zen 5), int8 GPT-2 at 8 concurrent: 955-1,133 -> 1,217-1,246 tok/s, at 12: 1,212-1,221 -> 1,438-1,619; at 6
 # the kernels were faster (1,035 against 886), at 4 more so (950 against 660)
 INT8_GEMM_MIN_ROWS = 8
+# ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp, no per-call cost): int8 GPT-2's
+# runner step at 4 rows 4.93 -> 4.60 ms, at 6 5.95 -> 4.77; at 3 rows the same (3.84, 3.86), at 2 slower (3.58 ->
+# 3.71; AMD EPYC, medians of 3 alternated runs)
+VNNI_GEMM_MIN_ROWS = 4
 # ... and only for weights of this many values or more: a small model's products (the bundled model's are 192 wide)
 # are faster in the kernels (int8 at 8 concurrent: 7,300 tok/s through oneDNN, 11,900-12,600 in the kernels)
 INT8_GEMM_MIN_WEIGHTS = 256 * 1024
@@ -104,7 +108,7 @@ def best_variant(flags: frozenset[str] | None = None) -> Variant | None:
 def cflags(variant: Variant) -> list[str]:
     return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}",
             f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}",
-            f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}",
+            f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}", f"-DFOLIO_VNNI_GEMM_MIN_ROWS={VNNI_GEMM_MIN_ROWS}",
             f"-DFOLIO_INT8_GEMM_MIN_WEIGHTS={INT8_GEMM_MIN_WEIGHTS}"]
 
 

@@ -1,4 +1,4 @@
-"""The kernels' AVX512-VNNI int8 GEMM (vnni_gemm.cpp), which takes 8 rows or more against int8 weights on a CPU
+"""The kernels' AVX512-VNNI int8 GEMM (vnni_gemm.cpp), which takes 4 rows or more against int8 weights on a CPU
 with AVX512-VNNI and no AMX-INT8: the W8A8 product (conftest's `w8a8_product`, in float64) for shapes that leave
 partial tiles everywhere (rows past a multiple of 8, outputs past a multiple of 16 and of a 3-panel group, widths
 that are a multiple of 4 but not of 16), the largest values at the widest rows tested, and the widths it leaves to
@@ -30,13 +30,14 @@ def _require_vnni(rows: int, q: Int8Linear) -> None:
                     "(oneDNN's GEMM takes those rows)")
 
 
-@pytest.mark.parametrize("rows", [8, 13, 32, 64, 100])
+@pytest.mark.parametrize("rows", [4, 8, 13, 32, 64, 100])
 @pytest.mark.parametrize(("outputs", "width"), [(1000, 772), (33, 8192), (17, 16384), (50, 6144)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_vnni_gemm_is_the_w8a8_product(rows: int, outputs: int, width: int, bias: bool) -> None:
     """1000 outputs: 62 whole panels and one of 8 outputs, the last 3-panel group partial; 33: three panels, the
     last of one output; 17: a group of two panels; 50: a group of three with a 2-output panel. 772 columns: 193
-    groups of 4, not a multiple of 16. 13 and 100 rows: a last tile of 5 and 4 rows; 100 is a prompt's size."""
+    groups of 4, not a multiple of 16. 4 rows: the fewest it takes (VNNI_GEMM_MIN_ROWS), one partial tile; 13 and
+    100 rows: a last tile of 5 and 4 rows; 100 is a prompt's size."""
     q = _int8_linear(outputs, width, bias, seed=rows + outputs)
     _require_vnni(rows, q)
     x = torch.randn(rows, width) * torch.rand(rows, 1) * 10

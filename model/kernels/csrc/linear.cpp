@@ -351,7 +351,8 @@ static bool native_int8() {
 }
 
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
-  return weight == at::kChar && rows >= INT8_GEMM_MIN_ROWS && weights >= INT8_GEMM_MIN_WEIGHTS && native_int8();
+  const int64_t min_rows = vnni_gemm_cpu() ? VNNI_GEMM_MIN_ROWS : INT8_GEMM_MIN_ROWS;
+  return weight == at::kChar && rows >= min_rows && weights >= INT8_GEMM_MIN_WEIGHTS && native_int8();
 }
 
 bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
@@ -382,7 +383,8 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 }
 
 // The one rule for who does a product of M fp32 rows. On a CPU that multiplies int8: int8 weights that are not small,
-// from INT8_GEMM_MIN_ROWS rows, go to oneDNN's int8 GEMM with x rounded to int8 (`int8_gemm`, `int8_product`). On a
+// from VNNI_GEMM_MIN_ROWS rows where the kernels' VNNI GEMM is (vnni_gemm_cpu), else from INT8_GEMM_MIN_ROWS, go to
+// an int8 GEMM with x rounded to int8 (`int8_gemm`, `int8_product`: the kernels' or oneDNN's). On a
 // CPU that multiplies bf16: bf16 weights with enough rows, and a prompt against the other int8 weights (dequantized
 // to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN), which beats widening to
 // fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's bf16 mode.

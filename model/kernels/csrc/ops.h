@@ -9,7 +9,7 @@
 // the limits are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
     || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
-    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS)
+    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -26,6 +26,8 @@ static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 // from this many rows int8 weights go to torch's int8 GEMM, the rows rounded to int8, where the CPU multiplies int8
 // natively (linear.cpp)
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
+// ... or from this many where the kernels' VNNI GEMM takes them (vnni_gemm.cpp)
+static constexpr int64_t VNNI_GEMM_MIN_ROWS = FOLIO_VNNI_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
 static constexpr int64_t PANEL = FOLIO_PANEL;
@@ -58,13 +60,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor
 // on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp)
 bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
-// whether `linear` sends `rows` rows against int8 weights (`weights` values) to torch's int8 GEMM with the rows
-// rounded to int8 (a scale per row): from INT8_GEMM_MIN_ROWS rows against INT8_GEMM_MIN_WEIGHTS weights or more,
-// on a CPU with VNNI or AMX-INT8 (linear.cpp)
+// whether `linear` sends `rows` rows against int8 weights (`weights` values) to an int8 GEMM (the kernels' VNNI one
+// where it takes the width, else oneDNN's) with the rows rounded to int8 (a scale per row): from VNNI_GEMM_MIN_ROWS
+// rows where vnni_gemm_cpu, else from INT8_GEMM_MIN_ROWS, against INT8_GEMM_MIN_WEIGHTS weights or more, on a CPU
+// with VNNI or AMX-INT8 (linear.cpp)
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
-// whether vnni_product multiplies rows of `columns` int8 values: a build with AVX512-VNNI on a CPU without AMX-INT8
-// (where oneDNN's AMX GEMM is faster), columns a multiple of 4 within int32's exact range (vnni_gemm.cpp)
+// whether this build and CPU have the kernels' VNNI GEMM: a build with AVX512-VNNI on a CPU without AMX-INT8 (where
+// oneDNN's AMX GEMM is faster), and whether it multiplies rows of `columns` int8 values: a multiple of 4 within
+// int32's exact range (vnni_gemm.cpp)
+bool vnni_gemm_cpu();
 bool vnni_gemm(int64_t columns);
 
 // y (M, O) = (x - 128) . w.T * (xs[m] * ws[o]) + b[o]: x (M, I) int8 rows stored as unsigned with an offset of 128

@@ -1,4 +1,4 @@
-// The int8 GEMM for 8 rows or more (INT8_GEMM_MIN_ROWS: a batched decode step, a prompt) against int8 weights, the
+// The int8 GEMM for 4 rows or more (VNNI_GEMM_MIN_ROWS: a batched decode step, a prompt) against int8 weights, the
 // rows rounded to int8, in AVX512-VNNI's vpdpbusd, in place of oneDNN's (linear.cpp's int8_product). oneDNN's packed
 // call costs ~15 us of descriptors and allocations before it multiplies (an int8 GPT-2 step at 32 rows makes 98),
 // returns sums that take a second pass to scale, and streamed the LM head's 38 MB at ~300 GMAC/s a thread; for a
@@ -27,10 +27,12 @@ namespace folio {
 static constexpr int64_t VNNI_MAX_WIDTH = 65536;
 static constexpr int TILE_ROWS = 8, TILE_PANELS = 3;
 
-bool vnni_gemm(int64_t columns) {
+bool vnni_gemm_cpu() {
   static const bool amx = __builtin_cpu_supports("amx-int8");
-  return !amx && columns % 4 == 0 && columns <= VNNI_MAX_WIDTH;
+  return !amx;
 }
+
+bool vnni_gemm(int64_t columns) { return vnni_gemm_cpu() && columns % 4 == 0 && columns <= VNNI_MAX_WIDTH; }
 
 // w (O, I) int8 as panels (P, I / 4, 16, 4): panel p's 4-column group g holds outputs 16p..16p+15, each with its 4
 // columns' weights (zeros past O); and 128 times each output's sum of weights (the rows reach vpdpbusd as unsigned
@@ -160,6 +162,7 @@ void vnni_product(const at::Tensor& w, const uint8_t* x, const float* xs, int64_
 
 #else
 
+bool vnni_gemm_cpu() { return false; }
 bool vnni_gemm(int64_t) { return false; }
 
 void vnni_product(const at::Tensor&, const uint8_t*, const float*, int64_t, const float*, const float*, float*) {
