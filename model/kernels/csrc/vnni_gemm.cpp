@@ -3,11 +3,11 @@
 // call costs ~15 us of descriptors and allocations before it multiplies (an int8 GPT-2 step at 32 rows makes 98),
 // returns sums that take a second pass to scale, and streamed the LM head's 38 MB at ~300 GMAC/s a thread; for a
 // prompt, _int_mm repacks the weight at every call. Here the weights are packed once into panels of 16 outputs x 4
-// columns (vpdpbusd's operand), a tile of 8 rows x 3 panels keeps 24 accumulators in registers, the next panels are
-// prefetched while a tile computes, and the sums are scaled as they are stored. On AMD EPYC (Zen 5), one thread,
-// 32 rows: 768 -> 2304 127 us against oneDNN's 144, 3072 -> 768 156 against 185, half the LM head (768 -> 25152)
-// 1.52 ms against 1.97; int8 GPT-2's 32-row runner step 13.1 -> 10.4 ms, 31 prompts of 16 tokens 77 -> 67 ms.
-// Where the CPU has AMX-INT8, oneDNN's AMX kernels multiply several times faster and keep the GEMM.
+// columns (vpdpbusd's operand), a tile of 8 rows x 3 panels keeps 24 accumulators in registers, the next panels
+// are prefetched while a group of panels computes, and the sums are scaled as they are stored. On AMD EPYC (Zen 5),
+// one thread, 32 rows: 768 -> 2304 127 us against oneDNN's 144, 3072 -> 768 156 against 185, half the LM head
+// (768 -> 25152) 1.52 ms against 1.97; int8 GPT-2's 32-row runner step 13.1 -> 9.5 ms, 31 prompts of 16 tokens
+// 77 -> 61 ms. Where the CPU has AMX-INT8, oneDNN's AMX kernels multiply several times faster and keep the GEMM.
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -62,11 +62,16 @@ static VnniPanels pack(const at::Tensor& w) {
 }
 
 // acc[r * NP + p] = row r of x (R rows of I unsigned bytes, stride I) . panel p's outputs, from NP panels at wp
-// (panel stride I * 16); meanwhile the NP panels at `next` (or none) are fetched into L2. Accumulators in
-// registers: the caller's tile stores them once.
+// (panel stride I * 16). Accumulators in registers: the caller's tile stores them once.
+// Meanwhile the NP panels at `next` (or none: the next group's, which come from memory: a step reads every weight
+// once) are fetched into L2, spread over the group's `tiles` row tiles: this one fetches every tiles-th 4-column
+// group of them, from the `countdown`-th (1-based). All of a group's prefetches in its first tile (36 KB in
+// ~0.6 us) made int8 GPT-2's 32-row step 9.5 -> 10.7 ms. (Passed as a struct, the countdown lived on the stack
+// in the loop, 3% slower.)
 template <int R, int NP>
 __attribute__((always_inline)) static inline void tile_sums(const uint8_t* x, int64_t I, const int8_t* wp,
-                                                            const int8_t* next, __m512i* out) {
+                                                            const int8_t* next, int64_t tiles, int64_t countdown,
+                                                            __m512i* out) {
   __m512i acc[R * NP];
 #pragma GCC unroll 32
   for (int k = 0; k < R * NP; k++) acc[k] = _mm512_setzero_si512();
@@ -75,9 +80,11 @@ __attribute__((always_inline)) static inline void tile_sums(const uint8_t* x, in
     __m512i w[NP];
 #pragma GCC unroll 4
     for (int p = 0; p < NP; p++) w[p] = _mm512_loadu_si512(wp + p * panel + g * 64);
-    if (next) {
+    if (next && --countdown < 0) {  // a countdown, not g % tiles: no division in the loop
+      countdown = tiles - 1;
 #pragma GCC unroll 4
-      for (int p = 0; p < NP; p++) _mm_prefetch(reinterpret_cast<const char*>(next + p * panel + g * 64), _MM_HINT_T1);
+      for (int p = 0; p < NP; p++)
+        _mm_prefetch(reinterpret_cast<const char*>(next + p * panel + g * 64), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
@@ -104,9 +111,9 @@ struct VnniArgs {
 
 // R rows from row m against NP panels from panel p, into y
 template <int R, int NP>
-static void tile(const VnniArgs& a, int64_t m, int64_t p, const int8_t* next) {
+static void tile(const VnniArgs& a, int64_t m, int64_t p, const int8_t* next, int64_t tiles, int64_t turn) {
   alignas(64) __m512i acc[R * NP];
-  tile_sums<R, NP>(a.x + m * a.I, a.I, a.panels + p * a.I * 16, next, acc);
+  tile_sums<R, NP>(a.x + m * a.I, a.I, a.panels + p * a.I * 16, next, tiles, turn, acc);
   for (int q = 0; q < NP; q++) {
     const int64_t o = (p + q) * 16;
     const __mmask16 k = a.O - o >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (a.O - o)) - 1);
@@ -123,17 +130,19 @@ static void tile(const VnniArgs& a, int64_t m, int64_t p, const int8_t* next) {
 
 // rows rows (1..TILE_ROWS) from row m against NP panels
 template <int NP, int R = TILE_ROWS>
-static void rows_tile(int64_t rows, const VnniArgs& a, int64_t m, int64_t p, const int8_t* next) {
-  if (rows == R) tile<R, NP>(a, m, p, next);
-  else if constexpr (R > 1) rows_tile<NP, R - 1>(rows, a, m, p, next);
+static void rows_tile(int64_t rows, const VnniArgs& a, int64_t m, int64_t p, const int8_t* next, int64_t tiles,
+                      int64_t turn) {
+  if (rows == R) tile<R, NP>(a, m, p, next, tiles, turn);
+  else if constexpr (R > 1) rows_tile<NP, R - 1>(rows, a, m, p, next, tiles, turn);
 }
 
 // every row against NP panels from panel p, TILE_ROWS rows at a time; the panels after them (`next`, or none) are
-// prefetched while the first rows compute
+// prefetched meanwhile, spread over the tiles
 template <int NP>
 static void panel_group(const VnniArgs& a, int64_t p, const int8_t* next) {
   for (int64_t m = 0; m < a.M; m += TILE_ROWS)
-    rows_tile<NP>(std::min<int64_t>(TILE_ROWS, a.M - m), a, m, p, m == 0 ? next : nullptr);
+    rows_tile<NP>(std::min<int64_t>(TILE_ROWS, a.M - m), a, m, p, next, (a.M + TILE_ROWS - 1) / TILE_ROWS,
+                  m / TILE_ROWS + 1);
 }
 
 static WeightCopies<VnniPanels>& vnni_copies() {
