@@ -27,7 +27,7 @@ from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import EngineStats, Scheduler
-from model.engine.stream import GenerationStream, Mailbox, Reservation
+from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
 from model.inspect import InspectOptions, Inspector
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 
@@ -226,7 +226,7 @@ class Engine:
         """From the event loop: enqueue and return the request's async stream (raises Overloaded at once unless
         `reservation` holds a slot for it)."""
         mailbox = self._mailbox(asyncio.get_running_loop())
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events = EventQueue()
 
         def sink(ev: Event) -> None:
             if not mailbox.post(events, ev):  # the caller's event loop is closed: nobody is listening any more
