@@ -139,7 +139,7 @@ class Engine:
 
     def warmup(self) -> None:
         """Short generations, WARMUP_ROWS of them together (at most the batch size), so that the first real request,
-        alone or in a batch, pays no first-call costs: the int8 GEMM (from 8 rows) packs each weight at its first
+        alone or in a batch, pays no first-call costs: the int8 GEMM (from 4 or 8 rows) packs each weight at its first
         use, ~0.4 s for GPT-2 small, which the first batch of requests would otherwise wait for."""
         params = SamplingParams(max_new_tokens=self.WARMUP_NEW_TOKENS, seed=0)
         prompt = [0] * min(8, self.block_size - 1)
