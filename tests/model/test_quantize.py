@@ -105,8 +105,8 @@ def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
     assert poisoned[[3, 5]].isnan().all()
     others = [r for r in range(rows) if r not in (3, 5)]
     assert torch.equal(poisoned[others], got[others])
-    # up to 64 rows oneDNN multiplies a copy of the weight it packed at first use: a weight changed in place since
-    # is packed again
+    # the int8 GEMM multiplies a copy of the weight packed at first use (the kernels' VNNI GEMM at any row count,
+    # oneDNN's up to 64 rows): a weight changed in place since is packed again
     with torch.no_grad():
         q.stored.neg_()
     x[3, 7], x[5, 0] = 1.0, 2.0

@@ -526,9 +526,12 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   auto& packed = PackedInt8::get();
   const float *ws = w.scale->data_ptr<float>(), *b = w.bias ? w.bias->data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
-  if (!w.w.is_inference() && (vnni_gemm(w.I) || (M <= MAX_ROWS && packed.available()))) {
+  // the kernels' VNNI GEMM and oneDNN's packed one take the rows as unsigned bytes and keep a packed copy of the
+  // weight, which needs its version counter (an inference tensor has none)
+  const bool packable = !w.w.is_inference(), vnni = packable && vnni_gemm(w.I);
+  if (vnni || (packable && M <= MAX_ROWS && packed.available())) {
     const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, 128);
-    if (vnni_gemm(w.I)) {
+    if (vnni) {
       vnni_product(w.w, xq.values.data(), xq.scales.data(), M, ws, b, y);
       return;
     }
