@@ -90,8 +90,10 @@ def test_a_stream_stops_at_its_last_event_and_raises_an_engine_error_after_the_t
 
 def test_a_quiet_stream_of_the_engine_ends_in_the_same_result(make_engine) -> None:
     """Greedy, the same prompt: the quiet reader gets the plain one's tokens and text, woken once (the generation
-    takes far less than its interval), where the plain reader was woken step by step."""
+    takes far less than its interval), where the plain reader was woken step by step. Each step is held 5 ms: a
+    test model's steps are so short that the loop could take a whole generation's deliveries in one wake-up."""
     engine = make_engine(max_batch_size=2)
+    engine.on_step = lambda reqs: time.sleep(0.005)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_at_eos=False)
 
     async def generate(quiet: bool):
