@@ -182,5 +182,5 @@ def check_environment(environ: Mapping[str, str]) -> None:
             hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "it is not a Folio setting."
             raise ValueError(
                 f"unknown environment variable {name}: {hint} Server options are FOLIO_<OPTION> for each option "
-                "of `python -m app --help`; the other FOLIO_* variables are listed in the README (Configuration)"
+                "of `python -m app --help`; the other FOLIO_* variables are listed in docs/configuration.md"
             )

@@ -11,5 +11,5 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-# the data sets live beside the repository, never inside it (README: Tests)
+# the data sets live beside the repository, never inside it (docs/tests.md)
 SHARED_DATA = REPO.parent / "shared" / "data"

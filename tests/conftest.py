@@ -15,7 +15,7 @@ from model.tokenizer import BPETokenizer, gpt2_tokenizer
 from tests import REPO
 
 # the data the tests read lives beside the repository, never inside it: gpt2-bpe/{vocab.bpe,encoder.json} and
-# tinyshakespeare/input.txt under ../shared/data, or under the directory FOLIO_TEST_DATA names (README: Tests)
+# tinyshakespeare/input.txt under ../shared/data, or under the directory FOLIO_TEST_DATA names (docs/tests.md)
 DATA_DIR = Path(os.environ.get("FOLIO_TEST_DATA") or REPO.parent / "shared" / "data")
 BPE_DIR = DATA_DIR / "gpt2-bpe"
 
@@ -43,7 +43,7 @@ def gpt2_tok() -> BPETokenizer:
     """GPT-2's BPE from the local files (built once per session; tiktoken never touches the network)."""
     missing = [name for name in ("vocab.bpe", "encoder.json") if not (BPE_DIR / name).is_file()]
     if missing:
-        pytest.skip(f"GPT-2 BPE files {missing} not found in {BPE_DIR} (README: Tests; FOLIO_TEST_DATA)")
+        pytest.skip(f"GPT-2 BPE files {missing} not found in {BPE_DIR} (docs/tests.md; FOLIO_TEST_DATA)")
     return gpt2_tokenizer(BPE_DIR)
 
 

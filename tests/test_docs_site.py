@@ -1,10 +1,11 @@
 """The manual (docs/, mkdocs.yml at the root) builds with `mkdocs build --strict`, offline, into a temporary
 directory: a link to a missing page, file or heading, or a page left out of the nav, is a warning (mkdocs.yml's
-`validation:`), which --strict makes an error."""
+`validation:`), which --strict makes an error. The README is the way in: its links lead to files that exist."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,3 +60,9 @@ def test_a_broken_link_a_missing_heading_or_an_orphan_page_fails_the_build(tmp_p
         assert mistake in warnings, (mistake, output)
     assert "Aborted with 5 warnings in strict mode" in output, output
 
+
+def test_the_readmes_links_lead_to_files_that_exist() -> None:
+    readme = (REPO / "README.md").read_text()
+    targets = [t for t in re.findall(r"\]\(([^)\s]+)\)", readme) if not re.match(r"[a-z]+:|#", t)]
+    assert any(t.startswith("docs/") for t in targets), targets  # the README leads into the manual
+    assert [t for t in targets if not (REPO / t.split("#")[0]).exists()] == []

@@ -1,4 +1,4 @@
-"""What the suite needs beyond pip, as README's Tests section lists it: on a machine without the test data or a C++
+"""What the suite needs beyond pip, as docs/tests.md lists it: on a machine without the test data or a C++
 compiler the tests that need them skip and say what is missing (FOLIO_TEST_DATA points them at another data
 directory); and CI runs exactly the README's commands."""
 
@@ -31,6 +31,14 @@ def quickstart_commands() -> list[str]:
 def test_ci_runs_the_readme_test_command() -> None:
     test_command = next(c for c in quickstart_commands() if "pytest" in c)
     assert commands((REPO / ".ci" / "run").read_text())[-1] == test_command
+
+
+def test_the_manual_installs_as_the_readme_does() -> None:
+    """docs/ repeats the Quickstart's commands (Home, Tests): word for word, so that they cannot drift apart."""
+    pages = sorted((REPO / "docs").glob("*.md"))
+    repeated = [c for page in pages for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
+                for c in commands(block) if c.startswith("pip install -c constraints.txt")]
+    assert len(repeated) >= 2 and set(repeated) <= set(quickstart_commands()), repeated
 
 
 def test_quickstart_installs_torch_from_pytorchs_cpu_index() -> None:

@@ -2,7 +2,7 @@
 bundled character model and a GPT-2-shaped BPE model: what each view shows (a token's probability, alternatives and
 attention over the text; the heatmap's cells; the logit lens' cells) is checked against /inspect's numbers, by
 mouse and by keyboard, on a desktop and a phone width. Each view is photographed; with SCREENSHOTS_DIR set the
-pictures are copied there too (the README's come from `SCREENSHOTS_DIR=bench/results`).
+pictures are copied there too (the manual's, docs/inspect.md, come from `SCREENSHOTS_DIR=bench/results`).
 
 Skipped, with the reason, only where no chromium binary is installed (CI installs it in .ci/run)."""
 

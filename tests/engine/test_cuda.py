@@ -96,7 +96,7 @@ def test_training_on_cuda_lowers_the_loss_and_the_checkpoint_serves_on_cpu(repo:
     loads on the CPU and its greedy tokens are the naive loop's."""
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
-        pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
+        pytest.skip(f"{text} not found (docs/tests.md; FOLIO_TEST_DATA)")
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "model.train", "--preset", "shakespeare-char-cpu", "--data", str(text),
            "--out", str(out), "--device", "cuda", "--max-iters", "40", "--eval-interval", "20", "--eval-iters", "2",

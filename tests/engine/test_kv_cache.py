@@ -60,7 +60,7 @@ def test_an_fp16_cache_keeps_the_bundled_models_loss_as_decoded(repo, data_dir, 
     token at 99% of the steps or more."""
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
-        pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
+        pytest.skip(f"{text} not found (docs/tests.md; FOLIO_TEST_DATA)")
     ck = load_checkpoint(repo / "weights" / "shakespeare-char")
     if kind != "none":
         quantize(ck.model, kind)

@@ -30,7 +30,7 @@ def test_score_equals_the_engines_prompt_logprobs(repo, data_dir, tmp_path) -> N
     ck = load_checkpoint(repo / "weights" / "shakespeare-char")
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
-        pytest.skip(f"{text} not found (see README: test data)")
+        pytest.skip(f"{text} not found (docs/tests.md; FOLIO_TEST_DATA)")
     ids = ck.tokenizer.encode(text.read_text(encoding="utf-8")[:300])
     block = ck.config.block_size
     engine = Engine(ck, device="cpu", threads=1).start()

@@ -143,7 +143,7 @@ def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows:
 def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir, kind: str) -> None:
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
-        pytest.skip(f"{text} not found (README: Tests; FOLIO_TEST_DATA)")
+        pytest.skip(f"{text} not found (docs/tests.md; FOLIO_TEST_DATA)")
     ck = load_checkpoint(repo / "weights" / "shakespeare-char")
     raw = text.read_text(encoding="utf-8")
     ids = ck.tokenizer.encode(raw[int(len(raw) * 0.9):][:20_000])  # the validation split's start

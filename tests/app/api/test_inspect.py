@@ -287,8 +287,8 @@ def test_a_running_stream_keeps_streaming_while_an_inspection_runs(bundled_clien
 
 
 def served_int8_product(q: Int8Linear, x: torch.Tensor) -> torch.Tensor:
-    """An `Int8Linear`'s product as the served model computes it for a forward of these rows (README: Quantized
-    weights), in float64: rows that go to the int8 GEMM (`ops.native_int8_gemm`) rounded to int8 first, fewer rows
+    """An `Int8Linear`'s product as the served model computes it for a forward of these rows (docs/quantization.md),
+    in float64: rows that go to the int8 GEMM (`ops.native_int8_gemm`) rounded to int8 first, fewer rows
     against the dequantized weight (the avx512vnni kernels' int16 rounding of those is far below the tolerance)."""
     rows = x.reshape(-1, x.shape[-1])
     if native_int8_gemm(rows.shape[0], q.stored):
