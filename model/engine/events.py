@@ -1,4 +1,5 @@
-"""What the engine hands back: one `TokenEvent` per generated token, then a `Finished`, or an `EngineError`."""
+"""What the engine hands back: one `TokenEvent` per generated token, then a `Finished`, or an `EngineError`; and
+its counters (`EngineStats`, read by /metrics)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ class GenerationError(EngineError):
 
 class EngineStopped(EngineError):
     """The engine is shutting down or stopped."""
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    cancelled_total: int = 0
+    rejected_total: int = 0
+    failed_total: int = 0
+    generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of the requests that began prefilling
+    cached_prompt_tokens_total: int = 0  # of those, the ones found in the cache (prefix reuse), not computed
 
 
 @dataclass(frozen=True)
