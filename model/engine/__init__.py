@@ -1,6 +1,7 @@
 """The inference engine: continuous batching over a preallocated KV cache, on its own thread.
 
 - `engine.Engine`: the public API (submit / reserve / generate / cancel);
+- `config.EngineConfig`: its configuration, one object handed down whole;
 - `scheduler.Scheduler`: the queues, the capacity rule and the engine thread's loop (admission, prefill, decode);
 - `output.OutputProcessor`: a step's logits into tokens, stops and events (sampling, stopping, prompt scores);
 - `events`: what it hands back (token events, the final result), its counters and its domain errors;
@@ -9,6 +10,7 @@
 - `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes.
 """
 
+from model.engine.config import EngineConfig
 from model.engine.engine import Engine
 from model.engine.events import (
     EngineError,
@@ -27,6 +29,6 @@ from model.engine.request import Request
 from model.engine.stream import GenerationStream, Reservation
 
 __all__ = [
-    "Engine", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
+    "Engine", "EngineConfig", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
     "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
 ]

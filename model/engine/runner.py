@@ -12,6 +12,7 @@ import torch
 from model import kernels
 from model.checkpoint import Checkpoint
 from model.devices import default_dtype, resolve_device
+from model.engine.config import EngineConfig
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 
@@ -45,15 +46,14 @@ def resolve_kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dty
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, threads: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        self.device = resolve_device(device)
-        self.dtype = dtype or default_dtype(self.device)
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        """The model of `checkpoint` on `config`'s device, dtype and threads, with a KV-cache row per batch slot."""
+        self.device = resolve_device(config.device)
+        self.dtype = config.dtype or default_dtype(self.device)
         # CPU threads: as asked, else by the model's size (the engine's thread applies them: on_engine_thread)
         self.threads = 0
         if self.device.type == "cpu":
-            self.threads = threads or default_threads(checkpoint.config.num_params())
+            self.threads = config.threads or default_threads(checkpoint.config.num_params())
             torch.set_num_threads(self.threads)
         # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
         self.cpu_kernels = "not used on this device"
@@ -66,8 +66,13 @@ class ModelRunner:
         self.packed_bytes = kernels.install(self.model).packed_bytes
         self.block_size = checkpoint.config.block_size
         # a cache row per batch slot
-        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model, self.dtype)
-        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.kv_dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.model, self.dtype)
+        self.cache = KVCache(checkpoint.config, config.max_batch_size, device=self.device, dtype=self.kv_dtype)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The keys and values of every layer and row."""
+        return 2 * self.cache.k.numel() * self.cache.k.element_size()
 
     def on_engine_thread(self) -> None:
         """First thing on the engine's thread: its kernel jobs and torch ops use this model's thread count (the

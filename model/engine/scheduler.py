@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from model.engine.batch import Batch
+from model.engine.config import EngineConfig
 from model.engine.events import EngineError, EngineStats, EngineStopped, GenerationError, Overloaded
 from model.engine.jobs import Job
 from model.engine.output import OutputProcessor
@@ -46,16 +47,17 @@ class Scheduler:
     """Every request from its submission to its last event. `lock` guards the queues; the loop runs on the engine
     thread (`run`), submissions and cancellations come from any thread."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_batch_size: int, max_waiting: int,
-                 prefill_chunk: int, window_shift: int, prefix_cache: bool = True) -> None:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        """`config` as resolved (`Engine.config`: its `window_shift` set)."""
+        assert config.window_shift is not None
         self.runner = runner
         self.block_size = runner.block_size
-        self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
-        self.prefill_chunk, self.window_shift = prefill_chunk, window_shift
-        self.prefix_cache = prefix_cache
+        self.max_batch_size, self.max_waiting = config.max_batch_size, config.max_waiting
+        self.prefill_chunk, self.window_shift = config.prefill_chunk, config.window_shift
+        self.prefix_cache = config.prefix_cache
         self.stats = EngineStats()
         self.output = OutputProcessor(runner, tokenizer, self.stats)
-        self.batch = Batch(max_batch_size, prefix_cache=prefix_cache)
+        self.batch = Batch(config.max_batch_size, prefix_cache=config.prefix_cache)
         self.waiting: deque[Request] = deque()
         self.jobs: deque[Job] = deque()  # model work besides generation, a step per loop iteration
         self.reserved = 0  # slots held by `Engine.reserve` for requests not yet submitted
