@@ -24,6 +24,7 @@ from model.engine.events import (
     Result,
     TokenEvent,
     TopToken,
+    end_of,
 )
 from model.engine.request import Request
 from model.engine.stream import GenerationStream, Reservation
@@ -31,4 +32,5 @@ from model.engine.stream import GenerationStream, Reservation
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
     "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
+    "end_of",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 from model.checkpoint import Checkpoint
 from model.engine.attention import check_spec
 from model.engine.config import EngineConfig
-from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
+from model.engine.events import EngineError, EngineStopped, Event, GenerationError, Result, TokenEvent, end_of
 from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
@@ -238,9 +238,10 @@ class Engine:
                 raise GenerationError("generation timed out") from None
             if isinstance(ev, EngineError):
                 raise ev
-            if isinstance(ev, Finished):
-                return Result(tokens, ev)
-            tokens.append(ev)
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            if end := end_of(ev):
+                return Result(tokens, end)
 
     def submit_job(self, steps: Iterator[Any], result: Callable[[], Any], *,
                    reservation: Reservation | None = None) -> JobHandle:

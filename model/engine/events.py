@@ -1,5 +1,11 @@
-"""What the engine hands back: one `TokenEvent` per generated token, then a `Finished`, or an `EngineError`; and
-its counters (`EngineStats`, read by /metrics)."""
+"""What the engine hands back: one `TokenEvent` per generated token, or an `EngineError`; and its counters
+(`EngineStats`, read by /metrics).
+
+A generation ends once, with one event: the last `TokenEvent`, whose `finished` is set (TGI's `End`, vLLM's
+`finished` on the last output), or, when it generated no token (a prompt only scored: `max_new_tokens` 0), a
+`Finished` alone. Nothing follows it; `end_of` reads it from either. A prompt's log-probabilities come once too,
+on the first event.
+"""
 
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ class Finished:
     stop_sequence: str | None = None
     window_slides: int = 0
     truncated_prompt_tokens: int = 0
-    prompt_logprobs: tuple[PromptToken, ...] | None = None  # with `SamplingParams.prompt_logprobs`
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # here only when no token came (else on the first one)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class TokenEvent:
     special: bool
     index: int  # 1-based count of generated tokens
     top_tokens: tuple[TopToken, ...] = ()
-    finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
+    finished: Finished | None = None  # set on the last token: the end of the generation
     prompt_logprobs: tuple[PromptToken, ...] | None = None  # on the first token, with `prompt_logprobs`
     attention: TokenAttention | None = None  # with `SamplingParams.attention`
     created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
@@ -91,5 +97,17 @@ class Result:
     def token_ids(self) -> list[int]:
         return [t.id for t in self.tokens]
 
+    @property
+    def prompt_logprobs(self) -> tuple[PromptToken, ...] | None:
+        """The prompt's log-probabilities (with `SamplingParams.prompt_logprobs`), from the first event."""
+        return (self.tokens[0] if self.tokens else self.finished).prompt_logprobs
+
 
 Event = TokenEvent | Finished | EngineError
+
+
+def end_of(ev: object) -> Finished | None:
+    """The end of the generation if `ev` is its last event (the last token's `finished`, or a `Finished` alone)."""
+    if isinstance(ev, TokenEvent):
+        return ev.finished
+    return ev if isinstance(ev, Finished) else None

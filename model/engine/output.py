@@ -1,6 +1,7 @@
 """The output processor (vLLM v1's `OutputProcessor`): what a step's logits become for each request. It chooses
 the next tokens (one `Sampler` pass for all rows), checks stopping, captures streamed attention, scores prompts,
-counts tokens, and makes the events: a `TokenEvent` per token, the `Finished` that ends a generation.
+counts tokens, and makes the events: a `TokenEvent` per token, the last carrying the `Finished` that ends the
+generation (model/engine/events.py).
 
 It decides nothing about slots, rows or queues (model/engine/scheduler.py): it hands each request's event back,
 and the scheduler lets a request that ended leave the batch before its event goes out.
@@ -81,11 +82,12 @@ class OutputProcessor:
                           prompt_logprobs=scores, attention=attention)
 
     def finished(self, req: Request, reason: str, stop_sequence: str | None = None) -> Finished:
-        """The end of `req`'s generation."""
+        """The end of `req`'s generation: on its last token's event, or its only event if it generated none."""
         return Finished(
             finish_reason=reason, generated_text="".join(req.text), generated_tokens=len(req.output), seed=req.seed,
             prompt_tokens=len(req.prompt), prefill=tuple(req.prompt), stop_sequence=stop_sequence,
-            window_slides=req.slides, truncated_prompt_tokens=req.truncated, prompt_logprobs=req.prompt_scores(),
+            window_slides=req.slides, truncated_prompt_tokens=req.truncated,
+            prompt_logprobs=None if req.output else req.prompt_scores(),  # else the first token carried them
         )
 
     def _describe(self, token: int, logprob: float = 0.0) -> TopToken:

@@ -250,7 +250,7 @@ class Scheduler:
                 self.batch.start_decoding(req)
                 done.append(i)
         scoring_only = [i for i in done if plan[i][0].params.max_new_tokens == 0]
-        for i in scoring_only:  # it asked for no token: it only scored its prompt
+        for i in scoring_only:  # it asked for no token, it only scored its prompt: its end is its only event
             req = plan[i][0]
             finished = self.output.finished(req, "length")
             self._leave(req)
@@ -303,5 +303,3 @@ class Scheduler:
             if ev.finished is not None:
                 self._leave(req)
             req.sink(ev)
-            if ev.finished is not None:
-                req.sink(ev.finished)
