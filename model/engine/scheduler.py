@@ -8,7 +8,7 @@ One iteration of the loop:
 3. prefill: the next chunk of the oldest admitted request, with the admitted requests whose chunks are
    closest to its length, up to `prefill_chunk` tokens in one forward (`prefill.plan_prefill`); a long prompt
    therefore takes several iterations, and running streams get a decode step between its chunks;
-4. one decode step for every request in the running `Batch`: each row at its own position, with its own
+4. one decode step for every running request of the `Batch`: each row at its own position, with its own
    sampling parameters, generator and stopping criteria (the `OutputProcessor` chooses for all rows in one pass).
 
 Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
