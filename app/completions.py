@@ -44,7 +44,7 @@ def logprobs_block(tokens: Sequence[Scored], text_of: Callable[[int], str], offs
 
 def choice_logprobs(result: Result, echoed: bool, text_of: Callable[[int], str]) -> dict[str, Any]:
     """A whole choice's logprobs: the prompt's tokens (if echoed), then the generated ones."""
-    prompt = [Scored.of(t) for t in result.finished.prompt_logprobs or ()] if echoed else []
+    prompt = [Scored.of(t) for t in result.prompt_logprobs or ()] if echoed else []
     return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], text_of, 0)
 
 

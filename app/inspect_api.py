@@ -144,7 +144,7 @@ def check_request(service: GenerationService, options: InspectOptions, n: int) -
     """Everything about an inspection of `n` tokens that can be refused before any work: `InspectError` (422) or
     `InspectTooLarge` (413), naming the request's fields."""
     with INSPECT.naming_fields():
-        check_options(options, n, service.engine.model, service.tokenizer.n_vocab)  # reads the model's config only
+        check_options(options, n, service.engine.runner.model, service.tokenizer.n_vocab)  # the model's config only
     attention, rest = estimated_bytes(n, options, service.checkpoint.config)
     if attention + rest > MAX_RESPONSE_BYTES:
         field = "layers" if attention > rest else "lens_layers"

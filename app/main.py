@@ -28,7 +28,7 @@ from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.devices import resolve_device
-from model.engine import Engine
+from model.engine import Engine, EngineConfig
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
@@ -40,8 +40,7 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
     if settings.quantize != "none":
         log.info("quantizing %s to %s (%s bytes of weights)", checkpoint.path.name if checkpoint.path else "the model",
                  settings.quantize, f"{quantize(checkpoint.model, settings.quantize):,}")
-    engine = Engine(
-        checkpoint,
+    engine = Engine(checkpoint, EngineConfig(
         device=device,
         dtype=DTYPES.get(settings.dtype),
         max_batch_size=settings.max_batch_size,
@@ -50,7 +49,7 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
         window_shift=settings.window_shift or None,
         threads=settings.threads or None,
         kv_cache_dtype=settings.kv_cache_dtype,
-    )
+    ))
     if settings.fault_injection:
         log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "
                     "the engine step", FAULT_PREFILL, FAULT_DECODE, FAULT_STALL)
@@ -81,7 +80,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         await run_in_threadpool(eng.warmup)
         metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
         service.ready = True
-        log.info("serving %s on %s (%s)", service.model_id, eng.device, str(eng.dtype).removeprefix("torch."))
+        log.info("serving %s on %s (%s)", service.model_id, eng.config.device,
+                 str(eng.config.dtype).removeprefix("torch."))
         try:
             yield
         finally:

@@ -39,7 +39,7 @@ from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
-from model.engine import Engine, EngineStats
+from model.engine import Engine, EngineConfig, EngineStats
 from model.registry import ModelInfo, ModelNotFound, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
@@ -164,7 +164,7 @@ class CurrentEngine:
             self._last_stats = engine.stats  # the scheduler's small stats object, not the engine
             return getattr(engine, name)
         idle = {"stats": replace(self._last_stats, running=0, waiting=0), "reserved": 0,
-                "max_batch_size": self._service.settings.max_batch_size}
+                "config": EngineConfig(max_batch_size=self._service.settings.max_batch_size)}
         return idle[name]
 
 

@@ -161,9 +161,8 @@ async def _stream(service: GenerationService, streams: list[list[GenerationStrea
                     lp = logprobs_block(scored, service.token_text, 0) if scored is not None else None
                     out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
             for ev in batch:
-                if isinstance(ev, Finished):
-                    if ev.generated_tokens == 0:  # max_tokens 0: the echo was all
-                        out.append(chunks.chunk(index, "", _finish(ev)))
+                if isinstance(ev, Finished):  # max_tokens 0: the echo was all, and the end is the only event
+                    out.append(chunks.chunk(index, "", _finish(ev)))
                     break
                 finish = _finish(ev.finished) if ev.finished else None
                 if ev.text or finish or logprobs:

@@ -34,7 +34,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model.engine import Finished, TokenEvent
+from model.engine import TokenEvent, end_of
 
 HEADER = "X-Request-Id"
 SAFE_ID = re.compile(r"[A-Za-z0-9._~:+/=-]{1,128}")
@@ -68,8 +68,8 @@ class RequestRecord:
                 self.generated_tokens += 1
                 if self.first_token_at is None:
                     self.first_token_at = ev.created
-            elif isinstance(ev, Finished):
-                self.finish_reason = ev.finish_reason
+            if end := end_of(ev):
+                self.finish_reason = end.finish_reason
 
     @property
     def ttft(self) -> float | None:

@@ -90,10 +90,11 @@ async def health_ready(request: Request) -> StrictJSONResponse:
     if engine is None:  # the default model was unloaded to make room (app/models.py): the next request loads it
         return StrictJSONResponse({"status": "ok", "in_flight": 0,
                                    "capacity": service.settings.max_batch_size + service.settings.max_waiting})
-    in_flight, capacity = engine.stats.running + engine.stats.waiting, engine.max_batch_size + engine.max_waiting
+    limits = engine.config
+    in_flight, capacity = engine.stats.running + engine.stats.waiting, limits.max_batch_size + limits.max_waiting
     if in_flight >= capacity:
         return _unavailable("full", f"{in_flight} requests in flight, the capacity is {capacity} "
-                            f"({engine.max_batch_size} running + {engine.max_waiting} waiting)")
+                            f"({limits.max_batch_size} running + {limits.max_waiting} waiting)")
     return StrictJSONResponse({"status": "ok", "in_flight": in_flight, "capacity": capacity})
 
 
@@ -120,6 +121,7 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
     """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
     its directory, and a path in the provenance (the training data, the output directory) by its last part."""
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
+    runner, limits = engine.runner, engine.config
     tok = ck.tokenizer
     return without_paths({
         "model_id": service.model_id,
@@ -132,19 +134,19 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "block_size": cfg.block_size,
         "max_input_tokens": cfg.block_size,
         "max_total_tokens": cfg.block_size + service.settings.max_new_tokens_limit,
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "cpu_kernels": engine.cpu_kernels,  # "loaded (avx512)", or why not
-        "threads": engine.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "cpu_kernels": runner.cpu_kernels,  # "loaded (avx512)", or why not
+        "threads": runner.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
         "quantization": ck.meta.get("quantization") or service.settings.quantize,  # stored, or done at load
-        "packed_weight_bytes": engine.packed_bytes,  # the kernels' second copy of the linear weights
-        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),  # --kv-cache-dtype, "auto" resolved
-        "kv_cache_bytes": engine.kv_cache_bytes,  # keys and values of every layer and batch row
-        "max_batch_size": engine.max_batch_size,
-        "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,
-        "max_waiting": engine.max_waiting,
-        "prefill_chunk": engine.prefill_chunk,
-        "window_shift": engine.window_shift,
+        "packed_weight_bytes": runner.packed_bytes,  # the kernels' second copy of the linear weights
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),  # --kv-cache-dtype, "auto" resolved
+        "kv_cache_bytes": runner.kv_cache_bytes,  # keys and values of every layer and batch row
+        "max_batch_size": limits.max_batch_size,
+        "max_concurrent_requests": limits.max_batch_size + limits.max_waiting,
+        "max_waiting": limits.max_waiting,
+        "prefill_chunk": limits.prefill_chunk,
+        "window_shift": limits.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,
         "training": ck.training,
         "models": served.describe() if (served := getattr(request.app.state, "models", None)) else None,

@@ -60,7 +60,7 @@ def _sequence(service: GenerationService, body: GenerateRequest, result: Result)
     p, fin = body.parameters, result.finished
     prefill = []
     if p.decoder_input_details:
-        scores = fin.prompt_logprobs or ()
+        scores = result.prompt_logprobs or ()
         prefill = [PrefillToken(id=t.id, text=service.token_text(t.id), logprob=t.logprob) for t in scores]
     return dict(
         generated_text=(body.inputs if p.return_full_text else "") + result.text,

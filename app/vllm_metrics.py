@@ -112,7 +112,7 @@ class EngineGauges(Collector):
         return family
 
     def collect(self) -> Iterator[Metric]:
-        s, rows = self.engine.stats, self.engine.max_batch_size
+        s, rows = self.engine.stats, self.engine.config.max_batch_size
         yield self._family(GaugeMetricFamily, "vllm:num_requests_running",
                            "Number of requests in model execution batches.", s.running)
         yield self._family(GaugeMetricFamily, "vllm:num_requests_waiting",

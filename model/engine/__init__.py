@@ -1,16 +1,20 @@
 """The inference engine: continuous batching over a preallocated KV cache, on its own thread.
 
 - `engine.Engine`: the public API (submit / reserve / generate / cancel);
-- `scheduler.Scheduler`: the queues, the capacity rule and the engine thread's loop (prefill, decode, emit);
-- `events`: what it hands back (token events, the final result) and its domain errors;
+- `config.EngineConfig`: its configuration, one object handed down whole;
+- `scheduler.Scheduler`: the queues, the capacity rule and the engine thread's loop (admission, prefill, decode);
+- `output.OutputProcessor`: a step's logits into tokens, stops and events (sampling, stopping, prompt scores);
+- `events`: what it hands back (token events, the final result), its counters and its domain errors;
 - `stream`: the hand-off to asyncio (an event stream per request, a mailbox per event loop, reservations);
-- `request`, `batch`, `prefill`: one request's state, the running batch and its cache rows, prefill packing;
+- `request`, `batch`, `prefill`: one request's state, the batch (every slot and cache row), prefill packing;
 - `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes.
 """
 
+from model.engine.config import EngineConfig
 from model.engine.engine import Engine
 from model.engine.events import (
     EngineError,
+    EngineStats,
     EngineStopped,
     Event,
     Finished,
@@ -20,12 +24,13 @@ from model.engine.events import (
     Result,
     TokenEvent,
     TopToken,
+    end_of,
 )
 from model.engine.request import Request
-from model.engine.scheduler import EngineStats
 from model.engine.stream import GenerationStream, Reservation
 
 __all__ = [
-    "Engine", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
+    "Engine", "EngineConfig", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
     "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
+    "end_of",
 ]

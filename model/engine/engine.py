@@ -16,17 +16,17 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
-
-import torch
 
 from model.checkpoint import Checkpoint
 from model.engine.attention import check_spec
-from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
+from model.engine.config import EngineConfig
+from model.engine.events import EngineError, EngineStopped, Event, GenerationError, Result, TokenEvent, end_of
 from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
-from model.engine.scheduler import EngineStats, Scheduler
+from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
 from model.inspect import InspectOptions, Inspector
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
@@ -37,46 +37,27 @@ DRAWN_SEED_LIMIT = min(2**53, MAX_SEED + 1)
 
 
 class Engine:
-    """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`."""
+    """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`. The model side
+(the model on its device, its KV cache, the kernels) is `runner`'s; the configuration as resolved, `config`."""
 
-    def __init__(self, checkpoint: Checkpoint, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, max_batch_size: int = 16, max_waiting: int = 64,
-                 prefill_chunk: int = 512, window_shift: int | None = None, threads: int | None = None,
-                 prefix_cache: bool = True, kv_cache_dtype: str = "auto") -> None:
-        if max_batch_size < 1 or max_waiting < 0 or prefill_chunk < 1:
-            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
-        self.config, self.tokenizer = checkpoint.config, checkpoint.tokenizer
-        self.block_size = self.config.block_size
-        self.window_shift = window_shift or max(1, self.block_size // 8)
-        if not 1 <= self.window_shift < self.block_size:
-            raise ValueError(f"window_shift must be in [1, {self.block_size - 1}], got {self.window_shift}")
-        self.runner = ModelRunner(checkpoint, max_batch_size, device=device, dtype=dtype, threads=threads,
-                                  kv_cache_dtype=kv_cache_dtype)
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig | None = None, **fields: Any) -> None:
+        """`config`, with `fields` of `EngineConfig` over it (`Engine(checkpoint, max_batch_size=4)`)."""
+        config = replace(config or EngineConfig(), **fields)
+        self.model_config, self.tokenizer = checkpoint.config, checkpoint.tokenizer
+        self.block_size = self.model_config.block_size
+        window_shift = config.window_shift_for(self.block_size)
+        self.runner = ModelRunner(checkpoint, config)
+        self.config = replace(config, device=self.runner.device, dtype=self.runner.dtype, threads=self.runner.threads,
+                              window_shift=window_shift)
         self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id
-        self.max_batch_size, self.max_waiting, self.prefill_chunk = max_batch_size, max_waiting, prefill_chunk
-        self.scheduler = Scheduler(self.runner, self.tokenizer, max_batch_size=max_batch_size,
-                                   max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-                                   window_shift=self.window_shift, prefix_cache=prefix_cache)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, self.config)
+        self.stats = self.scheduler.stats  # the counters /metrics reads
         self.scheduler.flush = self._flush
         self._lock = self.scheduler.lock
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         # per event loop that submitted: its events of the current step (a loop that is gone drops its mailbox)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
-
-    # the model side, as the runner set it up
-    model = property(lambda self: self.runner.model)
-    device = property(lambda self: self.runner.device)
-    dtype = property(lambda self: self.runner.dtype)
-    cpu_kernels = property(lambda self: self.runner.cpu_kernels)
-    threads = property(lambda self: self.runner.threads)
-    kv_cache_dtype = property(lambda self: self.runner.kv_dtype)
-    kv_cache_bytes = property(lambda self: 2 * self.runner.cache.k.numel() * self.runner.cache.k.element_size())
-    packed_bytes = property(lambda self: self.runner.packed_bytes)
-
-    @property
-    def stats(self) -> EngineStats:
-        return self.scheduler.stats
 
     @property
     def on_step(self) -> Callable[[list[Request]], None] | None:
@@ -144,7 +125,7 @@ class Engine:
         params = SamplingParams(max_new_tokens=self.WARMUP_NEW_TOKENS, seed=0)
         prompt = [0] * min(8, self.block_size - 1)
         pending = []
-        for _ in range(min(self.WARMUP_ROWS, self.max_batch_size)):
+        for _ in range(min(self.WARMUP_ROWS, self.config.max_batch_size)):
             events: queue.Queue[Event] = queue.Queue()
             pending.append((self._enqueue(prompt, params, events.put, None), events))
         self.start()
@@ -161,7 +142,7 @@ class Engine:
         or the limits refuse (`model.engine.attention.check_spec`)."""
         if params is not None:
             if params.attention is not None:
-                check_spec(params.attention, self.config, params.max_new_tokens)
+                check_spec(params.attention, self.model_config, params.max_new_tokens)
             for name in ("top_n_tokens", "prompt_logprobs"):
                 if (n := getattr(params, name)) is not None and n > self.n_vocab:
                     raise ValidationError(name, f"must be at most the model's vocabulary size, {self.n_vocab}, "
@@ -257,9 +238,10 @@ class Engine:
                 raise GenerationError("generation timed out") from None
             if isinstance(ev, EngineError):
                 raise ev
-            if isinstance(ev, Finished):
-                return Result(tokens, ev)
-            tokens.append(ev)
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            if end := end_of(ev):
+                return Result(tokens, end)
 
     def submit_job(self, steps: Iterator[Any], result: Callable[[], Any], *,
                    reservation: Reservation | None = None) -> JobHandle:

@@ -1,4 +1,11 @@
-"""What the engine hands back: one `TokenEvent` per generated token, then a `Finished`, or an `EngineError`."""
+"""What the engine hands back: one `TokenEvent` per generated token, or an `EngineError`; and its counters
+(`EngineStats`, read by /metrics).
+
+A generation ends once, with one event: the last `TokenEvent`, whose `finished` is set (TGI's `End`, vLLM's
+`finished` on the last output), or, when it generated no token (a prompt only scored: `max_new_tokens` 0), a
+`Finished` alone. Nothing follows it; `end_of` reads it from either. A prompt's log-probabilities come once too,
+on the first event.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +31,18 @@ class EngineStopped(EngineError):
     """The engine is shutting down or stopped."""
 
 
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    cancelled_total: int = 0
+    rejected_total: int = 0
+    failed_total: int = 0
+    generated_tokens_total: int = 0
+    prompt_tokens_total: int = 0  # prompt tokens of the requests that began prefilling
+    cached_prompt_tokens_total: int = 0  # of those, the ones found in the cache (prefix reuse), not computed
+
+
 @dataclass(frozen=True)
 class Finished:
     finish_reason: str  # "length", "eos_token", "stop_sequence"
@@ -35,7 +54,7 @@ class Finished:
     stop_sequence: str | None = None
     window_slides: int = 0
     truncated_prompt_tokens: int = 0
-    prompt_logprobs: tuple[PromptToken, ...] | None = None  # with `SamplingParams.prompt_logprobs`
+    prompt_logprobs: tuple[PromptToken, ...] | None = None  # here only when no token came (else on the first one)
 
 
 @dataclass(frozen=True)
@@ -57,7 +76,7 @@ class TokenEvent:
     special: bool
     index: int  # 1-based count of generated tokens
     top_tokens: tuple[TopToken, ...] = ()
-    finished: Finished | None = None  # set on the last token (a `Finished` event follows it too)
+    finished: Finished | None = None  # set on the last token: the end of the generation
     prompt_logprobs: tuple[PromptToken, ...] | None = None  # on the first token, with `prompt_logprobs`
     attention: TokenAttention | None = None  # with `SamplingParams.attention`
     created: float = field(default_factory=time.perf_counter)  # when the engine produced it (latency metrics)
@@ -78,5 +97,17 @@ class Result:
     def token_ids(self) -> list[int]:
         return [t.id for t in self.tokens]
 
+    @property
+    def prompt_logprobs(self) -> tuple[PromptToken, ...] | None:
+        """The prompt's log-probabilities (with `SamplingParams.prompt_logprobs`), from the first event."""
+        return (self.tokens[0] if self.tokens else self.finished).prompt_logprobs
+
 
 Event = TokenEvent | Finished | EngineError
+
+
+def end_of(ev: object) -> Finished | None:
+    """The end of the generation if `ev` is its last event (the last token's `finished`, or a `Finished` alone)."""
+    if isinstance(ev, TokenEvent):
+        return ev.finished
+    return ev if isinstance(ev, Finished) else None

@@ -1,18 +1,18 @@
 """The model side of the engine: the model on its device, the KV cache, and the two kinds of forward a step
-makes (prompt chunks into their rows; one token for every running row). Ids and positions in, logits out."""
+makes (prompt chunks into their rows; one token for every running row). Ids and positions in, logits out; which
+tokens each row holds is the batch's to record (model/engine/batch.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 
 from model import kernels
 from model.checkpoint import Checkpoint
 from model.devices import default_dtype, resolve_device
-from model.engine.prefix_cache import RowContents
+from model.engine.config import EngineConfig
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 
@@ -46,15 +46,14 @@ def resolve_kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dty
 
 
 class ModelRunner:
-    def __init__(self, checkpoint: Checkpoint, rows: int, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, threads: int | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
-        self.device = resolve_device(device)
-        self.dtype = dtype or default_dtype(self.device)
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        """The model of `checkpoint` on `config`'s device, dtype and threads, with a KV-cache row per batch slot."""
+        self.device = resolve_device(config.device)
+        self.dtype = config.dtype or default_dtype(self.device)
         # CPU threads: as asked, else by the model's size (the engine's thread applies them: on_engine_thread)
         self.threads = 0
         if self.device.type == "cpu":
-            self.threads = threads or default_threads(checkpoint.config.num_params())
+            self.threads = config.threads or default_threads(checkpoint.config.num_params())
             torch.set_num_threads(self.threads)
         # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
         self.cpu_kernels = "not used on this device"
@@ -66,10 +65,14 @@ class ModelRunner:
         # again as the weights); nothing where the kernels are not used
         self.packed_bytes = kernels.install(self.model).packed_bytes
         self.block_size = checkpoint.config.block_size
-        # a cache row per batch slot, and which tokens each row holds (prefix reuse)
-        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.model, self.dtype)
-        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.kv_dtype)
-        self.contents = RowContents(rows)
+        # a cache row per batch slot
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.model, self.dtype)
+        self.cache = KVCache(checkpoint.config, config.max_batch_size, device=self.device, dtype=self.kv_dtype)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The keys and values of every layer and row."""
+        return 2 * self.cache.k.numel() * self.cache.k.element_size()
 
     def on_engine_thread(self) -> None:
         """First thing on the engine's thread: its kernel jobs and torch ops use this model's thread count (the
@@ -95,7 +98,7 @@ class ModelRunner:
         # a chunk the fused blocks take runs in the decode step's context (an OpenMP team left spinning slowed the
         # kernels' pool by ~5%)
         fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
-        with self._recording(rows, starts, chunks), (self.decode_context() if fused else contextlib.nullcontext()):
+        with self.decode_context() if fused else contextlib.nullcontext():
             logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
                                 kv_len=min(self.block_size, max(starts) + width), take=take)
         return logits if every_position else logits[:, 0]
@@ -104,28 +107,14 @@ class ModelRunner:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
-        with self._recording(rows, positions, [[t] for t in tokens]):
-            logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
-                                kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
+        logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
+                            kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
         return logits[:, -1]
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
-        """Row `row` gets the keys and values of positions 0..length-1 of row `source` (and their tokens)."""
+        """Row `row` gets the keys and values of positions 0..length-1 of row `source`."""
         for cache in (self.cache.k, self.cache.v):  # (n_layer, rows, n_head, max_len, head_size)
             cache[:, row, :, :length] = cache[:, source, :, :length]
-        self.contents.wrote(row, 0, self.contents.tokens[source][:length])
-
-    @contextlib.contextmanager
-    def _recording(self, rows: list[int], starts: list[int], chunks: list[list[int]]) -> Iterator[None]:
-        """Record what a forward wrote into each row once it completed; a failed one leaves its rows unknown."""
-        try:
-            yield
-        except BaseException:
-            for row in rows:
-                self.contents.forget(row)
-            raise
-        for row, start, chunk in zip(rows, starts, chunks):
-            self.contents.wrote(row, start, chunk)
 
     def _ids(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,5 +1,6 @@
-"""The scheduler: the queues a request passes through (waiting, prefilling, the running batch), the capacity rule,
-and the engine thread's loop that prefills, decodes, samples and stops.
+"""The scheduler: the queues a request passes through (waiting, then a slot in the `Batch`: prefilling, running),
+the capacity rule, and the engine thread's loop that admits, prefills and decodes. What the logits of a step become
+(tokens, stops, events) is the output processor's (model/engine/output.py).
 
 One iteration of the loop:
 1. drop cancelled requests (their slot is free before the next model step);
@@ -7,8 +8,8 @@ One iteration of the loop:
 3. prefill: the next chunk of the oldest admitted request, with the admitted requests whose chunks are
    closest to its length, up to `prefill_chunk` tokens in one forward (`prefill.plan_prefill`); a long prompt
    therefore takes several iterations, and running streams get a decode step between its chunks;
-4. one decode step for every request in the running `Batch`: each row at its own position, with its own
-   sampling parameters, generator and stopping criteria; the `Sampler` chooses for all rows in one pass.
+4. one decode step for every running request of the `Batch`: each row at its own position, with its own
+   sampling parameters, generator and stopping criteria (the `OutputProcessor` chooses for all rows in one pass).
 
 Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
 position `block_size`, the window slides: the row keeps its last `block_size - window_shift + 1` tokens,
@@ -25,57 +26,41 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from model.engine.attention import TokenAttention, watch
 from model.engine.batch import Batch
-from model.engine.events import EngineError, EngineStopped, Finished, GenerationError, Overloaded, TokenEvent, TopToken
+from model.engine.config import EngineConfig
+from model.engine.events import EngineError, EngineStats, EngineStopped, GenerationError, Overloaded
 from model.engine.jobs import Job
+from model.engine.output import OutputProcessor
 from model.engine.prefill import plan_prefill
 from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
-from model.sampler import Sampler, SamplerOutput, new_generator
-from model.scoring import PromptScorer
-from model.stopping import StoppingCriteria
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("folio.engine")
-
-
-@dataclass
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    cancelled_total: int = 0
-    rejected_total: int = 0
-    failed_total: int = 0
-    generated_tokens_total: int = 0
-    prompt_tokens_total: int = 0  # prompt tokens of the requests that began prefilling
-    cached_prompt_tokens_total: int = 0  # of those, the ones found in the cache (prefix reuse), not computed
 
 
 class Scheduler:
     """Every request from its submission to its last event. `lock` guards the queues; the loop runs on the engine
     thread (`run`), submissions and cancellations come from any thread."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, max_batch_size: int, max_waiting: int,
-                 prefill_chunk: int, window_shift: int, prefix_cache: bool = True) -> None:
-        self.runner, self.tokenizer = runner, tokenizer
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        """`config` as resolved (`Engine.config`: its `window_shift` set)."""
+        assert config.window_shift is not None
+        self.runner = runner
         self.block_size = runner.block_size
-        self.max_batch_size, self.max_waiting = max_batch_size, max_waiting
-        self.prefill_chunk, self.window_shift = prefill_chunk, window_shift
-        self.prefix_cache = prefix_cache
-        self.eos_id = tokenizer.eos_id
-        self.sampler = Sampler(tokenizer.n_vocab, tokenizer.eos_id)
-        self.batch = Batch(max_batch_size)
+        self.max_batch_size, self.max_waiting = config.max_batch_size, config.max_waiting
+        self.prefill_chunk, self.window_shift = config.prefill_chunk, config.window_shift
+        self.prefix_cache = config.prefix_cache
+        self.stats = EngineStats()
+        self.output = OutputProcessor(runner, tokenizer, self.stats)
+        self.batch = Batch(config.max_batch_size, prefix_cache=config.prefix_cache)
         self.waiting: deque[Request] = deque()
-        self.prefilling: deque[Request] = deque()
         self.jobs: deque[Job] = deque()  # model work besides generation, a step per loop iteration
         self.reserved = 0  # slots held by `Engine.reserve` for requests not yet submitted
-        self.stats = EngineStats()
         self.lock = threading.Condition()
         self.stopping = False
         self.closing = False  # admits nothing new; what is in flight finishes (`Engine.drain`)
@@ -85,7 +70,7 @@ class Scheduler:
 
     # -- from any thread, under `lock` ------------------------------------------------------------------
     def in_flight(self) -> int:
-        return len(self.batch) + len(self.prefilling) + len(self.waiting) + len(self.jobs)
+        return len(self.batch) + len(self.waiting) + len(self.jobs)
 
     def refuse_if_full(self) -> None:
         # bound the total, not just the waiting queue: requests wait in `waiting` until the engine thread
@@ -101,8 +86,7 @@ class Scheduler:
         self.lock.notify_all()
 
     def cancel(self, req: Request | Job) -> None:
-        if not req.cancelled and (req in self.waiting or req in self.prefilling or req in self.batch
-                                  or req in self.jobs):
+        if not req.cancelled and (req in self.waiting or req in self.batch or req in self.jobs):
             req.cancelled = True
             self.lock.notify_all()
 
@@ -111,14 +95,11 @@ class Scheduler:
         self.lock.notify_all()
 
     def fail_all(self, err: EngineError) -> None:
-        failed = list(self.waiting) + list(self.prefilling) + self.batch.clear()
+        failed = list(self.waiting) + self.batch.clear()
         for job in self.jobs:
             job.deliver(err)
         self.jobs.clear()
         self.waiting.clear()
-        for req in self.prefilling:
-            self.batch.release_row(req)
-        self.prefilling.clear()
         self.stats.waiting = 0
         self._count_running()
         for req in failed:
@@ -139,16 +120,16 @@ class Scheduler:
                     self.flush()
                     return
                 self._reap_cancelled()
-                while self.waiting and len(self.batch) + len(self.prefilling) < self.max_batch_size:
-                    self.prefilling.append(self.waiting.popleft())
+                while self.waiting and len(self.batch) < self.max_batch_size:
+                    self.batch.admit(self.waiting.popleft())
                 self.stats.waiting = len(self.waiting)
                 self._count_running()
             try:
                 with torch.inference_mode():
-                    if self.prefilling:
+                    if self.batch.prefilling:
                         self._prefill_step()
                         self.flush()  # first tokens go out now, not after the decode step
-                    if self.batch:
+                    if self.batch.running:
                         with self.runner.decode_context():
                             self._decode_step()
                     if self.jobs:
@@ -156,7 +137,7 @@ class Scheduler:
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 with self.lock:
-                    for req in list(self.batch) + list(self.prefilling):
+                    for req in self.batch.running + self.batch.prefilling:
                         self._fail(req, GenerationError(f"generation failed: {e}"))
             self.flush()
 
@@ -185,10 +166,6 @@ class Scheduler:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             self.stats.cancelled_total += 1
-        for req in [r for r in self.prefilling if r.cancelled]:
-            self.prefilling.remove(req)
-            self.batch.release_row(req)
-            self.stats.cancelled_total += 1
         self.stats.cancelled_total += len(self.batch.filter(lambda r: r.cancelled))
         self._count_running()
 
@@ -200,51 +177,23 @@ class Scheduler:
     def _leave(self, req: Request) -> None:
         """`req` gives up its slot (and row): finished, or failed."""
         if req in self.batch:
-            self.batch.remove(req)
-        elif req in self.prefilling:
-            self.prefilling.remove(req)
-            self.batch.release_row(req)
+            self.batch.leave(req)
         self._count_running()
 
     def _count_running(self) -> None:
         """The running-batch gauge: the slots taken, by requests being prefilled or decoded. Updated wherever a
         request takes or leaves a slot, before its last event is sent, so that a client told its request ended
         never finds it still counted in /metrics."""
-        self.stats.running = len(self.batch) + len(self.prefilling)
+        self.stats.running = len(self.batch)
 
     def _begin(self, req: Request) -> None:
         """Give `req` a cache row, with the longest prefix of its prompt any row holds (in place if that row is
         free, else copied), and its sampling and stopping state."""
-        self._take_row(req)
+        req.prefilled = self.batch.take_row(req, reuse=self._reuses(req), copy=self.runner.copy_prefix)
+        self.stats.cached_prompt_tokens_total += req.prefilled
         req.context = list(req.prompt)
-        req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
-        if req.params.prompt_logprobs is not None:
-            req.scorer = PromptScorer(req.prompt, req.params.prompt_logprobs, self.tokenizer.n_vocab, self._describe)
-        req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
-                                        stop=req.params.stop, stop_at_eos=req.params.stop_at_eos,
-                                        min_tokens=req.params.min_tokens)
+        self.output.begin(req)
         self.stats.prompt_tokens_total += len(req.prompt)
-
-    def _take_row(self, req: Request) -> None:
-        contents, free = self.runner.contents, self.batch.free_rows
-        if self._reuses(req):
-            row, held = contents.longest(req.prompt, range(self.max_batch_size))
-            cached = min(held, len(req.prompt) - 1)  # the last prompt token is fed again: its logits are needed
-            if cached > 0:
-                if row in free:
-                    self.batch.take_row(req, row)
-                else:
-                    self.batch.take_row(req, self._spare_row(free))
-                    self.runner.copy_prefix(row, req.row, cached)
-                req.prefilled = cached
-                self.stats.cached_prompt_tokens_total += cached
-                return
-        # running + prefilling <= max_batch_size: there is always a free row
-        self.batch.take_row(req, self._spare_row(free) if self.prefix_cache else None)
-
-    def _spare_row(self, free: list[int]) -> int:
-        """The free row whose contents are the least loss: the fewest tokens, the one given back last on a tie."""
-        return min(reversed(free), key=lambda row: len(self.runner.contents.tokens[row]))
 
     def _reuses(self, req: Request) -> bool:
         # a scored prompt needs the logits of every position: it computes them all
@@ -255,7 +204,8 @@ class Scheduler:
         in the cache it copies them instead of computing them too (n samples of one prompt share one prefill)."""
         if req.row >= 0 or not self._reuses(req):
             return True
-        return not any(o.row >= 0 and o.prefilling and shares_prefix(o.prompt, req.prompt) for o in self.prefilling)
+        return not any(o.row >= 0 and o.prefilling and shares_prefix(o.prompt, req.prompt)
+                       for o in self.batch.prefilling)
 
     def _on_step(self, reqs: list[Request], phase: str) -> list[Request]:
         """Run the `on_step` hook (fault injection) per request; a request it raises for fails alone. The rest."""
@@ -273,11 +223,11 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         """Feed the next prompt chunk of every request `plan_prefill` packs into one forward; the requests whose
-        prompt is then all in the cache join the batch with their first token."""
-        for req in list(self.prefilling):
+        prompt is then all in the cache start decoding with their first token."""
+        for req in list(self.batch.prefilling):
             if req.row < 0 and self._ready(req):
                 self._begin(req)
-        begun = [r for r in self.prefilling if r.row >= 0]
+        begun = [r for r in self.batch.prefilling if r.row >= 0]
         if not begun:
             return
         plan = plan_prefill(begun, self.prefill_chunk, self.block_size)
@@ -297,99 +247,59 @@ class Scheduler:
             req.prefilled += n
             req.pos = req.prefilled
             if not req.prefilling:
-                self.prefilling.remove(req)
-                self.batch.add(req)
+                self.batch.start_decoding(req)
                 done.append(i)
         scoring_only = [i for i in done if plan[i][0].params.max_new_tokens == 0]
-        for i in scoring_only:
-            self._finish(plan[i][0], "length")
+        for i in scoring_only:  # it asked for no token, it only scored its prompt: its end is its only event
+            req = plan[i][0]
+            finished = self.output.finished(req, "length")
+            self._leave(req)
+            req.sink(finished)
         sampled = [i for i in done if i not in scoring_only]
         if sampled:
-            self._choose_and_emit([plan[i][0] for i in sampled], logits[sampled])
+            self._emit([plan[i][0] for i in sampled], logits[sampled])
 
     def _forward_plan(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         """The plan's chunks in one forward: each chunk's last logits, (len(plan), vocab). Requests that score
         their prompt get every position's logits first."""
         chunks = [req.prompt[req.prefilled : req.prefilled + n] for req, n in plan]
         rows, starts = [req.row for req, _ in plan], [req.prefilled for req, _ in plan]
-        if not any(req.scorer for req, _ in plan):
-            return self.runner.forward_chunks(rows, chunks, starts)
-        logits = self.runner.forward_chunks(rows, chunks, starts, every_position=True)
-        for i, (req, n) in enumerate(plan):
-            if req.scorer is not None:
-                req.scorer.add(req.prefilled, logits[i, :n])
-        return logits[torch.arange(len(plan)), torch.tensor([n - 1 for _, n in plan])]
+        scoring = any(req.scorer for req, _ in plan)
+        with self.batch.writing(rows, starts, chunks):
+            logits = self.runner.forward_chunks(rows, chunks, starts, every_position=scoring)
+        return self.output.score_prompts(plan, logits) if scoring else logits
 
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
-        reqs = self._on_step(list(self.batch), "")
+        reqs = self._on_step(list(self.batch.running), "")
         slid: dict[int, torch.Tensor] = {}  # the logits of rows whose window slid, by request id
         for req in reqs:
             if self.batch.slide(req, self.window_shift, self.block_size):
-                slid[req.id] = self.runner.forward_chunks([req.row], [req.context], [0])[0]
+                with self.batch.writing([req.row], [0], [req.context]):
+                    slid[req.id] = self.runner.forward_chunks([req.row], [req.context], [0])[0]
                 req.pos = len(req.context)
         if not reqs:
             return
         normal = [req for req in reqs if req.id not in slid]
         logits = None
         if normal:
-            logits = self.runner.decode([r.row for r in normal], [r.context[-1] for r in normal],
-                                        [r.pos - 1 for r in normal])
+            rows, tokens = [r.row for r in normal], [r.context[-1] for r in normal]
+            positions = [r.pos - 1 for r in normal]
+            with self.batch.writing(rows, positions, [[t] for t in tokens]):
+                logits = self.runner.decode(rows, tokens, positions)
         if slid:  # rare: the slid rows' logits between the others' (`normal` keeps the rows' order)
             others = iter(() if logits is None else logits)
             logits = torch.stack([slid[r.id] if r.id in slid else next(others) for r in reqs])
         assert logits is not None
-        self._choose_and_emit(reqs, logits)
+        self._emit(reqs, logits)
 
-    def _choose_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Choose every row's next token in one sampler pass and stream it; a row whose choice fails, fails alone."""
-        out = self.sampler(logits, [req.sample_row() for req in reqs])
-        attention = watch(self.runner.model, self.runner.cache, reqs)
-        for i, req in enumerate(reqs):
-            try:
-                if i in out.errors:
-                    raise out.errors[i]
-                if isinstance(seen := attention.get(req.id), Exception):
-                    raise seen
-                self._emit(req, out, i, seen)
-            except Exception as e:
-                req.warn(log, "request %d failed choosing a token: %s", req.id, e)
-                self._fail(req, GenerationError(f"generation failed: {e}"))
-
-    def _emit(self, req: Request, out: SamplerOutput, i: int, attention: TokenAttention | None = None) -> None:
-        """Stream row `i`'s chosen token for `req` and finish the request if it should stop."""
-        token = out.tokens[i]
-        top = tuple(self._describe(t, lp) for t, lp in out.top[i])
-        req.output.append(token)
-        req.context.append(token)
-        req.pos += 1
-        self.stats.generated_tokens_total += 1
-        assert req.stopping is not None
-        check = req.stopping(token)
-        req.text.append(check.text)
-        finished = None if check.reason is None else self._finished(req, check.reason, check.stop_sequence)
-        scores = req.prompt_scores() if len(req.output) == 1 else None
-        req.sink(TokenEvent(token, check.text, out.logprobs[i], self._special(token), len(req.output), top, finished,
-                            prompt_logprobs=scores, attention=attention))
-        if finished is not None:
-            self._leave(req)
-            req.sink(finished)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        """End `req` without another token (it asked for none: it only scored its prompt)."""
-        finished = self._finished(req, reason, None)
-        self._leave(req)
-        req.sink(finished)
-
-    def _finished(self, req: Request, reason: str, stop_sequence: str | None) -> Finished:
-        return Finished(
-            finish_reason=reason, generated_text="".join(req.text), generated_tokens=len(req.output), seed=req.seed,
-            prompt_tokens=len(req.prompt), prefill=tuple(req.prompt), stop_sequence=stop_sequence,
-            window_slides=req.slides, truncated_prompt_tokens=req.truncated, prompt_logprobs=req.prompt_scores(),
-        )
-
-    def _describe(self, token: int, logprob: float = 0.0) -> TopToken:
-        return TopToken(token, self.tokenizer.decode([token]), logprob, self._special(token))
-
-    def _special(self, token: int) -> bool:
-        return self.eos_id is not None and token == self.eos_id
+    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Stream each row's next token (`OutputProcessor.process`); a request that ends leaves the batch first, a
+        row whose choice failed fails alone."""
+        for req, ev in self.output.process(reqs, logits):
+            if isinstance(ev, EngineError):
+                self._fail(req, ev)
+                continue
+            if ev.finished is not None:
+                self._leave(req)
+            req.sink(ev)

@@ -13,12 +13,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from model.engine.events import EngineError, Event, Finished, GenerationError, Result, TokenEvent
+from model.engine.events import EngineError, Event, Finished, GenerationError, Result, TokenEvent, end_of
 
 
 class EventQueue:
     """One stream's events on its event loop. The reader takes every event queued so far and is woken for each new
-    one; or, once `quiet`, only for the last (`Finished`, an error) and at most every so many seconds for tokens: a
+    one; or, once `quiet`, only for the last (the generation's end, an error) and at most every so many seconds for
+tokens: a
     reader that wants the whole generation (a non-streaming request) is not woken once per token. Under 32
     concurrent requests those wake-ups (through the server's per-token bookkeeping) took ~1 ms of the event loop
     per engine step, on the cores the step runs on. Used on the loop only."""
@@ -38,7 +39,8 @@ class EventQueue:
         if self._waiter is None or self._waiter.done():
             return
         now = time.monotonic()
-        if self._every is None or not isinstance(ev, TokenEvent) or now - self._woken >= self._every:
+        last = not isinstance(ev, TokenEvent) or ev.finished is not None
+        if self._every is None or last or now - self._woken >= self._every:
             self._woken = now
             self._waiter.set_result(None)
 
@@ -124,12 +126,12 @@ class GenerationStream:
 
     async def batches(self) -> AsyncIterator[list[TokenEvent | Finished]]:
         """The events in arrival order, each item every event that has arrived by then (at least one): a stream
-        the event loop is behind on is written in one piece, not one write per token. Ends after `Finished`;
-        an engine error is raised after the events before it."""
+        the event loop is behind on is written in one piece, not one write per token. Ends after the generation's
+        end (`end_of`); an engine error is raised after the events before it."""
         try:
             while True:
                 batch = await self._events.take()
-                end = next((i for i, ev in enumerate(batch) if isinstance(ev, (Finished, EngineError))), None)
+                end = next((i for i, ev in enumerate(batch) if isinstance(ev, EngineError) or end_of(ev)), None)
                 if end is not None:
                     batch = batch[:end + 1]  # nothing follows a request's last event
                 if isinstance(batch[-1], EngineError):
@@ -137,7 +139,7 @@ class GenerationStream:
                         yield batch[:-1]
                     raise batch[-1]
                 yield batch
-                if isinstance(batch[-1], Finished):
+                if end_of(batch[-1]):
                     return
         finally:
             self.cancel()  # no-op once finished; frees the slot if the consumer stopped early
@@ -148,9 +150,10 @@ class GenerationStream:
         tokens: list[TokenEvent] = []
         async for batch in batches if batches is not None else self.batches():
             for ev in batch:
-                if isinstance(ev, Finished):
-                    return Result(tokens, ev)
-                tokens.append(ev)
+                if isinstance(ev, TokenEvent):
+                    tokens.append(ev)
+                if end := end_of(ev):
+                    return Result(tokens, end)
         raise GenerationError("stream ended without a result")
 
 

@@ -36,7 +36,7 @@ def test_each_tokens_attention_equals_the_reference(make_checkpoint, make_engine
         assert att.layers == (spec.layers or (0, 1))
         n_keys = len(PROMPT) + i  # every token before this one
         assert all(len(row) == n_keys for row in att.weights)
-        want = expected_rows(engine.model, seq, 0, n_keys, spec)
+        want = expected_rows(engine.runner.model, seq, 0, n_keys, spec)
         torch.testing.assert_close(torch.tensor(att.weights, dtype=torch.float32), want, rtol=0, atol=1e-5)
 
 
@@ -52,7 +52,7 @@ def test_attention_after_the_window_slides_covers_the_window(make_checkpoint, ma
     for i, ev in enumerate(result.tokens):
         n_keys = len(ev.attention.weights[0])
         assert ev.attention.start + n_keys == len(PROMPT) + i and n_keys <= 16  # up to the token before it
-        want = expected_rows(engine.model, seq, ev.attention.start, n_keys, spec)
+        want = expected_rows(engine.runner.model, seq, ev.attention.start, n_keys, spec)
         torch.testing.assert_close(torch.tensor(ev.attention.weights, dtype=torch.float32), want, rtol=0, atol=1e-5)
 
 

@@ -40,7 +40,7 @@ def test_fp32_greedy_on_cuda_equals_the_naive_loop_on_cuda(
 
 def test_bf16_engine_serves_and_reproduces_seeds(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(device="cuda", dtype=None, max_batch_size=4)
-    assert engine.dtype == torch.bfloat16
+    assert engine.config.dtype == torch.bfloat16
     params = SamplingParams(max_new_tokens=30, do_sample=True, seed=7)
     a = engine.generate([1, 2, 3], params).token_ids
     b = engine.generate([1, 2, 3], params).token_ids

@@ -37,7 +37,7 @@ def test_an_inspection_interleaves_with_decoding_and_equals_the_offline_one(make
         # the job comes once the request decodes (submitted together, the job's steps could all run while the
         # request is still being admitted, and the interleaving would be luck)
         await wait_until(lambda: "decode" in order)
-        inspector = Inspector(engine.model, engine.tokenizer, ids, InspectOptions())
+        inspector = Inspector(engine.runner.model, engine.tokenizer, ids, InspectOptions())
         handle = engine.submit_job(job_steps(inspector.steps()), lambda: inspector.result)
         return await handle.result(), await collecting
 

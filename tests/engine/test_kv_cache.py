@@ -11,6 +11,7 @@ import torch
 
 from model import kernels
 from model.checkpoint import load_checkpoint
+from model.engine import EngineConfig
 from model.engine.runner import ModelRunner, resolve_kv_cache_dtype
 from model.quantize import quantize
 from model.sampling_params import SamplingParams
@@ -33,8 +34,8 @@ def test_auto_is_fp16_for_quantized_weights_computed_in_fp32_else_the_models_dty
 def test_an_engine_keeps_its_cache_in_the_chosen_type(make_engine, choice: str, want: torch.dtype) -> None:
     engine = make_engine(kv_cache_dtype=choice)
     cache = engine.runner.cache
-    assert engine.kv_cache_dtype == cache.k.dtype == cache.v.dtype == want
-    assert engine.kv_cache_bytes == 2 * cache.k.numel() * want.itemsize
+    assert engine.runner.kv_dtype == cache.k.dtype == cache.v.dtype == want
+    assert engine.runner.kv_cache_bytes == 2 * cache.k.numel() * want.itemsize
     result = engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5, greedy=True))
     assert len(result.token_ids) == 5 and bool(cache.k[:, 0, :, :7].abs().sum() > 0)  # written where it was read
 
@@ -69,7 +70,7 @@ def test_an_fp16_cache_keeps_the_bundled_models_loss_as_decoded(repo, data_dir, 
     kernels.load()
     out = {}
     for choice in ("fp32", "fp16"):
-        runner = ModelRunner(ck, 1, device="cpu", threads=1, kv_cache_dtype=choice)
+        runner = ModelRunner(ck, EngineConfig(max_batch_size=1, device="cpu", threads=1, kv_cache_dtype=choice))
         runner.on_engine_thread()
         out[choice] = decode_nll(runner, ids, ck.config.block_size)
     (nll32, lp32), (nll16, lp16) = out["fp32"], out["fp16"]

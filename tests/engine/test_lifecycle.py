@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 
 import pytest
+import torch
 
 from model import sampler as sampler_module
-from model.engine import Engine, EngineStopped, GenerationError, GenerationStream, Overloaded, Result
+from model.engine import Engine, EngineConfig, EngineStopped, GenerationError, GenerationStream, Overloaded, Result
 from model.engine.runner import default_threads
 from model.sampling_params import SamplingParams
 from tests.engine.references import assert_logprobs_match, hold_steps, naive, run, wait_until, windowed_reference
@@ -322,4 +324,18 @@ def test_default_threads_is_one_per_8m_parameters_within_the_cores(params: int, 
 
 def test_an_engine_without_threads_takes_the_rule(make_checkpoint, make_engine) -> None:
     ck = make_checkpoint()
-    assert make_engine(ck, threads=None, start=False).threads == default_threads(ck.config.num_params()) == 1
+    assert make_engine(ck, threads=None, start=False).config.threads == default_threads(ck.config.num_params()) == 1
+
+
+def test_the_engine_config_is_built_once_and_kept_as_resolved(make_checkpoint) -> None:
+    ck = make_checkpoint(block_size=16)
+    config = EngineConfig(device="cpu", threads=1, max_batch_size=3, max_waiting=5, prefill_chunk=7)
+    engine = Engine(ck, config, prefix_cache=False)  # keywords go over the object's fields
+    try:
+        assert engine.config == replace(config, device=torch.device("cpu"), dtype=torch.float32, window_shift=2,
+                                        prefix_cache=False)
+        assert engine.runner.cache.k.shape[1] == 3 and engine.scheduler.batch.prefix_cache is False
+        scheduler = engine.scheduler
+        assert (scheduler.max_waiting, scheduler.prefill_chunk, scheduler.window_shift) == (5, 7, 2)
+    finally:
+        engine.stop()

@@ -15,14 +15,14 @@ from tests.engine.references import assert_logprobs_match, naive, random_prompt,
 def count_prefill_forwards(engine) -> list[int]:
     """Record the batch size of every multi-token forward (a prefill step) the engine's model runs."""
     sizes: list[int] = []
-    forward = engine.model.forward
+    forward = engine.runner.model.forward
 
     def counting(idx, **kw):
         if idx.shape[1] > 1:
             sizes.append(idx.shape[0])
         return forward(idx, **kw)
 
-    engine.model.forward = counting
+    engine.runner.model.forward = counting
     return sizes
 
 
@@ -68,7 +68,7 @@ def test_a_chunk_ending_at_the_last_slot_is_never_padded(make_checkpoint, make_e
 
     long_result, short_result = run(main())
     assert max(sizes) == 1  # [full 0:24], then [full 24:32] alone (short's 10 tokens would pad it), ...
-    assert long_result.token_ids == windowed_reference(ck, full, params, engine.window_shift)[0]
+    assert long_result.token_ids == windowed_reference(ck, full, params, engine.config.window_shift)[0]
     assert short_result.token_ids == naive(ck, short, params)[0]
 
 

@@ -114,7 +114,7 @@ def test_a_failed_forward_is_never_reused(make_checkpoint, make_engine, monkeypa
     with pytest.raises(Exception, match="injected fault"):
         engine.generate(prompt + [11, 12], SamplingParams(max_new_tokens=2))
     monkeypatch.undo()
-    assert calls and not any(row[:1] == prompt[:1] for row in engine.runner.contents.tokens)
+    assert calls and not any(row[:1] == prompt[:1] for row in engine.scheduler.batch.contents.tokens)
     before = engine.stats.cached_prompt_tokens_total
     got = engine.generate(prompt, SamplingParams(max_new_tokens=4))
     cold = make_engine(ck, prefix_cache=False)

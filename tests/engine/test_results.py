@@ -33,10 +33,10 @@ def test_stop_string_ends_the_output_and_is_excluded(make_checkpoint, make_engin
         events = [ev async for ev in stream]
         return events
 
-    events = run(streamed())
-    finished = events[-1]
-    tokens = events[:-1]
+    tokens = run(streamed())
+    finished = tokens[-1].finished  # the last token carries the end, and nothing follows it
     assert isinstance(finished, Finished) and all(isinstance(ev, TokenEvent) for ev in tokens)
+    assert all(ev.finished is None for ev in tokens[:-1])
     assert finished.finish_reason == "stop_sequence" and finished.stop_sequence == stop
     assert finished.generated_text == text[:cut]
     assert "".join(ev.text for ev in tokens) == finished.generated_text
@@ -134,11 +134,11 @@ def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(make_checkpoin
         fin = result.finished
         assert len(result.tokens) == q.max_new_tokens == fin.generated_tokens
         if q.prompt_logprobs is None:
-            assert fin.prompt_logprobs is None
+            assert result.prompt_logprobs is None
             continue
         with torch.no_grad():
             want = model_logprobs(ck, ck.model(torch.tensor([prompt]))[0])  # (T, vocab): row t predicts t + 1
-        scored = fin.prompt_logprobs
+        scored = result.prompt_logprobs
         assert [t.id for t in scored] == prompt and scored[0].logprob is None and scored[0].top_tokens == ()
         for t in range(1, len(prompt)):
             assert scored[t].logprob == pytest.approx(want[t - 1, prompt[t]].item(), abs=1e-4)
@@ -146,8 +146,11 @@ def test_prompt_logprobs_equal_a_full_forward_chunked_and_batched(make_checkpoin
             assert [a.id for a in scored[t].top_tokens] == top.indices.tolist()
             assert [a.logprob for a in scored[t].top_tokens] == pytest.approx(top.values.tolist(), abs=1e-4)
             assert scored[t].text == ck.tokenizer.decode([prompt[t]])
-        if result.tokens:  # the first token event carries them too
+        if result.tokens:  # the first token's event carries them, and no other event
             assert result.tokens[0].prompt_logprobs == scored and result.tokens[1].prompt_logprobs is None
+            assert fin.prompt_logprobs is None
+        else:  # the end is the only event, with them
+            assert fin.prompt_logprobs == scored
         assert result.token_ids == naive(ck, prompt, SamplingParams(max_new_tokens=q.max_new_tokens or 1))[0][
             : q.max_new_tokens]
     assert engine.busy == 0
@@ -157,3 +160,23 @@ def test_zero_new_tokens_needs_prompt_logprobs() -> None:
     with pytest.raises(ValidationError) as e:
         SamplingParams(max_new_tokens=0)
     assert e.value.field == "max_new_tokens" and "[1, 1000000]" in e.value.message
+
+
+def test_a_generation_ends_with_one_event(make_engine) -> None:
+    """The last token's event carries the end, and nothing follows it; a generation without tokens (a prompt only
+    scored) has the end as its only event. The prompt's log-probabilities come once, on the first event."""
+    engine = make_engine(max_batch_size=2)
+
+    async def events(params: SamplingParams) -> list:
+        stream = engine.submit([4, 5, 6], params)
+        return [ev for batch in [b async for b in stream.batches()] for ev in batch]
+
+    generated = run(events(SamplingParams(max_new_tokens=3, prompt_logprobs=1, stop_at_eos=False)))
+    assert [type(ev) for ev in generated] == [TokenEvent] * 3
+    assert [ev.finished is not None for ev in generated] == [False, False, True]
+    assert generated[-1].finished.generated_tokens == 3 and generated[-1].finished.prompt_logprobs is None
+    assert generated[0].prompt_logprobs is not None and generated[1].prompt_logprobs is None
+    [scored] = run(events(SamplingParams(max_new_tokens=0, prompt_logprobs=1)))
+    assert isinstance(scored, Finished) and scored.generated_tokens == 0
+    assert scored.prompt_logprobs == generated[0].prompt_logprobs
+    assert engine.busy == 0

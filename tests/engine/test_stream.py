@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from model.engine import GenerationError
-from model.engine.events import Finished, TokenEvent
+from model.engine.events import Finished, TokenEvent, end_of
 from model.engine.stream import EventQueue, GenerationStream
 from model.sampling_params import SamplingParams
 
-_TOKENS = {i: TokenEvent(id=i, text=f"t{i}", logprob=-1.0, special=False, index=i) for i in range(1, 21)}
+_TOKENS = {i: TokenEvent(id=i, text=f"t{i}", logprob=-1.0, special=False, index=i) for i in range(1, 22)}
 
 
 def _token(i: int) -> TokenEvent:
@@ -24,12 +25,18 @@ _FINISHED = Finished(finish_reason="length", generated_text="", generated_tokens
                      prefill=(1,))
 
 
+def _last(i: int) -> TokenEvent:
+    """Token `i`, the last of its generation: it carries the end."""
+    return replace(_token(i), finished=replace(_FINISHED, generated_tokens=i))
+
+
+
 async def _reads(queue: EventQueue, feed: list, gap: float) -> list[list]:
     """What the reader takes, one list per wake-up, while `feed` is put `gap` seconds apart."""
     reads: list[list] = []
 
     async def reader() -> None:
-        while not reads or not any(isinstance(ev, Finished) for ev in reads[-1]):
+        while not reads or not any(end_of(ev) for ev in reads[-1]):
             reads.append(await queue.take())
 
     task = asyncio.ensure_future(reader())
@@ -41,23 +48,23 @@ async def _reads(queue: EventQueue, feed: list, gap: float) -> list[list]:
 
 
 def test_a_plain_reader_is_woken_for_every_event() -> None:
-    feed = [_token(1), _token(2), _token(3), _FINISHED]
+    feed = [_token(1), _token(2), _last(3)]
     reads = asyncio.run(_reads(EventQueue(), feed, gap=0.01))
     assert reads == [[ev] for ev in feed]
 
 
 def test_a_quiet_reader_is_woken_for_the_last_event_with_every_token() -> None:
-    queue = EventQueue()
-    queue.quiet(10.0)
-    feed = [_token(i) for i in range(1, 6)] + [_FINISHED]
-    reads = asyncio.run(_reads(queue, feed, gap=0.005))
-    assert reads == [feed]
+    for feed in ([_token(i) for i in range(1, 6)] + [_last(6)], [_FINISHED]):  # or the end of a generation of none
+        queue = EventQueue()
+        queue.quiet(10.0)
+        reads = asyncio.run(_reads(queue, feed, gap=0.005))
+        assert reads == [feed]
 
 
 def test_a_quiet_reader_is_woken_for_tokens_once_its_interval_has_passed() -> None:
     queue = EventQueue()
     queue.quiet(0.05)
-    feed = [_token(i) for i in range(1, 21)] + [_FINISHED]
+    feed = [_token(i) for i in range(1, 21)] + [_last(21)]
     t0 = time.monotonic()
     reads = asyncio.run(_reads(queue, feed, gap=0.01))
     elapsed = time.monotonic() - t0
@@ -69,9 +76,13 @@ def test_a_quiet_reader_is_woken_for_tokens_once_its_interval_has_passed() -> No
 def test_a_stream_stops_at_its_last_event_and_raises_an_engine_error_after_the_tokens() -> None:
     async def main() -> tuple[list, list, Exception | None]:
         done = EventQueue()
-        for ev in [_token(1), _FINISHED, _token(9)]:  # nothing follows a last event: the stray token is not read
+        for ev in [_token(1), _last(2), _token(9)]:  # nothing follows a last event: the stray token is not read
             done.put(ev)
         finished = [b async for b in GenerationStream(done, lambda: None, seed=0, prompt_tokens=1).batches()]
+        scored = EventQueue()
+        for ev in [_FINISHED, _token(9)]:  # a generation without tokens: its end is its only event
+            scored.put(ev)
+        finished += [b async for b in GenerationStream(scored, lambda: None, seed=0, prompt_tokens=1).batches()]
         failed = EventQueue()
         for ev in [_token(1), _token(2), GenerationError("boom")]:
             failed.put(ev)
@@ -84,7 +95,7 @@ def test_a_stream_stops_at_its_last_event_and_raises_an_engine_error_after_the_t
         return finished, seen, error
 
     finished, seen, error = asyncio.run(main())
-    assert finished == [[_token(1), _FINISHED]]
+    assert finished == [[_token(1), _last(2)], [_FINISHED]]
     assert seen == [[_token(1), _token(2)]] and str(error) == "boom"
 
 

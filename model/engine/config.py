@@ -1,0 +1,34 @@
+"""The engine's configuration: one object, built once (from the server's settings in app/main.py, or from a
+script's keywords, `Engine(checkpoint, max_batch_size=8)`) and handed whole to the engine, its scheduler and its
+model runner. `Engine.config` is the configuration as resolved for its model and machine (the device, the dtype,
+the threads and the window shift that "unset" stood for)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str | torch.device | None = None  # None: the best available (model/devices.py)
+    dtype: torch.dtype | None = None  # None: the device's default
+    max_batch_size: int = 16  # requests decoded together, each in its own KV-cache row
+    max_waiting: int = 64  # submitted requests waiting for a slot, beyond which submissions are refused
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step
+    window_shift: int | None = None  # tokens the context window slides by; None: block_size // 8
+    threads: int | None = None  # CPU threads; None: by the model's size (model/engine/runner.py)
+    kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
+    prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_waiting < 0 or self.prefill_chunk < 1:
+            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
+
+    def window_shift_for(self, block_size: int) -> int:
+        """`window_shift`, or its default for a context of `block_size`; ValueError outside [1, block_size - 1]."""
+        shift = self.window_shift or max(1, block_size // 8)
+        if not 1 <= shift < block_size:
+            raise ValueError(f"window_shift must be in [1, {block_size - 1}], got {shift}")
+        return shift

@@ -1,0 +1,97 @@
+"""The output processor (vLLM v1's `OutputProcessor`): what a step's logits become for each request. It chooses
+the next tokens (one `Sampler` pass for all rows), checks stopping, captures streamed attention, scores prompts,
+counts tokens, and makes the events: a `TokenEvent` per token, the last carrying the `Finished` that ends the
+generation (model/engine/events.py).
+
+It decides nothing about slots, rows or queues (model/engine/scheduler.py): it hands each request's event back,
+and the scheduler lets a request that ended leave the batch before its event goes out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from model.engine.attention import TokenAttention, watch
+from model.engine.events import EngineError, EngineStats, Finished, GenerationError, TokenEvent, TopToken
+from model.engine.request import Request
+from model.engine.runner import ModelRunner
+from model.sampler import Sampler, SamplerOutput, new_generator
+from model.scoring import PromptScorer
+from model.stopping import StoppingCriteria
+from model.tokenizer import Tokenizer
+
+log = logging.getLogger("folio.engine")
+
+
+class OutputProcessor:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, stats: EngineStats) -> None:
+        self.runner, self.tokenizer, self.stats = runner, tokenizer, stats
+        self.eos_id = tokenizer.eos_id
+        self.sampler = Sampler(tokenizer.n_vocab, tokenizer.eos_id)
+
+    def begin(self, req: Request) -> None:
+        """`req`'s sampling, stopping and prompt-scoring state, before its first prefill chunk."""
+        req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
+        if req.params.prompt_logprobs is not None:
+            req.scorer = PromptScorer(req.prompt, req.params.prompt_logprobs, self.tokenizer.n_vocab, self._describe)
+        req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
+                                        stop=req.params.stop, stop_at_eos=req.params.stop_at_eos,
+                                        min_tokens=req.params.min_tokens)
+
+    def score_prompts(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> torch.Tensor:
+        """Every position's logits of a prefill forward, (len(plan), width, vocab), to the scorers of the requests
+        that score their prompt; each chunk's last logits, (len(plan), vocab)."""
+        for i, (req, n) in enumerate(plan):
+            if req.scorer is not None:
+                req.scorer.add(req.prefilled, logits[i, :n])
+        return logits[torch.arange(len(plan)), torch.tensor([n - 1 for _, n in plan])]
+
+    def process(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, TokenEvent | EngineError]]:
+        """Choose every row's next token in one sampler pass: each request's `TokenEvent` (its `finished` set when
+        it should stop), or the error it failed with alone."""
+        out = self.sampler(logits, [req.sample_row() for req in reqs])
+        attention = watch(self.runner.model, self.runner.cache, reqs)
+        events: list[tuple[Request, TokenEvent | EngineError]] = []
+        for i, req in enumerate(reqs):
+            try:
+                if i in out.errors:
+                    raise out.errors[i]
+                if isinstance(seen := attention.get(req.id), Exception):
+                    raise seen
+                events.append((req, self._token(req, out, i, seen)))
+            except Exception as e:
+                req.warn(log, "request %d failed choosing a token: %s", req.id, e)
+                events.append((req, GenerationError(f"generation failed: {e}")))
+        return events
+
+    def _token(self, req: Request, out: SamplerOutput, i: int, attention: TokenAttention | None) -> TokenEvent:
+        token = out.tokens[i]
+        top = tuple(self._describe(t, lp) for t, lp in out.top[i])
+        req.output.append(token)
+        req.context.append(token)
+        req.pos += 1
+        self.stats.generated_tokens_total += 1
+        assert req.stopping is not None
+        check = req.stopping(token)
+        req.text.append(check.text)
+        finished = None if check.reason is None else self.finished(req, check.reason, check.stop_sequence)
+        scores = req.prompt_scores() if len(req.output) == 1 else None
+        return TokenEvent(token, check.text, out.logprobs[i], self._special(token), len(req.output), top, finished,
+                          prompt_logprobs=scores, attention=attention)
+
+    def finished(self, req: Request, reason: str, stop_sequence: str | None = None) -> Finished:
+        """The end of `req`'s generation: on its last token's event, or its only event if it generated none."""
+        return Finished(
+            finish_reason=reason, generated_text="".join(req.text), generated_tokens=len(req.output), seed=req.seed,
+            prompt_tokens=len(req.prompt), prefill=tuple(req.prompt), stop_sequence=stop_sequence,
+            window_slides=req.slides, truncated_prompt_tokens=req.truncated,
+            prompt_logprobs=None if req.output else req.prompt_scores(),  # else the first token carried them
+        )
+
+    def _describe(self, token: int, logprob: float = 0.0) -> TopToken:
+        return TopToken(token, self.tokenizer.decode([token]), logprob, self._special(token))
+
+    def _special(self, token: int) -> bool:
+        return self.eos_id is not None and token == self.eos_id
