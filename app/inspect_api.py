@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.deps import ReservationDep, ServiceDep, described_service
 from app.errors import INSPECT, TGI
 from app.responses import dumps
 from app.schemas import GenerateParameters, StrictModel
@@ -154,8 +154,7 @@ def check_request(service: GenerationService, options: InspectOptions, n: int) -
 
 
 @router.post("/inspect", response_model=InspectResponse, responses=ERRORS)
-async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                  _: AuthDep) -> Response:
+async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep) -> Response:
     """Look inside the model for a text: its tokens, attention maps, logit lens, and each token's probability and
     alternatives (with `parameters`: generate first, then inspect the prompt and its generated tokens)."""
     service.check_ready()
@@ -241,16 +240,22 @@ def render(inspection: Inspection, body: InspectRequest, generated: Generated | 
 
 
 @router.get("/inspect/limits")
-async def limits(service: ServiceDep) -> dict[str, Any]:
-    """What `POST /inspect` and streamed attention allow on this model and server."""
+async def limits(request: Request) -> dict[str, Any]:
+    """What `POST /inspect` and streamed attention allow on this model and server (`model`: null for a model that
+    is not loaded, which this open route does not load)."""
     from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
 
-    cfg = service.checkpoint.config
+    _, service = await described_service(request)
+    model = None
+    if service is not None:
+        cfg = service.checkpoint.config
+        model = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
+                 "n_vocab": service.tokenizer.n_vocab}
+    settings = request.app.state.settings
     return {
-        "max_chars": service.settings.max_tokenize_chars, "max_tokens": cfg.block_size,
+        "max_chars": settings.max_tokenize_chars, "max_tokens": model and model["block_size"],
         "max_attention_rows": MAX_ATTENTION_ROWS, "max_lens_logits": MAX_LENS_LOGITS,
         "max_response_bytes": MAX_RESPONSE_BYTES, "max_top": MAX_TOP, "decimals": DECIMALS,
         "stream_attention": {"max_token_weights": MAX_TOKEN_WEIGHTS, "max_request_weights": MAX_REQUEST_WEIGHTS},
-        "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
-                  "n_vocab": service.tokenizer.n_vocab},
+        "model": model,
     }

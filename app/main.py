@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from app import inspect_api, openai_api, system, tgi, tokenizer_api
 from app import models as models_api
 from app.admission import AdmissionMiddleware
+from app.auth import ApiKeyMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.limits import BodyLimitMiddleware
@@ -120,6 +121,8 @@ def _install_routes(app: FastAPI) -> None:
 def _install_middleware(app: FastAPI, settings: Settings) -> None:
     """From the innermost to the outermost (each `add_middleware` wraps what was added before)."""
     app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost: CORS wraps its 429
+    # the key before admission: a request without it is read no further, holds no slot and loads no model
+    app.add_middleware(ApiKeyMiddleware, get_app=lambda: app)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],

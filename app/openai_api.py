@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
-from app.deps import AuthDep, ReservationDep, get_service, service_for
+from app.deps import ReservationDep, get_service, service_for
 from app.errors import OPENAI, exception_body
 from app.models import served_models
 from app.requestlog import RequestRecord, request_record
@@ -42,8 +42,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
-async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep,
-                      _: AuthDep) -> Response:
+async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep) -> Response:
     """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
     of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt.
     `model` picks one of the models served (app/models.py)."""

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.auth import PROTECTED_DOC
 from model.cli import check_threads
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
@@ -71,8 +72,9 @@ class Settings(BaseSettings):
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    api_key: SecretStr | None = Field(None, description="if set, generation routes and /tokenize need 'Bearer <key>' "
-                                      "(surrounding whitespace is ignored; an empty key is refused)")
+    api_key: SecretStr | None = Field(None, description="if set, these routes need 'Authorization: Bearer <key>', "
+                                      f"checked before anything else: {PROTECTED_DOC} (surrounding whitespace is "
+                                      "ignored; an empty key is refused)")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="allowed CORS origins: '*' for any, or origins such as "
         "https://example.com, comma-separated (or a JSON list)")

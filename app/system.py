@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import ServiceDep
+from app.deps import described_service
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
 
@@ -116,9 +116,17 @@ async def health_live(request: Request) -> StrictJSONResponse:
 
 
 @router.get("/info")
-async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
+async def info(request: Request) -> dict[str, Any]:
     """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
-    its directory, and a path in the provenance (the training data, the output directory) by its last part."""
+    its directory, and a path in the provenance (the training data, the output directory) by its last part.
+    With several models (the `X-Folio-Model` header picks one), a model not loaded is not loaded for this: its
+    name, state and the list of models only."""
+    name, service = await described_service(request)
+    served = getattr(request.app.state, "models", None)
+    if service is None:
+        models = served.describe()
+        return {"model_id": name, "state": next(m["state"] for m in models if m["name"] == name), "models": models,
+                "version": VERSION, "router": "folio"}
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     tok = ck.tokenizer
     return without_paths({
@@ -147,7 +155,7 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "window_shift": engine.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,
         "training": ck.training,
-        "models": served.describe() if (served := getattr(request.app.state, "models", None)) else None,
+        "models": served.describe() if served else None,
         "version": VERSION,
         "router": "folio",
     })

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import ranked, sample_params
-from app.deps import AuthDep, RecordDep, ReservationDep, ServiceDep
+from app.deps import RecordDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
 from app.requestlog import RequestRecord, request_record
 from app.responses import json_number
@@ -90,8 +90,8 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result,
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
-async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                   _: AuthDep) -> Response:
+async def generate(body: GenerateRequest, request: Request, service: ServiceDep,
+                   reservation: ReservationDep) -> Response:
     """Generate text for a prompt and return it whole."""
     return Response((await _generate(service, body, request, reservation)).model_dump_json(exclude_none=True),
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
@@ -149,7 +149,7 @@ def _attention(att: EngineAttention) -> dict[str, Any]:
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
 async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
-                          record: RecordDep, _: AuthDep) -> StreamingResponse:
+                          record: RecordDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
     [stream] = await _start(service, body, reservation, stream=True)
     return StreamingResponse(_events(service, body, stream, record), media_type="text/event-stream",
@@ -157,8 +157,8 @@ async def generate_stream(body: GenerateRequest, service: ServiceDep, reservatio
 
 
 @router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
-async def compat(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                 _: AuthDep) -> Response:
+async def compat(body: GenerateRequest, request: Request, service: ServiceDep,
+                 reservation: ReservationDep) -> Response:
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""
     if body.stream:
