@@ -66,8 +66,9 @@ class InspectRequest(StrictModel):
     lens: bool = Field(True, description="return the logit lens")
     lens_layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="0 (the embeddings) to "
                                           "n_layer (the last block's output); unset: all")
-    lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens")
-    top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token")
+    lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens (at most "
+                          "the model's vocabulary)")
+    top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token (at most the model's vocabulary)")
 
     def to_options(self) -> InspectOptions:
         distinct = lambda values: None if values is None else tuple(sorted(set(values)))  # noqa: E731
