@@ -39,7 +39,7 @@ async def _start(service: GenerationService, body: GenerateRequest, reservation:
     """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
     service.check_ready()
     params = body.parameters.to_sampling_params(service.defaults)
-    samples = body.parameters.samples(params, stream)
+    samples = body.parameters.samples(params, stream, service.defaults)
     return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI,
                                     reservation)
 
@@ -162,7 +162,7 @@ async def compat(body: GenerateRequest, request: Request, service: ServiceDep,
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""
     if body.stream:
-        return await generate_stream(body, service, reservation, request_record(request), None)
+        return await generate_stream(body, service, reservation, request_record(request))
     response = await _generate(service, body, request, reservation)
     return Response("[" + response.model_dump_json(exclude_none=True) + "]",
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
