@@ -50,7 +50,7 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
     service.check_ready()
     if served_models(request) is None and body.model is not None and body.model != service.model_id:
         raise ModelNotFound(body.model, [service.model_id])
-    params, samples = body.to_sampling_params(service.defaults), body.samples()
+    params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     streams: list[list[GenerationStream]] = []

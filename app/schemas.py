@@ -24,7 +24,7 @@ STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHAR
             "ends where one appears and the text stops before it")
 MAX_N = 16  # samples of one prompt (`n`, `best_of`)
 MAX_PROMPTS = 32  # prompts in one request
-MAX_SEQUENCES = 64  # prompts x max(n, best_of): the rows one request may take
+MAX_SEQUENCES = 64  # prompts x max(n, best_of): the most rows one request may take (--max-sequences-per-request)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's own limit for chat; vLLM's default)
 Prompt = str | list[int]  # text, or token ids
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -47,11 +47,20 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
 
 @dataclass(frozen=True)
 class ServerDefaults:
-    """What the server fills in where a request leaves a value unset (`--max-new-tokens-default`), and its limit
-    (`--max-new-tokens-limit`)."""
+    """What the server fills in where a request leaves a value unset (`--max-new-tokens-default`), and its limits
+    (`--max-new-tokens-limit`; `--max-sequences-per-request`: the engine's batch rows one request may take)."""
 
     max_new_tokens: int
     max_new_tokens_limit: int
+    max_sequences: int = MAX_SEQUENCES
+
+    def check_sequences(self, field: str, what: str, total: int, shown: str) -> None:
+        """A request's `total` sequences (`what` and `shown` say how they add up) within the server's share of its
+        batch for one request: else 422 on `field`, naming the limit and the value."""
+        if total > self.max_sequences:
+            raise ValidationError(field, f"{what} must be at most {self.max_sequences} (the server's "
+                                         f"--max-sequences-per-request: the batch rows one request may take), got "
+                                         f"{shown}")
 
     def max_new_tokens_for(self, value: int | None, field: str) -> int:
         limit = self.max_new_tokens_limit
@@ -142,8 +151,9 @@ class GenerateParameters(StrictModel):
                 attention=None if self.attention is None else self.attention.to_spec(),
             )
 
-    def samples(self, params: SamplingParams, stream: bool) -> int:
-        """Sequences to generate: `best_of` (TGI's rules: it needs sampling, and a stream carries one)."""
+    def samples(self, params: SamplingParams, stream: bool, defaults: ServerDefaults) -> int:
+        """Sequences to generate: `best_of` (TGI's rules: it needs sampling, and a stream carries one; at most the
+        server's share for one request, TGI's `max_best_of`)."""
         best_of = self.best_of or 1
         if best_of > 1 and params.is_greedy:
             raise ValidationError(TGI.field("best_of"), f"greater than 1 needs sampling (do_sample, or temperature, "
@@ -155,6 +165,7 @@ class GenerateParameters(StrictModel):
                                                           "parameters.details, or stream (/generate_stream)")
         if self.attention is not None and best_of > 1:
             raise ValidationError(TGI.field("attention"), f"is for one sequence: not with best_of, got {best_of}")
+        defaults.check_sequences(TGI.field("best_of"), "best_of", best_of, str(best_of))
         return best_of
 
 
@@ -309,17 +320,18 @@ class CompletionRequest(StrictModel):
                                       {"max": MAX_STOP_STRINGS})
         return handler(value)
 
-    def samples(self) -> int:
-        """Sequences generated per prompt: best_of (which must not be below n) or n."""
+    def samples(self, defaults: ServerDefaults) -> int:
+        """Sequences generated per prompt: best_of (which must not be below n) or n; with the prompts, at most the
+        server's share for one request."""
         best_of = self.best_of if self.best_of is not None else self.n
         if best_of < self.n:
             raise ValidationError("best_of", f"must be at least n ({self.n}), got {best_of}")
         if best_of > 1 and self.stream and best_of != self.n:
             raise ValidationError("best_of", f"must equal n ({self.n}) when streaming, got {best_of}")
-        total = best_of * len(self.prompts())
-        if total > MAX_SEQUENCES:
-            raise ValidationError("n", f"prompts x max(n, best_of) must be at most {MAX_SEQUENCES}, got "
-                                       f"{len(self.prompts())} x {best_of} = {total}")
+        prompts = len(self.prompts())
+        field = "best_of" if self.best_of is not None and self.best_of > self.n else "n"
+        defaults.check_sequences(field, "prompts x max(n, best_of)", prompts * best_of,
+                                 f"{prompts} x {best_of} = {prompts * best_of}")
         return best_of
 
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:

@@ -15,6 +15,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.auth import PROTECTED_DOC
+from app.schemas import MAX_SEQUENCES
 from model.cli import check_threads
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
@@ -67,6 +68,10 @@ class Settings(BaseSettings):
                          "8M parameters)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="requests decoded together")
     max_waiting: int = Field(64, ge=0, le=100_000, description="admitted requests waiting for a batch slot")
+    max_sequences_per_request: int = Field(
+        0, ge=0, le=MAX_SEQUENCES, description="sequences one request may run: OpenAI's prompts x max(n, best_of), "
+        "TGI's best_of (its max_best_of); more is refused with 422 naming the fields, the limit and the value. "
+        "0: half of --max-batch-size (at least 1), so that one request leaves half of the batch to the others")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per engine step")
     window_shift: int = Field(0, ge=0, description="tokens the context window slides by (0: block_size/8)")
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
@@ -128,6 +133,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = json.loads(value) if value.strip().startswith("[") else value.split(",")
         return [v.strip() for v in value if v.strip()] if isinstance(value, list) else value
+
+    @property
+    def sequences_per_request(self) -> int:
+        """--max-sequences-per-request, its 0 resolved: half of the batch."""
+        return self.max_sequences_per_request or max(1, self.max_batch_size // 2)
 
     @property
     def several_models(self) -> bool:

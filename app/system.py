@@ -151,6 +151,7 @@ async def info(request: Request) -> dict[str, Any]:
         "max_batch_size": engine.max_batch_size,
         "max_concurrent_requests": engine.max_batch_size + engine.max_waiting,
         "max_waiting": engine.max_waiting,
+        "max_sequences_per_request": service.settings.sequences_per_request,  # prompts x n, best_of (422 beyond)
         "prefill_chunk": engine.prefill_chunk,
         "window_shift": engine.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,

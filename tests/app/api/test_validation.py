@@ -131,6 +131,27 @@ def test_tokenize_over_its_limit_is_422_naming_it(make_client: Callable[..., Tes
     assert_tgi_error(r, 422, "validation", "inputs: must be at most 16 characters", "--max-tokenize-chars", "got 17")
 
 
+def test_one_request_may_take_its_share_of_the_batch_and_no_more(make_client: Callable[..., TestClient]) -> None:
+    """By default half of --max-batch-size (here 2 of 4): a request of 4 prompts x n 16 held 64 of a server's 80
+    slots, and a stream sent beside it waited seconds for its first token."""
+    client = make_client(max_sequences_per_request=0)
+    assert client.get("/info").json()["max_sequences_per_request"] == 2
+    r = client.post("/v1/completions", json={"prompt": ["To be", "or not"], "n": 2, "max_tokens": 2})
+    assert_openai_error(r, 422, "invalid_request_error", "n", "prompts x max(n, best_of) must be at most 2",
+                        "--max-sequences-per-request", "got 2 x 2 = 4")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "n": 1, "best_of": 3, "max_tokens": 2})
+    assert_openai_error(r, 422, "invalid_request_error", "best_of", "at most 2", "got 1 x 3 = 3")
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"best_of": 3, "do_sample": True}})
+    assert_tgi_error(r, 422, "validation", "parameters.best_of: best_of must be at most 2", "got 3")
+    r = client.post("/v1/completions", json={"prompt": ["To be", "or not"], "n": 1, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True,
+                                                                         "details": True, "max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()["details"]["best_of_sequences"]) == 1
+    wider = make_client(max_sequences_per_request=3)
+    assert wider.post("/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 2}).status_code == 200
+
+
 def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
     """The list's length is checked before its items: a body of thousands of numbers is one 422 (before, pydantic
     reported every item, twice: seconds of work on the event loop and a 20x larger answer for a large body)."""
