@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import ReservationDep, ServiceDep, described_service
 from app.errors import INSPECT, TGI
+from app.limits import ThreadedBodyRoute
 from app.responses import dumps
 from app.schemas import GenerateParameters, StrictModel
 from app.service import GenerationService, until_done
@@ -41,7 +42,7 @@ from model.inspect import (
 from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
-router = APIRouter(tags=["inspect"])
+router = APIRouter(tags=["inspect"], route_class=ThreadedBodyRoute)
 DECIMALS = 6  # of attention weights and lens probabilities: an error of at most 5e-7
 MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 small's whole context fits (~27 MB)
 # the estimate's bytes per item, from the JSON written (a weight "0.123456," or key "1023,"; a lens entry

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from app.limits import ThreadedBodyRoute
 from app.metrics import Metrics
 from app.schemas import ErrorBody
 from app.service import GenerationService
@@ -45,7 +46,7 @@ from model.training.outputs import METRICS_FILE
 
 MODEL_HEADER = "x-folio-model"
 log = logging.getLogger("folio.models")
-router = APIRouter(tags=["Models"])
+router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
 
 
 def model_paths(settings: Settings) -> dict[str, Path]:

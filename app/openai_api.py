@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
 from app.deps import ReservationDep, get_service, service_for
 from app.errors import OPENAI, exception_body
+from app.limits import ThreadedBodyRoute
 from app.models import served_models
 from app.requestlog import RequestRecord, request_record
 from app.responses import StrictJSONResponse
@@ -24,7 +25,7 @@ from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
 from model.registry import ModelNotFound
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
 
 

@@ -8,13 +8,23 @@ at /docs.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    FailFast,
+    Field,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeAliasType
 
 from app.errors import OPENAI, TGI
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
@@ -26,7 +36,13 @@ MAX_N = 16  # samples of one prompt (`n`, `best_of`)
 MAX_PROMPTS = 32  # prompts in one request
 MAX_SEQUENCES = 64  # prompts x max(n, best_of): the most rows one request may take (--max-sequences-per-request)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's own limit for chat; vLLM's default)
+MAX_UNKNOWN_SHOWN = 3  # unknown keys named in the error of an object with too many
 Prompt = str | list[int]  # text, or token ids
+# a list of a million items with a bad one is one error, not a million (aliases: a Union of Annotated types with
+# their unhashable FailFast cannot be formed on Python 3.11)
+TokenIds = TypeAliasType("TokenIds", Annotated[list[int], FailFast()])
+Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
+TokenIdLists = TypeAliasType("TokenIdLists", Annotated[list[TokenIds], FailFast()])
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -37,6 +53,8 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
             return None
         m = _SURROGATE.search(value)
         return (f"character {m.start()}", m.group()) if m else None
+    if isinstance(value, list) and value and isinstance(value[0], int | float | bool):
+        return None  # a validated list is of one type (token ids, layers): no string in it
     if isinstance(value, list | dict):
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             found = _lone_surrogate(key) or _lone_surrogate(item)
@@ -74,9 +92,24 @@ class StrictModel(BaseModel):
     """Request models: unknown fields, NaN and infinities are refused, and so are values of another JSON type
     ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them. Every
     string must be valid Unicode: JSON's `\\ud800` escape gives Python a lone surrogate, which no UTF-8 text (a
-    tokenizer's input, a response echoing the prompt) can hold."""
+    tokenizer's input, a response echoing the prompt) can hold.
+
+    The work a bad body costs is bounded by its shape, not its size: an object with more keys than the model has
+    fields is one error (150,000 unknown keys were 150,000 errors, ~2 s of work), a list is checked for its length
+    before its items and stops at its first bad item (`FailFast`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = list(itertools.islice((k for k in data if k not in cls.model_fields), MAX_UNKNOWN_SHOWN))
+            raise PydanticCustomError(
+                "too_many_fields", "has {count} fields, more than the {known} it may hold ({names}); unknown fields "
+                "include {unknown}", {"count": len(data), "known": len(cls.model_fields),
+                                      "names": ", ".join(cls.model_fields), "unknown": preview(unknown)})
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -258,7 +291,9 @@ class StreamOptions(StrictModel):
 
 class CompletionRequest(StrictModel):
     model: str | None = Field(None, description="ignored beyond a check that it names this model, if given")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    # left to right, token ids before a list of strings: a list of a million ids is not first tried as strings
+    prompt: str | TokenIds | Texts | TokenIdLists = Field(
+        union_mode="left_to_right",
         description=f"the prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "
                     "(a batch: each prompt's choices follow the previous prompt's)")
     max_tokens: int | None = Field(16, ge=0, description="tokens to generate at most; 0 (with echo) scores the "
@@ -319,6 +354,14 @@ class CompletionRequest(StrictModel):
             raise PydanticCustomError("too_many_stops", "must hold at most {max} stop strings",
                                       {"max": MAX_STOP_STRINGS})
         return handler(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, value: Any) -> Any:
+        # and logit_bias': a dict's max_length is checked after each of its items
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError("too_long", "must hold at most {max} entries", {"max": MAX_LOGIT_BIAS})
+        return value
 
     def samples(self, defaults: ServerDefaults) -> int:
         """Sequences generated per prompt: best_of (which must not be below n) or n; with the prompts, at most the

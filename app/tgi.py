@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from app.completions import ranked, sample_params
 from app.deps import RecordDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
+from app.limits import ThreadedBodyRoute
 from app.requestlog import RequestRecord, request_record
 from app.responses import json_number
 from app.schemas import (
@@ -29,7 +30,7 @@ from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
 from model.engine.events import TokenAttention as EngineAttention
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=ThreadedBodyRoute)
 CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 

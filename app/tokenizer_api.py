@@ -14,7 +14,8 @@ from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import ServiceDep
-from app.schemas import ErrorBody, GenerateParameters, StrictModel
+from app.limits import ThreadedBodyRoute
+from app.schemas import ErrorBody, GenerateParameters, StrictModel, TokenIds
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import Tokenizer
 
@@ -53,7 +54,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(StrictModel):
-    tokens: list[int] = Field(description="token ids (vLLM's /detokenize shape)")
+    tokens: TokenIds = Field(description="token ids (vLLM's /detokenize shape)")
 
 
 class DetokenizeResponse(BaseModel):
@@ -67,7 +68,7 @@ class SimpleToken(BaseModel):
     stop: int
 
 
-router = APIRouter(tags=["Tokenizer"])
+router = APIRouter(tags=["Tokenizer"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 429, 503)}
 
 

@@ -3,9 +3,11 @@ of its API family."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -150,6 +152,52 @@ def test_one_request_may_take_its_share_of_the_batch_and_no_more(make_client: Ca
     assert r.status_code == 200 and len(r.json()["details"]["best_of_sequences"]) == 1
     wider = make_client(max_sequences_per_request=3)
     assert wider.post("/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 2}).status_code == 200
+
+
+def test_a_large_body_of_bad_fields_or_items_is_one_error(make_client: Callable[..., TestClient]) -> None:
+    """The work a body under the size limit costs is bounded by its shape: 150,000 unknown fields were 150,000
+    errors (2-3 s of the event loop, /health waiting as long), a list of ids with a bad one was tried as each
+    shape of prompt and made an error per item and per shape (seconds): now one error each."""
+    client = make_client(max_body_bytes=4 * 2**20)
+    unknown = {f"k{i}": 0 for i in range(150_000)}
+    r = client.post("/generate", json={"inputs": PROMPT, **unknown})
+    assert_tgi_error(r, 422, "validation", "body: has 150001 fields, more than the 3 it may hold (inputs, parameters, "
+                     "stream); unknown fields include ['k0', 'k1', 'k2']")
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": unknown})
+    assert_tgi_error(r, 422, "validation", "parameters: has 150000 fields, more than the 21")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, **unknown})
+    message = assert_openai_error(r, 422, "invalid_request_error", "body", "has 150001 fields")
+    assert "more error" not in message
+    r = client.post("/v1/completions", json={"prompt": [1] * 150_000 + [0.5]})
+    assert_openai_error(r, 422, "invalid_request_error", "prompt", "a list of token ids", "(150001 items)")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "logit_bias": {str(i): 1.0 for i in range(150_000)}})
+    assert_openai_error(r, 422, "invalid_request_error", "logit_bias", "must hold at most 1024 entries")
+    r = client.post("/detokenize", json={"tokens": [0.5] * 150_000})
+    assert assert_tgi_error(r, 422, "validation").startswith("tokens.0: Input should be a valid integer, got 0.5")
+
+
+def test_a_json_body_is_parsed_and_validated_off_the_event_loop(client: TestClient,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.limits
+
+    seen: list[bool] = []
+    parse = app.limits._parse_and_validate
+
+    def recording(field: Any, body: bytes) -> Any:
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:  # no event loop runs in this thread: a worker's
+            seen.append(False)
+        return parse(field, body)
+
+    monkeypatch.setattr(app.limits, "_parse_and_validate", recording)
+    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
+    assert_tgi_error(client.post("/generate", json={"inputs": PROMPT, "nope": 1}), 422, "validation", "nope")
+    cut = client.post("/generate", content=b'{"inputs": ', headers={"content-type": "application/json"})
+    assert_tgi_error(cut, 422, "validation", "not valid JSON")
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    assert seen == [False] * 4
 
 
 def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
