@@ -154,9 +154,12 @@ class ServedModels:
 
 
 def describe(info: ModelInfo) -> dict[str, Any]:
-    """A model as /v1/models and /info show it: no absolute path (its directory by name)."""
+    """A model as /v1/models and /info show it: no absolute path (its directory by name, and a path in the error
+    of a failed load by its last part): both are open routes."""
+    from app.system import without_paths
+
     out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
-    out["checkpoint"] = info.path.name
+    out["checkpoint"], out["error"] = info.path.name, without_paths(info.error)
     return out
 
 
