@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None, timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
                             limit_concurrency=settings.max_connections,
+                            # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local process (or a
+                            # client through a proxy that passes the header on) could write the client's address
+                            proxy_headers=settings.forwarded_allow_ips is not None,
+                            forwarded_allow_ips=settings.forwarded_allow_ips,
                             http=protocol_class(settings, lambda reason: closed.labels(reason).inc()),
                             loop="uvloop" if sys.platform != "win32" else "asyncio")
     server = DrainingServer(config, app, settings.drain_timeout)

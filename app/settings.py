@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     body_timeout: float = Field(30.0, gt=0, description="seconds a request's body may take after its headers (408)")
     max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 (uvicorn's "
                                  "limit_concurrency)")
+    forwarded_allow_ips: str | None = Field(
+        None, description="proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (the client's address in "
+        "the access log is then the one they forward): comma-separated addresses or networks, '*' for any "
+        "(uvicorn's forwarded_allow_ips). Unset: none, not even 127.0.0.1; the client is the connection's peer")
     max_tokenize_chars: int = Field(65536, ge=1, description="/tokenize inputs longer than this get 422")
     drain_timeout: float = Field(30.0, ge=0, le=86_400, description="seconds in-flight requests get after SIGTERM")
     # one engine iteration is a prefill chunk plus a decode step, and a decode step re-prefills each row whose
