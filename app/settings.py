@@ -86,8 +86,8 @@ class Settings(BaseSettings):
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="a larger request line + headers gets 431")
     header_timeout: float = Field(10.0, gt=0, description="seconds a request's line and headers may take (408)")
     body_timeout: float = Field(30.0, gt=0, description="seconds a request's body may take after its headers (408)")
-    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 (uvicorn's "
-                                 "limit_concurrency)")
+    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 with Retry-After, "
+                                 "and are closed (uvicorn's limit_concurrency)")
     forwarded_allow_ips: str | None = Field(
         None, description="proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (the client's address in "
         "the access log is then the one they forward): comma-separated addresses or networks, '*' for any "
