@@ -1,7 +1,7 @@
 """What a request body may cost. Its size (`--max-body-bytes`): a body over it is refused with 413 before the app
 reads it whole, by its Content-Length or, without one (chunked), as it streams in. The time it may take to arrive
-is the HTTP layer's (app/protocol.py). The work of reading it: a JSON body is parsed and validated in a worker
-thread (`ThreadedBodyRoute`), not on the event loop, and the request models bound that work by the body's shape
+is the HTTP layer's (app/protocol.py). The work of reading it: a JSON body beyond a few KB is parsed and validated
+in a worker thread (`ThreadedBodyRoute`), not on the event loop, and the request models bound that work by its shape
 (app/schemas.py, `StrictModel`): a 2 MB body of 150,000 unknown fields held the event loop for 2-3 s, and /health
 waited as long."""
 
@@ -83,12 +83,18 @@ async def _too_large(scope: Scope, receive: Receive, send: Send, limit: int, got
     await StrictJSONResponse(body, status_code=413)(scope, receive, send)
 
 
+# bodies up to this size are parsed on the event loop by FastAPI (well under a millisecond, less than the hand-off to
+# a worker thread and back costs: the common request), larger ones in a worker thread
+INLINE_PARSE_BYTES = 16 * 1024
+
+
 class ThreadedBodyRoute(APIRoute):
-    """A route whose JSON body is parsed and validated into its request model in a worker thread; FastAPI then
-    takes the model as it is (it validates a model instance in microseconds) and answers errors as its own: a
-    body that is not JSON is a `RequestValidationError` (`json_invalid`) or a 400 caused by the parser's error
-    (app/errors.py makes both 422), a body that does not fit the model the model's errors at `body...`.
-    Bodies of another content type are left to FastAPI, which parses nothing for them."""
+    """A route whose JSON body, if larger than INLINE_PARSE_BYTES, is parsed and validated into its request model
+    in a worker thread, one body at a time; FastAPI then takes the model as it is (it validates a model instance in
+    microseconds) and answers errors as its own: a body that is not JSON is a `RequestValidationError`
+    (`json_invalid`) or a 400 caused by the parser's error (app/errors.py makes both 422), a body that does not fit
+    the model the model's errors at `body...`. Bodies of another content type are left to FastAPI, which parses
+    nothing for them."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -97,12 +103,10 @@ class ThreadedBodyRoute(APIRoute):
             return handler
 
         async def threaded(request: Request) -> Response:
-            if _is_json(request.headers.get("content-type")):
-                body = await request.body()
-                if body:
-                    # Starlette's cache of the parsed body, which FastAPI's handler reads (`Request.json`)
-                    request._json = await anyio.to_thread.run_sync(_parse_and_validate, field, body,
-                                                                   limiter=_parsing())
+            body = await request.body()  # kept by the request for FastAPI's handler
+            if len(body) > INLINE_PARSE_BYTES and _is_json(request.headers.get("content-type")):
+                # Starlette's cache of the parsed body, which FastAPI's handler reads (`Request.json`)
+                request._json = await anyio.to_thread.run_sync(_parse_and_validate, field, body, limiter=_parsing())
             return await handler(request)
 
         return threaded

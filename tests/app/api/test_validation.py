@@ -176,10 +176,13 @@ def test_a_large_body_of_bad_fields_or_items_is_one_error(make_client: Callable[
     assert assert_tgi_error(r, 422, "validation").startswith("tokens.0: Input should be a valid integer, got 0.5")
 
 
-def test_a_json_body_is_parsed_and_validated_off_the_event_loop(client: TestClient,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_large_json_body_is_parsed_and_validated_off_the_event_loop(make_client: Callable[..., TestClient],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bodies over INLINE_PARSE_BYTES (here padded with JSON's whitespace) are parsed and validated in a worker
+    thread, their errors as FastAPI's own; a small one on the event loop (less work than the hand-off)."""
     import app.limits
 
+    client = make_client(max_body_bytes=2**20)
     seen: list[bool] = []
     parse = app.limits._parse_and_validate
 
@@ -191,13 +194,21 @@ def test_a_json_body_is_parsed_and_validated_off_the_event_loop(client: TestClie
             seen.append(False)
         return parse(field, body)
 
+    def post(route: str, body: bytes) -> Any:
+        padded = body + b" " * app.limits.INLINE_PARSE_BYTES
+        return client.post(route, content=padded, headers={"content-type": "application/json"})
+
     monkeypatch.setattr(app.limits, "_parse_and_validate", recording)
+    r = post("/generate", json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode())
+    assert r.status_code == 200 and len(r.json()["generated_text"]) == 2
+    assert_tgi_error(post("/generate", b'{"inputs": "ab", "nope": 1}'), 422, "validation", "nope: unknown field")
+    assert_tgi_error(post("/generate", b'{"inputs": '), 422, "validation", "body is not valid JSON")
+    assert_tgi_error(post("/generate", b'{"inputs": "\xff"}'), 422, "validation", "not UTF-8 (byte 0xff at offset 12)")
+    r = post("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert seen == [False] * 5
     assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
-    assert_tgi_error(client.post("/generate", json={"inputs": PROMPT, "nope": 1}), 422, "validation", "nope")
-    cut = client.post("/generate", content=b'{"inputs": ', headers={"content-type": "application/json"})
-    assert_tgi_error(cut, 422, "validation", "not valid JSON")
-    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
-    assert seen == [False] * 4
+    assert seen == [False] * 5  # parsed by FastAPI, on the event loop
 
 
 def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
