@@ -4,9 +4,14 @@
 
 Every option is also read from a `FOLIO_*` environment variable (flags win). A start-up mistake (a bad flag or
 value, an unknown `FOLIO_*` variable, a device this machine lacks, an address that cannot be bound, a checkpoint
-that cannot be used) ends the process with one `error:` line and exit code 2, before anything is served.
+that cannot be read) ends the process with one `error:` line and exit code 2, before anything is served.
+Then the port opens at once, while the engine is built and warmed up (`BackgroundLifespan`; minutes on a first
+start that builds the CPU kernels): meanwhile the generation routes, /health, /health/startup and /health/ready
+answer 503 with `Retry-After` and /health/live 200 ("loading"). A model that fails to load then (the engine cannot
+be built or warmed up) ends the process with the traceback logged, one `error:` line and exit code 2.
 SIGTERM (or Ctrl-C): keep listening but answer new work 503, let in-flight requests finish for up to
-`--drain-timeout` seconds, end the rest with a final error event, exit 0 (`DrainingServer`).
+`--drain-timeout` seconds, end the rest with a final error event, exit 0 (`DrainingServer`); while loading, exit
+at once.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
+from uvicorn.lifespan.on import LifespanOn
 
-from app.main import build_engine, create_app
+from app.main import create_app
 from app.models import model_paths
 from app.protocol import protocol_class
 from app.requestlog import configure_logging
@@ -62,6 +70,32 @@ def parse_args(argv: list[str] | None) -> dict:
     return args
 
 
+class BackgroundLifespan(LifespanOn):
+    """uvicorn's lifespan, whose startup (app/main.py: load the model, build the engine, warm it up) is not waited
+    for: uvicorn opens its port only once the lifespan's startup has ended, and a server that refuses connections
+    while it loads never shows the 503 a load balancer and Kubernetes' startup probe expect. A startup that fails
+    sets `should_exit`, which `DrainingServer` acts on."""
+
+    starting: asyncio.Future | None = None
+    abandoned = False
+
+    async def startup(self) -> None:
+        self.starting = asyncio.ensure_future(super().startup())
+
+    async def shutdown(self) -> None:
+        if self.starting is not None and not self.starting.done():  # a signal while loading: the load is abandoned
+            self.abandoned = True
+            self.logger.info("stopped while the model was loading")
+            self.starting.cancel()
+            return
+        await super().shutdown()
+
+    async def send(self, message: Any) -> None:  # noqa: ANN401 (uvicorn's ASGI message)
+        if self.abandoned and message["type"] == "lifespan.startup.failed":
+            message = {**message, "message": ""}  # the startup cancelled at exit: not a failure to log
+        await super().send(message)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with a drain. On the first SIGTERM or SIGINT the listener stays open: requests to the
     generation routes and /tokenize get 503 with `Retry-After` (and `Connection: close`), /health 503 "draining",
@@ -91,6 +125,8 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         """uvicorn's main loop calls this every 0.1 s; True ends the loop and starts the shutdown."""
+        if self.lifespan.should_exit:  # the model could not be loaded (`BackgroundLifespan`)
+            self.should_exit = True
         if self.drain_started is not None and not self.should_exit:
             service = self.folio_app.state.service
             if service.in_flight == 0:
@@ -154,12 +190,25 @@ def main(argv: list[str] | None = None) -> int:
             model_paths(settings)
             load_checkpoint(settings.checkpoint)
             app = create_app(settings)
-        else:
-            checkpoint = load_checkpoint(settings.checkpoint)
-            app = create_app(settings, checkpoint=checkpoint, engine=build_engine(settings, checkpoint))
+        else:  # the engine is built in the lifespan, while the port is open (`BackgroundLifespan`)
+            app = create_app(settings, checkpoint=load_checkpoint(settings.checkpoint))
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2
+    server = make_server(settings, app)
+    # once shut down, uvicorn re-raises the signal it caught under the handlers it found: no-op ones make a
+    # drained shutdown return 0 below instead of dying of that signal (exit status -15 for SIGTERM)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if app.state.startup_error is not None:
+        print(f"error: cannot serve {settings.checkpoint}: {app.state.startup_error}", file=sys.stderr)
+        return 2
+    return 0 if server.started else 1
+
+
+def make_server(settings: Settings, app: FastAPI) -> DrainingServer:
+    """The uvicorn server for `app`, configured by `settings`, its lifespan started in the background."""
     # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
     # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability/);
     # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
@@ -169,15 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None, timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
                             limit_concurrency=settings.max_connections,
+                            # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local process (or a
+                            # client through a proxy that passes the header on) could write the client's address
+                            proxy_headers=settings.forwarded_allow_ips is not None,
+                            forwarded_allow_ips=settings.forwarded_allow_ips,
                             http=protocol_class(settings, lambda reason: closed.labels(reason).inc()),
                             loop="uvloop" if sys.platform != "win32" else "asyncio")
-    server = DrainingServer(config, app, settings.drain_timeout)
-    # once shut down, uvicorn re-raises the signal it caught under the handlers it found: no-op ones make a
-    # drained shutdown return 0 below instead of dying of that signal (exit status -15 for SIGTERM)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
-    server.run()
-    return 0 if server.started else 1
+    config.load()
+    config.lifespan_class = BackgroundLifespan
+    return DrainingServer(config, app, settings.drain_timeout)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,19 @@
-"""FastAPI dependencies as `Annotated` aliases: the service, the optional API key check, the engine slot
-admission reserved for the request, and the request's record (app/requestlog.py)."""
+"""FastAPI dependencies as `Annotated` aliases: the service, the engine slot admission reserved for the request,
+and the request's record (app/requestlog.py). The API key is checked before any of them (app/auth.py)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from app.admission import RESERVATION
-from app.errors import Unauthorized, Unavailable
+from app.errors import Unavailable
 from app.models import MODEL_HEADER
 from app.requestlog import RequestRecord, request_record
 from app.service import GenerationService
 from model.engine import Reservation
+from model.registry import ModelNotFound
 
 
 async def service_for(request: Request, model: str | None = None) -> GenerationService:
@@ -33,15 +33,17 @@ async def get_service(request: Request) -> GenerationService:
     return await service_for(request)
 
 
-def check_api_key(request: Request) -> None:
-    key = request.app.state.settings.api_key
-    if key is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    expected = key.get_secret_value().encode()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+async def described_service(request: Request, name: str | None = None) -> tuple[str, GenerationService | None]:
+    """For the open routes, which never load a model (app/auth.py): the name of the model `name` names (else the
+    `X-Folio-Model` header, with the model registry), and its service if it is loaded now, else None. Without
+    the registry, the one model (a 404 for another `name`; 503 while it loads)."""
+    models = getattr(request.app.state, "models", None)
+    if models is not None:
+        return models.if_loaded(name or request.headers.get(MODEL_HEADER))
+    service = await get_service(request)
+    if name is not None and name != service.model_id:
+        raise ModelNotFound(name, [service.model_id])
+    return service.model_id, service
 
 
 def get_reservation(request: Request) -> Reservation | None:
@@ -50,6 +52,5 @@ def get_reservation(request: Request) -> Reservation | None:
 
 
 ServiceDep = Annotated[GenerationService, Depends(get_service)]
-AuthDep = Annotated[None, Depends(check_api_key)]
 ReservationDep = Annotated[Reservation | None, Depends(get_reservation)]
 RecordDep = Annotated[RequestRecord | None, Depends(request_record)]

@@ -173,6 +173,8 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         return "body", f"body is not valid JSON: {ctx.get('error', msg)}"
     if err.get("type") == "extra_forbidden":
         return field, f"{field}: unknown field"
+    if err.get("type") == "too_many_fields":  # the message counts them; a preview would sort them all
+        return field, f"{field}: {msg}"
     shown = preview(err.get("input"))
     global _RANGES
     if _RANGES is None:

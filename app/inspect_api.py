@@ -21,8 +21,9 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import AuthDep, ReservationDep, ServiceDep
+from app.deps import ReservationDep, ServiceDep, described_service
 from app.errors import INSPECT, TGI
+from app.limits import ThreadedBodyRoute
 from app.responses import dumps
 from app.schemas import GenerateParameters, StrictModel
 from app.service import GenerationService, until_done
@@ -41,7 +42,7 @@ from model.inspect import (
 from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
-router = APIRouter(tags=["inspect"])
+router = APIRouter(tags=["inspect"], route_class=ThreadedBodyRoute)
 DECIMALS = 6  # of attention weights and lens probabilities: an error of at most 5e-7
 MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 small's whole context fits (~27 MB)
 # the estimate's bytes per item, from the JSON written (a weight "0.123456," or key "1023,"; a lens entry
@@ -66,8 +67,9 @@ class InspectRequest(StrictModel):
     lens: bool = Field(True, description="return the logit lens")
     lens_layers: list[int] | None = Field(None, min_length=1, max_length=1024, description="0 (the embeddings) to "
                                           "n_layer (the last block's output); unset: all")
-    lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens")
-    top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token")
+    lens_top: int = Field(5, ge=1, le=MAX_TOP, description="next tokens per layer and position in the lens (at most "
+                          "the model's vocabulary)")
+    top_n: int = Field(5, ge=0, le=MAX_TOP, description="alternatives of each token (at most the model's vocabulary)")
 
     def to_options(self) -> InspectOptions:
         distinct = lambda values: None if values is None else tuple(sorted(set(values)))  # noqa: E731
@@ -154,8 +156,7 @@ def check_request(service: GenerationService, options: InspectOptions, n: int) -
 
 
 @router.post("/inspect", response_model=InspectResponse, responses=ERRORS)
-async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                  _: AuthDep) -> Response:
+async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep) -> Response:
     """Look inside the model for a text: its tokens, attention maps, logit lens, and each token's probability and
     alternatives (with `parameters`: generate first, then inspect the prompt and its generated tokens)."""
     service.check_ready()
@@ -241,16 +242,22 @@ def render(inspection: Inspection, body: InspectRequest, generated: Generated | 
 
 
 @router.get("/inspect/limits")
-async def limits(service: ServiceDep) -> dict[str, Any]:
-    """What `POST /inspect` and streamed attention allow on this model and server."""
+async def limits(request: Request) -> dict[str, Any]:
+    """What `POST /inspect` and streamed attention allow on this model and server (`model`: null for a model that
+    is not loaded, which this open route does not load)."""
     from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
 
-    cfg = service.checkpoint.config
+    _, service = await described_service(request)
+    model = None
+    if service is not None:
+        cfg = service.checkpoint.config
+        model = {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
+                 "n_vocab": service.tokenizer.n_vocab}
+    settings = request.app.state.settings
     return {
-        "max_chars": service.settings.max_tokenize_chars, "max_tokens": cfg.block_size,
+        "max_chars": settings.max_tokenize_chars, "max_tokens": model and model["block_size"],
         "max_attention_rows": MAX_ATTENTION_ROWS, "max_lens_logits": MAX_LENS_LOGITS,
         "max_response_bytes": MAX_RESPONSE_BYTES, "max_top": MAX_TOP, "decimals": DECIMALS,
         "stream_attention": {"max_token_weights": MAX_TOKEN_WEIGHTS, "max_request_weights": MAX_REQUEST_WEIGHTS},
-        "model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "block_size": cfg.block_size,
-                  "n_vocab": service.tokenizer.n_vocab},
+        "model": model,
     }

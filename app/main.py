@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import torch
 from fastapi import FastAPI
@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from app import inspect_api, openai_api, system, tgi, tokenizer_api
 from app import models as models_api
 from app.admission import AdmissionMiddleware
+from app.auth import ApiKeyMiddleware
 from app.errors import install_error_handlers
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
 from app.limits import BodyLimitMiddleware
@@ -64,29 +65,15 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.several_models:
-            async with _serve_models(app, settings):
-                yield
-            return
-        ck = checkpoint
-        if ck is None:
-            ck = await run_in_threadpool(load_checkpoint, settings.checkpoint)
-        eng = engine or await run_in_threadpool(build_engine, settings, ck)
-        eng.start()
-        metrics: Metrics = app.state.metrics
-        metrics.bind(eng)
-        service = GenerationService(eng, ck, settings, metrics)
-        app.state.service = service
-        await run_in_threadpool(eng.warmup)
-        metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
-        service.ready = True
-        log.info("serving %s on %s (%s)", service.model_id, eng.config.device,
-                 str(eng.config.dtype).removeprefix("torch."))
-        try:
+        serving = _serve_models(app, settings) if settings.several_models else \
+            _serve_one(app, settings, checkpoint, engine)
+        async with AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(serving)
+            except Exception as e:  # the model cannot be served: `python -m app` says why and exits 2
+                app.state.startup_error = e
+                raise
             yield
-        finally:
-            service.draining = True
-            await run_in_threadpool(eng.stop)
 
     # /docs (Swagger UI) and /redoc load their scripts and styles from this server (fastapi-offline's copies under
     # /static-offline-docs), not from a CDN: they work on a machine without internet access
@@ -101,6 +88,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.metrics = Metrics()
     app.state.service = None
     app.state.models = None
+    app.state.startup_error = None  # why the lifespan could not start serving, if it could not
     install_error_handlers(app)
     _install_routes(app)
     _install_middleware(app, settings)
@@ -120,6 +108,8 @@ def _install_routes(app: FastAPI) -> None:
 def _install_middleware(app: FastAPI, settings: Settings) -> None:
     """From the innermost to the outermost (each `add_middleware` wraps what was added before)."""
     app.add_middleware(AdmissionMiddleware, get_app=lambda: app)  # innermost: CORS wraps its 429
+    # the key before admission: a request without it is read no further, holds no slot and loads no model
+    app.add_middleware(ApiKeyMiddleware, get_app=lambda: app)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
@@ -128,6 +118,32 @@ def _install_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
     # outermost: the request's ID is on every answer, the 413s and 429s of the middlewares inside included
     app.add_middleware(RequestLogMiddleware, on_end=lambda record: app.state.metrics.vllm.observe(record))
+
+
+@asynccontextmanager
+async def _serve_one(app: FastAPI, settings: Settings, checkpoint: Checkpoint | None,
+                     engine: Engine | None) -> AsyncIterator[None]:
+    """The lifespan with one model: loaded (unless given), its engine built (unless given), started and warmed up
+    before the server is ready."""
+    ck = checkpoint
+    if ck is None:
+        ck = await run_in_threadpool(load_checkpoint, settings.checkpoint)
+    eng = engine or await run_in_threadpool(build_engine, settings, ck)
+    eng.start()
+    metrics: Metrics = app.state.metrics
+    metrics.bind(eng)
+    service = GenerationService(eng, ck, settings, metrics)
+    app.state.service = service
+    await run_in_threadpool(eng.warmup)
+    metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
+    service.ready = True
+    log.info("serving %s on %s (%s)", service.model_id, eng.config.device,
+             str(eng.config.dtype).removeprefix("torch."))
+    try:
+        yield
+    finally:
+        service.draining = True
+        await run_in_threadpool(eng.stop)
 
 
 @asynccontextmanager

@@ -34,18 +34,19 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from app.limits import ThreadedBodyRoute
 from app.metrics import Metrics
 from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
 from model.engine import Engine, EngineConfig, EngineStats
-from model.registry import ModelInfo, ModelNotFound, ModelRegistry
+from model.registry import ModelInfo, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
 MODEL_HEADER = "x-folio-model"
 log = logging.getLogger("folio.models")
-router = APIRouter(tags=["Models"])
+router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
 
 
 def model_paths(settings: Settings) -> dict[str, Path]:
@@ -114,6 +115,15 @@ class ServedModels:
         name, engine, checkpoint = await self.registry.acquire(name)
         return self.shared(name).pinned(engine, checkpoint)
 
+    def if_loaded(self, name: str | None) -> tuple[str, GenerationService | None]:
+        """Model `name`'s name (the default's if None) and a request's copy of its service if it is loaded now,
+        else None: never loads (the open routes, app/auth.py). An unknown name is a ModelNotFound (404)."""
+        name = self.registry.slot_for(name)
+        for loaded, engine, checkpoint in self.registry.loaded():
+            if loaded == name:
+                return name, self.shared(name).pinned(engine, checkpoint)
+        return name, None
+
     def discover(self) -> dict[str, Path]:
         """The checkpoint directories put into `--models-dir` since it was last looked at, by name (`--watch`)."""
         if self.settings.models_dir is None:
@@ -144,9 +154,12 @@ class ServedModels:
 
 
 def describe(info: ModelInfo) -> dict[str, Any]:
-    """A model as /v1/models and /info show it: no absolute path (its directory by name)."""
+    """A model as /v1/models and /info show it: no absolute path (its directory by name, and a path in the error
+    of a failed load by its last part): both are open routes."""
+    from app.system import without_paths
+
     out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
-    out["checkpoint"] = info.path.name
+    out["checkpoint"], out["error"] = info.path.name, without_paths(info.error)
     return out
 
 
@@ -195,10 +208,7 @@ def served_models(request: Request) -> ServedModels | None:
 async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     """Swap in a checkpoint whose files changed (its config.json's hash tells), as `--watch` does: running requests
     finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
-    reason in the answer and in /info). Behind the API key; needs the registry (see app/models.py)."""
-    from app.deps import check_api_key
-
-    check_api_key(request)
+    reason in the answer and in /info). Behind the API key (app/auth.py); needs the registry (see app/models.py)."""
     models = served_models(request)
     if models is None:  # a conflict with how the server was started, not a fault of the server
         raise HTTPException(409, "reloading needs the model registry: start the server with --watch, --models or "
@@ -234,20 +244,29 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
 @router.get("/models/{name}/training", responses={code: {"model": ErrorBody} for code in (404, 503)})
 async def training(name: str, request: Request) -> dict[str, Any]:
     """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
-    serve it now, and the run's metrics (train loss per log interval, train/val loss per evaluation) from the
-    metrics.jsonl beside it (empty for a checkpoint without one). Open like /info: no paths, no prompts."""
-    from app.deps import get_service
+    serve it now (null while it is not loaded), and the run's metrics (train loss per log interval, train/val
+    loss per evaluation) from the metrics.jsonl beside it (empty for a checkpoint without one). Open like /info:
+    no paths, no prompts, and it loads no model (a model not loaded is described from its files)."""
+    from app.deps import described_service
     from app.system import without_paths
 
-    models = served_models(request)
-    if models is not None:
-        service = await models.service(name)
-    elif name != (service := await get_service(request)).model_id:
-        raise ModelNotFound(name, [service.model_id])
-    ck = service.checkpoint
-    rows = await run_in_threadpool(_metrics_tail, ck.path / METRICS_FILE) if ck.path else []
-    return {"model": service.model_id, "fingerprint": service.fingerprint, "training": without_paths(ck.training),
-            "metrics": rows}
+    name, service = await described_service(request, name)
+    if service is not None:
+        path, training, fingerprint = service.checkpoint.path, service.checkpoint.training, service.fingerprint
+    else:
+        path = served_models(request).registry.paths()[name]  # type: ignore[union-attr]
+        training, fingerprint = await run_in_threadpool(_stored_training, path), None
+    rows = await run_in_threadpool(_metrics_tail, path / METRICS_FILE) if path else []
+    return {"model": name, "fingerprint": fingerprint, "training": without_paths(training), "metrics": rows}
+
+
+def _stored_training(directory: Path) -> dict[str, Any]:
+    """The training provenance in a checkpoint's config.json ({} if it cannot be read): a model not loaded."""
+    try:
+        training = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8")).get("training")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return training if isinstance(training, dict) else {}
 
 
 @router.get("/training", response_class=HTMLResponse, include_in_schema=False)

@@ -13,8 +13,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
-from app.deps import AuthDep, ReservationDep, get_service, service_for
+from app.deps import ReservationDep, get_service, service_for
 from app.errors import OPENAI, exception_body
+from app.limits import ThreadedBodyRoute
 from app.models import served_models
 from app.requestlog import RequestRecord, request_record
 from app.responses import StrictJSONResponse
@@ -24,7 +25,7 @@ from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
 from model.registry import ModelNotFound
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
 
 
@@ -42,8 +43,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
-async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep,
-                      _: AuthDep) -> Response:
+async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep) -> Response:
     """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
     of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt.
     `model` picks one of the models served (app/models.py)."""
@@ -51,7 +51,7 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
     service.check_ready()
     if served_models(request) is None and body.model is not None and body.model != service.model_id:
         raise ModelNotFound(body.model, [service.model_id])
-    params, samples = body.to_sampling_params(service.defaults), body.samples()
+    params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     streams: list[list[GenerationStream]] = []

@@ -12,9 +12,13 @@ bounds the time a body may take. `FolioHttpProtocol` adds, for every request on 
 - its body must arrive within `body_timeout` seconds of its head: else 408 if no response has started (else the
   connection is just closed), and the app sees the client as gone.
 
+The number of open connections is bounded as uvicorn's `limit_concurrency` bounds it (`--max-connections`: a request
+on a connection beyond it, or beyond as many requests running, gets 503 and the connection is closed), but the 503
+is the API's JSON error, with `Retry-After`, not uvicorn's plain-text "Service Unavailable" (`_too_many`).
+
 Each of these counts in `folio_connections_closed_total{reason}`. At shutdown, a connection whose request is still
 arriving is closed at once rather than waited for (see `shutdown`). The idle time between kept-alive requests stays
-uvicorn's `timeout_keep_alive`; the number of open connections, uvicorn's `limit_concurrency`.
+uvicorn's `timeout_keep_alive`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from app.settings import Settings
 MAX_HEADERS = 100  # as Python's http.client and http.server
 
 HEADER_TIMEOUT, BODY_TIMEOUT, HEAD_TOO_LARGE = "header_timeout", "body_timeout", "head_too_large"
+TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
 class FolioHttpProtocol(HttpToolsProtocol):
@@ -40,10 +45,13 @@ class FolioHttpProtocol(HttpToolsProtocol):
     header_timeout: float = 10.0
     body_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024
+    retry_after: int = 1
     on_closed: Callable[[str], None] = staticmethod(lambda reason: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # the connection limit is checked here (`on_headers_complete`), not by uvicorn, to answer it in JSON
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
         self._deadline: asyncio.TimerHandle | None = None
         self._in_head = True  # between a request's first byte (or the connection's start) and its last header
         self._head_bytes = 0
@@ -160,7 +168,29 @@ class FolioHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._arm(self.body_timeout, BODY_TIMEOUT)  # disarmed by on_message_complete, at once if there is no body
-        super().on_headers_complete()
+        limit = self.max_connections
+        if limit is None or (len(self.connections) < limit and len(self.tasks) < limit):
+            super().on_headers_complete()
+            return
+        # uvicorn's test, which then answers with its plain-text 503: this request goes to `_too_many` instead
+        self.on_closed(TOO_MANY_CONNECTIONS)
+        app, self.app = self.app, self._too_many
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    async def _too_many(self, scope: Any, receive: Any, send: Any) -> None:
+        """The answer to a request beyond `--max-connections`: 503 in the body shape of its API family, with
+        Retry-After, and the connection closed."""
+        message = (f"the server has {len(self.connections)} connections open, at its limit of "
+                   f"{self.max_connections} (--max-connections); try again")
+        self.logger.warning(message)  # as uvicorn's own refusal is logged
+        body = json.dumps(error_body(scope["path"], 503, "unavailable", "server_error", message, None)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"retry-after", str(self.retry_after).encode()), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -173,5 +203,6 @@ def protocol_class(settings: Settings, on_closed: Callable[[str], None]) -> type
     for each connection answered and closed by a limit."""
     return type("FolioHttpProtocol", (FolioHttpProtocol,), {
         "header_timeout": settings.header_timeout, "body_timeout": settings.body_timeout,
-        "max_header_bytes": settings.max_header_bytes, "on_closed": staticmethod(on_closed),
+        "max_header_bytes": settings.max_header_bytes, "retry_after": settings.retry_after,
+        "on_closed": staticmethod(on_closed),
     })

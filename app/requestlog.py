@@ -40,6 +40,7 @@ HEADER = "X-Request-Id"
 SAFE_ID = re.compile(r"[A-Za-z0-9._~:+/=-]{1,128}")
 RECORD = "record"  # the key of the request's state that holds its `RequestRecord`
 QUIET_ROUTES = frozenset({"/health", "/health/startup", "/health/ready", "/health/live", "/metrics"})
+PLAIN_VALUE = re.compile(r"[A-Za-z0-9._~:+/\[\]-]+")  # a text log's value written unquoted (IPv6 too)
 TRACE = 5  # uvicorn's trace level: each ASGI message (bodies and headers as placeholders)
 access_log = logging.getLogger("folio.access")
 
@@ -174,7 +175,7 @@ class RequestIdFilter(logging.Filter):
 
 class TextFormatter(logging.Formatter):
     """`<time> <LEVEL> <logger>: <message> key=value ...`: an access line's fields (those it has), then the
-    request ID of a line about a request."""
+    request ID of a line about a request; a value that is not one plain word is quoted (`_plain`)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -184,7 +185,15 @@ class TextFormatter(logging.Formatter):
                  ("method", "route", "status")}  # those three are the message
         if getattr(record, "request_id", None):
             pairs["request_id"] = record.request_id
-        return " ".join([super().formatMessage(record), *(f"{k}={v}" for k, v in pairs.items())])
+        return " ".join([super().formatMessage(record), *(f"{k}={_plain(v)}" for k, v in pairs.items())])
+
+
+def _plain(value: object) -> str:
+    """A text line's value as it is when it is one plain word (numbers, addresses, IDs), else quoted as a JSON
+    string: a value with a space or an `=` (a forwarded client address is whatever a proxy passed on) must not
+    read as more fields."""
+    text = str(value)
+    return text if PLAIN_VALUE.fullmatch(text) else json.dumps(text)
 
 
 class JsonFormatter(logging.Formatter):

@@ -8,13 +8,23 @@ at /docs.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidatorFunctionWrapHandler, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    FailFast,
+    Field,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
+from typing_extensions import TypeAliasType
 
 from app.errors import OPENAI, TGI
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
@@ -24,9 +34,15 @@ STOP_DOC = (f"stop strings, at most {MAX_STOP_STRINGS} of at most {MAX_STOP_CHAR
             "ends where one appears and the text stops before it")
 MAX_N = 16  # samples of one prompt (`n`, `best_of`)
 MAX_PROMPTS = 32  # prompts in one request
-MAX_SEQUENCES = 64  # prompts x max(n, best_of): the rows one request may take
+MAX_SEQUENCES = 64  # prompts x max(n, best_of): the most rows one request may take (--max-sequences-per-request)
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's own limit for chat; vLLM's default)
+MAX_UNKNOWN_SHOWN = 3  # unknown keys named in the error of an object with too many
 Prompt = str | list[int]  # text, or token ids
+# a list of a million items with a bad one is one error, not a million (aliases: a Union of Annotated types with
+# their unhashable FailFast cannot be formed on Python 3.11)
+TokenIds = TypeAliasType("TokenIds", Annotated[list[int], FailFast()])
+Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
+TokenIdLists = TypeAliasType("TokenIdLists", Annotated[list[TokenIds], FailFast()])
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -37,6 +53,8 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
             return None
         m = _SURROGATE.search(value)
         return (f"character {m.start()}", m.group()) if m else None
+    if isinstance(value, list) and value and isinstance(value[0], int | float | bool):
+        return None  # a validated list is of one type (token ids, layers): no string in it
     if isinstance(value, list | dict):
         for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             found = _lone_surrogate(key) or _lone_surrogate(item)
@@ -47,11 +65,20 @@ def _lone_surrogate(value: Any) -> tuple[str, str] | None:
 
 @dataclass(frozen=True)
 class ServerDefaults:
-    """What the server fills in where a request leaves a value unset (`--max-new-tokens-default`), and its limit
-    (`--max-new-tokens-limit`)."""
+    """What the server fills in where a request leaves a value unset (`--max-new-tokens-default`), and its limits
+    (`--max-new-tokens-limit`; `--max-sequences-per-request`: the engine's batch rows one request may take)."""
 
     max_new_tokens: int
     max_new_tokens_limit: int
+    max_sequences: int = MAX_SEQUENCES
+
+    def check_sequences(self, field: str, what: str, total: int, shown: str) -> None:
+        """A request's `total` sequences (`what` and `shown` say how they add up) within the server's share of its
+        batch for one request: else 422 on `field`, naming the limit and the value."""
+        if total > self.max_sequences:
+            raise ValidationError(field, f"{what} must be at most {self.max_sequences} (the server's "
+                                         f"--max-sequences-per-request: the batch rows one request may take), got "
+                                         f"{shown}")
 
     def max_new_tokens_for(self, value: int | None, field: str) -> int:
         limit = self.max_new_tokens_limit
@@ -65,9 +92,24 @@ class StrictModel(BaseModel):
     """Request models: unknown fields, NaN and infinities are refused, and so are values of another JSON type
     ("4" or 4.0 for an integer, 1 or "yes" for a boolean), as TGI's and OpenAI's own servers refuse them. Every
     string must be valid Unicode: JSON's `\\ud800` escape gives Python a lone surrogate, which no UTF-8 text (a
-    tokenizer's input, a response echoing the prompt) can hold."""
+    tokenizer's input, a response echoing the prompt) can hold.
+
+    The work a bad body costs is bounded by its shape, not its size: an object with more keys than the model has
+    fields is one error (150,000 unknown keys were 150,000 errors, ~2 s of work), a list is checked for its length
+    before its items and stops at its first bad item (`FailFast`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _few_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and len(data) > len(cls.model_fields):
+            unknown = list(itertools.islice((k for k in data if k not in cls.model_fields), MAX_UNKNOWN_SHOWN))
+            raise PydanticCustomError(
+                "too_many_fields", "has {count} fields, more than the {known} it may hold ({names}); unknown fields "
+                "include {unknown}", {"count": len(data), "known": len(cls.model_fields),
+                                      "names": ", ".join(cls.model_fields), "unknown": preview(unknown)})
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -142,8 +184,9 @@ class GenerateParameters(StrictModel):
                 attention=None if self.attention is None else self.attention.to_spec(),
             )
 
-    def samples(self, params: SamplingParams, stream: bool) -> int:
-        """Sequences to generate: `best_of` (TGI's rules: it needs sampling, and a stream carries one)."""
+    def samples(self, params: SamplingParams, stream: bool, defaults: ServerDefaults) -> int:
+        """Sequences to generate: `best_of` (TGI's rules: it needs sampling, and a stream carries one; at most the
+        server's share for one request, TGI's `max_best_of`)."""
         best_of = self.best_of or 1
         if best_of > 1 and params.is_greedy:
             raise ValidationError(TGI.field("best_of"), f"greater than 1 needs sampling (do_sample, or temperature, "
@@ -155,6 +198,7 @@ class GenerateParameters(StrictModel):
                                                           "parameters.details, or stream (/generate_stream)")
         if self.attention is not None and best_of > 1:
             raise ValidationError(TGI.field("attention"), f"is for one sequence: not with best_of, got {best_of}")
+        defaults.check_sequences(TGI.field("best_of"), "best_of", best_of, str(best_of))
         return best_of
 
 
@@ -247,7 +291,9 @@ class StreamOptions(StrictModel):
 
 class CompletionRequest(StrictModel):
     model: str | None = Field(None, description="ignored beyond a check that it names this model, if given")
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    # left to right, token ids before a list of strings: a list of a million ids is not first tried as strings
+    prompt: str | TokenIds | Texts | TokenIdLists = Field(
+        union_mode="left_to_right",
         description=f"the prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "
                     "(a batch: each prompt's choices follow the previous prompt's)")
     max_tokens: int | None = Field(16, ge=0, description="tokens to generate at most; 0 (with echo) scores the "
@@ -309,17 +355,26 @@ class CompletionRequest(StrictModel):
                                       {"max": MAX_STOP_STRINGS})
         return handler(value)
 
-    def samples(self) -> int:
-        """Sequences generated per prompt: best_of (which must not be below n) or n."""
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, value: Any) -> Any:
+        # and logit_bias': a dict's max_length is checked after each of its items
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError("too_long", "must hold at most {max} entries", {"max": MAX_LOGIT_BIAS})
+        return value
+
+    def samples(self, defaults: ServerDefaults) -> int:
+        """Sequences generated per prompt: best_of (which must not be below n) or n; with the prompts, at most the
+        server's share for one request."""
         best_of = self.best_of if self.best_of is not None else self.n
         if best_of < self.n:
             raise ValidationError("best_of", f"must be at least n ({self.n}), got {best_of}")
         if best_of > 1 and self.stream and best_of != self.n:
             raise ValidationError("best_of", f"must equal n ({self.n}) when streaming, got {best_of}")
-        total = best_of * len(self.prompts())
-        if total > MAX_SEQUENCES:
-            raise ValidationError("n", f"prompts x max(n, best_of) must be at most {MAX_SEQUENCES}, got "
-                                       f"{len(self.prompts())} x {best_of} = {total}")
+        prompts = len(self.prompts())
+        field = "best_of" if self.best_of is not None and self.best_of > self.n else "n"
+        defaults.check_sequences(field, "prompts x max(n, best_of)", prompts * best_of,
+                                 f"{prompts} x {best_of} = {prompts * best_of}")
         return best_of
 
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:

@@ -109,7 +109,8 @@ class GenerationService:
 
     @property
     def defaults(self) -> ServerDefaults:
-        return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit)
+        return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit,
+                              self.settings.sequences_per_request)
 
     # -- submitting -----------------------------------------------------------------------------------
     def own_slot(self, reservation: Reservation | None) -> Reservation | None:

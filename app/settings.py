@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.auth import PROTECTED_DOC
+from app.schemas import MAX_SEQUENCES
 from model.cli import check_threads
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
@@ -66,21 +68,30 @@ class Settings(BaseSettings):
                          "8M parameters)")
     max_batch_size: int = Field(16, ge=1, le=1024, description="requests decoded together")
     max_waiting: int = Field(64, ge=0, le=100_000, description="admitted requests waiting for a batch slot")
+    max_sequences_per_request: int = Field(
+        0, ge=0, le=MAX_SEQUENCES, description="sequences one request may run: OpenAI's prompts x max(n, best_of), "
+        "TGI's best_of (its max_best_of); more is refused with 422 naming the fields, the limit and the value. "
+        "0: half of --max-batch-size (at least 1), so that one request leaves half of the batch to the others")
     prefill_chunk: int = Field(512, ge=1, description="prompt tokens prefilled per engine step")
     window_shift: int = Field(0, ge=0, description="tokens the context window slides by (0: block_size/8)")
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    api_key: SecretStr | None = Field(None, description="if set, generation routes and /tokenize need 'Bearer <key>' "
-                                      "(surrounding whitespace is ignored; an empty key is refused)")
+    api_key: SecretStr | None = Field(None, description="if set, these routes need 'Authorization: Bearer <key>', "
+                                      f"checked before anything else: {PROTECTED_DOC} (surrounding whitespace is "
+                                      "ignored; an empty key is refused)")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="allowed CORS origins: '*' for any, or origins such as "
         "https://example.com, comma-separated (or a JSON list)")
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="a larger request line + headers gets 431")
     header_timeout: float = Field(10.0, gt=0, description="seconds a request's line and headers may take (408)")
     body_timeout: float = Field(30.0, gt=0, description="seconds a request's body may take after its headers (408)")
-    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 (uvicorn's "
-                                 "limit_concurrency)")
+    max_connections: int = Field(1000, ge=1, description="open connections beyond this get 503 with Retry-After, "
+                                 "and are closed (uvicorn's limit_concurrency)")
+    forwarded_allow_ips: str | None = Field(
+        None, description="proxies whose X-Forwarded-For and X-Forwarded-Proto are believed (the client's address in "
+        "the access log is then the one they forward): comma-separated addresses or networks, '*' for any "
+        "(uvicorn's forwarded_allow_ips). Unset: none, not even 127.0.0.1; the client is the connection's peer")
     max_tokenize_chars: int = Field(65536, ge=1, description="/tokenize inputs longer than this get 422")
     drain_timeout: float = Field(30.0, ge=0, le=86_400, description="seconds in-flight requests get after SIGTERM")
     # one engine iteration is a prefill chunk plus a decode step, and a decode step re-prefills each row whose
@@ -126,6 +137,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = json.loads(value) if value.strip().startswith("[") else value.split(",")
         return [v.strip() for v in value if v.strip()] if isinstance(value, list) else value
+
+    @property
+    def sequences_per_request(self) -> int:
+        """--max-sequences-per-request, its 0 resolved: half of the batch."""
+        return self.max_sequences_per_request or max(1, self.max_batch_size // 2)
 
     @property
     def several_models(self) -> bool:

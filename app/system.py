@@ -1,13 +1,17 @@
 """Operational routes: /health and the three Kubernetes probes under it, /info, /metrics, and the playground page
 at GET /.
 
+`python -m app` listens while the model loads (app/__main__.py): /health and the startup and readiness probes say
+"loading" (503, with `Retry-After`), liveness says the process is alive.
+
 The probes (what each answers is what the kubelet acts on; deploy/kubernetes/ uses them):
 - `/health/startup`: the model is loaded and warmed up; from then on 200, draining too (a failing startup probe
   restarts the container, and a draining server must be left to finish);
 - `/health/ready`: send it new traffic: loaded, not draining, and not full (requests in flight below the
   capacity, `max_batch_size + max_waiting`: the engine's own figures, the ones /metrics exports);
 - `/health/live`: the engine thread is alive and no step has run longer than `--liveness-stall-seconds` (with
-  several models: every loaded model's).
+  several models: every loaded model's); while the model loads, 200 "loading" (the kubelet asks only once the
+  startup probe has passed; anything else that asks learns that the process is alive).
 A 503 says why in its body: `{"status": ..., "reason": ...}`. None of them touches the engine's lock, so a
 wedged engine cannot hang the probes too.
 """
@@ -22,7 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.deps import ServiceDep
+from app.deps import described_service
 from app.responses import StrictJSONResponse
 from app.service import GenerationService
 
@@ -50,7 +54,7 @@ async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
     service = getattr(request.app.state, "service", None)
     if service is None or not service.ready:
-        return StrictJSONResponse({"status": "loading"}, status_code=503)
+        return _unavailable("loading", LOADING, request)
     if service.draining:
         return StrictJSONResponse({"status": "draining"}, status_code=503)
     return StrictJSONResponse({"status": "ok"})
@@ -62,8 +66,10 @@ def _loaded(request: Request) -> GenerationService | None:
     return service if service is not None and service.ready else None
 
 
-def _unavailable(status: str, reason: str) -> StrictJSONResponse:
-    return StrictJSONResponse({"status": status, "reason": reason}, status_code=503)
+def _unavailable(status: str, reason: str, request: Request | None = None) -> StrictJSONResponse:
+    """503 saying why; while loading (`request` given), with Retry-After as the generation routes' 503."""
+    headers = {"Retry-After": str(request.app.state.settings.retry_after)} if request is not None else None
+    return StrictJSONResponse({"status": status, "reason": reason}, status_code=503, headers=headers)
 
 
 LOADING = "the model is still loading"
@@ -73,7 +79,7 @@ LOADING = "the model is still loading"
 async def health_startup(request: Request) -> StrictJSONResponse:
     """Kubernetes' startup probe: 200 once the model is loaded and warmed up, and from then on (draining too)."""
     if _loaded(request) is None:
-        return _unavailable("loading", LOADING)
+        return _unavailable("loading", LOADING, request)
     return StrictJSONResponse({"status": "ok"})
 
 
@@ -83,7 +89,7 @@ async def health_ready(request: Request) -> StrictJSONResponse:
     requests in flight below its capacity (`max_batch_size + max_waiting`); else 503 with the reason."""
     service = _loaded(request)
     if service is None:
-        return _unavailable("loading", LOADING)
+        return _unavailable("loading", LOADING, request)
     if service.draining:
         return _unavailable("draining", "the server is shutting down and admits no new requests")
     engine = service.loaded_engine
@@ -102,9 +108,9 @@ async def health_ready(request: Request) -> StrictJSONResponse:
 async def health_live(request: Request) -> StrictJSONResponse:
     """Kubernetes' liveness probe: 200 while the engine thread is alive and stepping (idle, or within
     `--liveness-stall-seconds` of its current step's start); 503 with the reason when it is dead or stuck."""
-    service = getattr(request.app.state, "service", None)
-    if service is None:
-        return _unavailable("loading", "the engine has not started yet")
+    service = _loaded(request)
+    if service is None:  # the process is alive; the startup probe tells whether it is ready
+        return StrictJSONResponse({"status": "loading"})
     models = request.app.state.models  # with the registry (app/models.py): every model loaded now
     engines = [(None, service.engine)] if models is None else [(n, e) for n, e, _ in models.registry.loaded()]
     states = []
@@ -117,9 +123,17 @@ async def health_live(request: Request) -> StrictJSONResponse:
 
 
 @router.get("/info")
-async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
+async def info(request: Request) -> dict[str, Any]:
     """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
-    its directory, and a path in the provenance (the training data, the output directory) by its last part."""
+    its directory, and a path in the provenance (the training data, the output directory) by its last part.
+    With several models (the `X-Folio-Model` header picks one), a model not loaded is not loaded for this: its
+    name, state and the list of models only."""
+    name, service = await described_service(request)
+    served = getattr(request.app.state, "models", None)
+    if service is None:
+        models = served.describe()
+        return {"model_id": name, "state": next(m["state"] for m in models if m["name"] == name), "models": models,
+                "version": VERSION, "router": "folio"}
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     runner, limits = engine.runner, engine.config
     tok = ck.tokenizer
@@ -145,11 +159,12 @@ async def info(request: Request, service: ServiceDep) -> dict[str, Any]:
         "max_batch_size": limits.max_batch_size,
         "max_concurrent_requests": limits.max_batch_size + limits.max_waiting,
         "max_waiting": limits.max_waiting,
+        "max_sequences_per_request": service.settings.sequences_per_request,  # prompts x n, best_of (422 beyond)
         "prefill_chunk": limits.prefill_chunk,
         "window_shift": limits.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,
         "training": ck.training,
-        "models": served.describe() if (served := getattr(request.app.state, "models", None)) else None,
+        "models": served.describe() if served else None,
         "version": VERSION,
         "router": "folio",
     })

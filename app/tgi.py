@@ -11,8 +11,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import ranked, sample_params
-from app.deps import AuthDep, RecordDep, ReservationDep, ServiceDep
+from app.deps import RecordDep, ReservationDep, ServiceDep
 from app.errors import TGI, exception_body
+from app.limits import ThreadedBodyRoute
 from app.requestlog import RequestRecord, request_record
 from app.responses import json_number
 from app.schemas import (
@@ -29,7 +30,7 @@ from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
 from model.engine.events import TokenAttention as EngineAttention
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=ThreadedBodyRoute)
 CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
 
@@ -39,7 +40,7 @@ async def _start(service: GenerationService, body: GenerateRequest, reservation:
     """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
     service.check_ready()
     params = body.parameters.to_sampling_params(service.defaults)
-    samples = body.parameters.samples(params, stream)
+    samples = body.parameters.samples(params, stream, service.defaults)
     return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI,
                                     reservation)
 
@@ -90,8 +91,8 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result,
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=ERRORS)
-async def generate(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                   _: AuthDep) -> Response:
+async def generate(body: GenerateRequest, request: Request, service: ServiceDep,
+                   reservation: ReservationDep) -> Response:
     """Generate text for a prompt and return it whole."""
     return Response((await _generate(service, body, request, reservation)).model_dump_json(exclude_none=True),
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})
@@ -149,7 +150,7 @@ def _attention(att: EngineAttention) -> dict[str, Any]:
 
 @router.post("/generate_stream", responses={**ERRORS, 200: SSE_DOC})
 async def generate_stream(body: GenerateRequest, service: ServiceDep, reservation: ReservationDep,
-                          record: RecordDep, _: AuthDep) -> StreamingResponse:
+                          record: RecordDep) -> StreamingResponse:
     """Generate text as server-sent events, one per token; the last carries generated_text and details."""
     [stream] = await _start(service, body, reservation, stream=True)
     return StreamingResponse(_events(service, body, stream, record), media_type="text/event-stream",
@@ -157,12 +158,12 @@ async def generate_stream(body: GenerateRequest, service: ServiceDep, reservatio
 
 
 @router.post("/", responses={**ERRORS, 200: SSE_OR_JSON_DOC}, summary="TGI compatibility route")
-async def compat(body: GenerateRequest, request: Request, service: ServiceDep, reservation: ReservationDep,
-                 _: AuthDep) -> Response:
+async def compat(body: GenerateRequest, request: Request, service: ServiceDep,
+                 reservation: ReservationDep) -> Response:
     """TGI's root route: `"stream": true` streams like /generate_stream, else answers like /generate
     (as a one-element list, as TGI does)."""
     if body.stream:
-        return await generate_stream(body, service, reservation, request_record(request), None)
+        return await generate_stream(body, service, reservation, request_record(request))
     response = await _generate(service, body, request, reservation)
     return Response("[" + response.model_dump_json(exclude_none=True) + "]",
                     media_type="application/json", headers={CHECKPOINT_HEADER: service.fingerprint})

@@ -13,8 +13,9 @@ from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import AuthDep, ServiceDep
-from app.schemas import ErrorBody, GenerateParameters, StrictModel
+from app.deps import ServiceDep
+from app.limits import ThreadedBodyRoute
+from app.schemas import ErrorBody, GenerateParameters, StrictModel, TokenIds
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import Tokenizer
 
@@ -53,7 +54,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(StrictModel):
-    tokens: list[int] = Field(description="token ids (vLLM's /detokenize shape)")
+    tokens: TokenIds = Field(description="token ids (vLLM's /detokenize shape)")
 
 
 class DetokenizeResponse(BaseModel):
@@ -67,12 +68,12 @@ class SimpleToken(BaseModel):
     stop: int
 
 
-router = APIRouter(tags=["Tokenizer"])
+router = APIRouter(tags=["Tokenizer"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 429, 503)}
 
 
 @router.post("/tokenize", response_model=list[SimpleToken] | TokenizeResponse, responses=ERRORS)
-async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Response:
+async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
     """The text's tokens: with `inputs` (TGI), each token's id, text and character offsets; with `prompt` (vLLM),
     `{count, max_model_len, tokens}`."""
     service.check_ready()
@@ -90,7 +91,7 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep, _: AuthDep) -> Re
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-async def detokenize(body: DetokenizeRequest, service: ServiceDep, _: AuthDep) -> DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> DetokenizeResponse:
     """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number)."""
     service.check_ready()
     limit, vocab = service.settings.max_tokenize_chars, service.engine.n_vocab
@@ -101,7 +102,7 @@ async def detokenize(body: DetokenizeRequest, service: ServiceDep, _: AuthDep) -
 
 
 @router.get("/tokenizer_info")
-async def tokenizer_info(service: ServiceDep, _: AuthDep) -> dict[str, object]:
+async def tokenizer_info(service: ServiceDep) -> dict[str, object]:
     """vLLM's tokenizer facts: the end-of-text token (null for a character vocabulary, which has none), the
     vocabulary size and the context."""
     tok = service.tokenizer

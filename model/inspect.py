@@ -8,8 +8,8 @@ its decode steps; `python -m model.inspect` draws the maps as PNG.
   weight) up to `dense_max_tokens` tokens, else sparse: per query the `sparse_top` largest weights of at least
   `sparse_threshold` (stated in the result).
 - logit lens: the residual stream after the embeddings (layer 0) and after each block (1..n_layer), put through
-  the final LayerNorm and the LM head: the `lens_top` most likely next tokens and their probabilities at each
-  position. At the last layer that is exactly the model's own next-token distribution.
+  the final LayerNorm and the LM head: the `lens_top` most likely next tokens (at most the vocabulary) and their
+  probabilities at each position. At the last layer that is exactly the model's own next-token distribution.
 - next tokens: each token's log-probability given those before it and its `top_n` alternatives (`PromptScorer`).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -123,6 +123,10 @@ class Inspector:
     def __init__(self, model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOptions, *,
                  kv_dtype: torch.dtype | None = None) -> None:
         check_options(options, len(ids), model, tokenizer.n_vocab)
+        # alternatives and lens entries: at most the whole vocabulary (a 2-symbol model asked for the default 5 gets
+        # both of its tokens), as a sparse map keeps at most the keys there are
+        options = replace(options, lens_top=min(options.lens_top, tokenizer.n_vocab),
+                          top_n=min(options.top_n, tokenizer.n_vocab))
         self.model, self.tokenizer, self.ids, self.options = model, tokenizer, ids, options
         # keys and values as the serving cache stores them (an fp16 cache rounds them): the maps and every layer
         # after show what the served model computes; None: as the forward computes them

@@ -1,26 +1,30 @@
 """Section `oversized`: the largest work one request may ask for: the longest /tokenize input the server accepts
-(its time, the answer's size, the server's RSS and /health's latency meanwhile), and 16 stop strings of the
-longest accepted length against none (a request alone, and half of a batch)."""
+(its time, the answer's size, the server's RSS and /health's latency meanwhile), bodies just under the size limit
+made of unknown fields (four at once, /health's latency meanwhile), and 16 stop strings of the longest accepted
+length against none (a request alone, and half of a batch)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import statistics
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
 from bench.reliability.harness import MB, PRINTABLE, Problems, ms, rss_kib
 from bench.report import pct
 
+T = TypeVar("T")
 
-async def _timed_with_health(base: str, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float, list[float]]:
-    """POST `body` while /health is polled every 10 ms on another connection: the response, its time, and the
+
+async def _with_health(base: str, work: Callable[[], Awaitable[T]]) -> tuple[T, float, list[float]]:
+    """Await `work()` while /health is polled every 10 ms on a connection of its own: its result, its time, and the
     latency of each /health answer that came while it ran."""
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client, \
-            httpx.AsyncClient(base_url=base, timeout=600) as prober:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as prober:
         await prober.get("/health")
         health: list[float] = []
         done = asyncio.Event()
@@ -35,11 +39,17 @@ async def _timed_with_health(base: str, path: str, body: dict[str, Any]) -> tupl
 
         probing = asyncio.ensure_future(probe())
         t0 = time.perf_counter()
-        r = await client.post(path, json=body)
+        result = await work()
         elapsed = time.perf_counter() - t0
         done.set()
         await probing
-    return r, elapsed, health
+    return result, elapsed, health
+
+
+async def _timed_with_health(base: str, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float, list[float]]:
+    """POST `body` while /health is polled (`_with_health`)."""
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        return await _with_health(base, lambda: client.post(path, json=body))
 
 
 def _stop_strings(length: int) -> list[str]:
@@ -74,6 +84,33 @@ def _largest_tokenize(base: str, pid: int, problems: Problems) -> dict[str, Any]
             "peak_rss_after_mb": round(rss_kib(pid, "VmHWM") / 1024), "health_answers_during": len(health),
             "health_latency_p50_ms": ms(pct(health, 0.5)), "health_latency_max_ms": ms(max(health, default=None)),
             "over_the_limit": over}
+
+
+MANY_FIELDS = 150_000  # unknown fields in a body just under the main server's 2 MiB limit (~1.9 MB)
+MANY_FIELDS_AT_ONCE = 4
+
+
+def _many_fields(base: str, problems: Problems) -> dict[str, Any]:
+    """Four bodies of 150,000 unknown fields each, sent at once while /health is polled: each must be one 422, and
+    /health answered meanwhile (the server parses and validates bodies off its event loop; before, four such
+    bodies held it for 2-7 s and some of them timed out, 408)."""
+    # encoded once, here: encoding it in the client's event loop would hold the /health probe beside it
+    body = json.dumps({"inputs": "hi", **{f"k{i}": 0 for i in range(MANY_FIELDS)}}).encode()
+
+    async def send() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+            return await client.post("/generate", content=body, headers={"content-type": "application/json"})
+
+    async def all_at_once() -> list[httpx.Response]:
+        return list(await asyncio.gather(*(send() for _ in range(MANY_FIELDS_AT_ONCE))))
+
+    answers, elapsed, health = asyncio.run(_with_health(base, all_at_once))
+    if any(r.status_code != 422 or "fields" not in r.text for r in answers):
+        problems.add(f"a body of {MANY_FIELDS} unknown fields got {[r.status_code for r in answers]}: "
+                     f"{answers[0].text[:200]}")
+    return {"fields": MANY_FIELDS, "at_once": MANY_FIELDS_AT_ONCE, "statuses": sorted(r.status_code for r in answers),
+            "seconds": round(elapsed, 3), "health_answers_during": len(health),
+            "health_latency_p50_ms": ms(pct(health, 0.5)), "health_latency_max_ms": ms(max(health, default=None))}
 
 
 def _stop_request(new_tokens: int, stops: list[str]) -> dict[str, Any]:
@@ -127,5 +164,6 @@ def run(base: str, pid: int, new_tokens: int, batch: int) -> dict[str, Any]:
     server's, for its memory)."""
     problems = Problems()
     tokenize = _largest_tokenize(base, pid, problems)
+    many_fields = _many_fields(base, problems)
     stops = _stop_strings_cost(base, new_tokens, batch, problems)
-    return problems.figures(tokenize=tokenize, stop_strings=stops)
+    return problems.figures(tokenize=tokenize, many_fields=many_fields, stop_strings=stops)

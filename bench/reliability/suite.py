@@ -114,7 +114,9 @@ HEADLINES = {
                               f"{r['closed']['half body']['connections']}",
     "oversized": lambda r: f"/tokenize {r['tokenize']['chars']} chars {r['tokenize']['seconds']} s, /health max "
                            f"{r['tokenize']['health_latency_max_ms']} ms, peak RSS "
-                           f"{r['tokenize']['peak_rss_after_mb']} MB; 16 stops x{r['stop_strings']['alone_ratio']} "
+                           f"{r['tokenize']['peak_rss_after_mb']} MB; 4 bodies of {r['many_fields']['fields']} "
+                           f"unknown fields: /health max {r['many_fields']['health_latency_max_ms']} ms; 16 stops "
+                           f"x{r['stop_strings']['alone_ratio']} "
                            f"alone, batch x{r['stop_strings']['batch_throughput_ratio']}",
     "training": lambda r: f"{r['kills']} SIGKILLs, final val loss {r.get('val_loss')} vs "
                           f"{r.get('reference_val_loss')}, bitwise {r.get('final_weights_bitwise_equal')}",

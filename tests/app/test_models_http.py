@@ -7,6 +7,7 @@ load with the real trainer writing is a reliability section (bench/reliability/r
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,7 +119,11 @@ def test_a_broken_checkpoint_is_refused_while_the_others_serve(dirs: dict[str, P
         r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "broken"})
         assert r.status_code == 503 and "could not be loaded" in r.json()["error"]["message"]
         model = next(m for m in c.get("/v1/models").json()["data"] if m["id"] == "broken")
-        assert model["state"] == "failed" and model["error"]
+        assert model["state"] == "failed" and model["error"].startswith("model.safetensors is not a readable")
+        # the open routes name the file, never where it is (before: the error's absolute path)
+        for route, headers in (("/v1/models", {}), ("/info", {}), ("/info", {"X-Folio-Model": "broken"})):
+            answer = c.get(route, headers=headers)
+            assert "not a readable" in answer.text and str(tmp_path) not in answer.text, (route, answer.text)
         assert greedy(c, "b")["choices"][0]["text"] == alone["b"]
         assert greedy(c, "a")["choices"][0]["text"] == alone["a"]
 
@@ -237,3 +242,43 @@ def test_a_model_still_loading_after_the_wait_is_a_503_with_retry_after(
         assert greedy(c, "a")["choices"][0]["text"] == alone["a"]  # the others serve meanwhile
         gate.set()
         assert greedy(c, "b")["choices"][0]["text"] == alone["b"]
+
+
+def test_without_the_key_no_model_is_loaded_and_the_open_routes_load_none(dirs: dict[str, Path],
+                                                                          alone: dict[str, str],
+                                                                          tmp_path: Path) -> None:
+    """The key is checked before the model a request names is looked up (before: a 401 came after b was loaded,
+    evicting a under --max-loaded); /info, /inspect/limits and a model's training view describe a model that is
+    not loaded without loading it."""
+    run = make_char_checkpoint(tmp_path / "run", seed=3)
+    (run / "metrics.jsonl").write_text('{"step": 10, "train_loss": 2.5}\n')
+    with client(checkpoint=dirs["a"], models=[str(dirs["b"]), str(run)], api_key="k", max_loaded=1) as c:
+        bad = [{}, {"Authorization": "Bearer wrong"}]
+        for headers in bad:
+            r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "b"}, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            for route in ("/generate", "/generate_stream", "/tokenize", "/inspect"):
+                r = c.post(route, json={"inputs": PROMPT}, headers={**headers, "X-Folio-Model": "b"})
+                assert r.status_code == 401 and r.json()["error_type"] == "authentication", (route, r.text)
+            r = c.get("/tokenizer_info", headers={**headers, "X-Folio-Model": "b"})
+            assert r.status_code == 401
+        assert states(c) == {"a": "loaded", "b": "unloaded", "run": "unloaded"}
+        info = c.get("/info", headers={"X-Folio-Model": "b"}).json()
+        assert (info["model_id"], info["state"]) == ("b", "unloaded") and "parameters" not in info
+        assert [m["name"] for m in info["models"]] == ["a", "b", "run"]
+        assert c.get("/inspect/limits", headers={"X-Folio-Model": "b"}).json()["model"] is None
+        training = c.get("/models/run/training").json()
+        stored = json.loads((run / "config.json").read_text())["training"]
+        assert training["fingerprint"] is None and training["training"] == stored
+        assert training["metrics"] == [{"step": 10, "train_loss": 2.5}]
+        assert c.get("/models/nope/training").status_code == 404
+        assert states(c) == {"a": "loaded", "b": "unloaded", "run": "unloaded"}
+        key = {"Authorization": "Bearer k"}
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "model": "b", "max_tokens": 12, "temperature": 0},
+                   headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone["b"]
+        assert states(c) == {"a": "unloaded", "b": "loaded", "run": "unloaded"}
+        info = c.get("/info", headers={"X-Folio-Model": "b"}).json()
+        assert info["model_id"] == "b" and info["parameters"] > 0
+        assert c.get("/inspect/limits", headers={"X-Folio-Model": "b"}).json()["model"]["n_vocab"] == 96
+        assert c.get("/models/b/training").json()["fingerprint"] == r.json()["system_fingerprint"]

@@ -3,9 +3,10 @@ startup fails until the model is loaded and warmed up, readiness fails while the
 liveness fails while an engine step hangs (`<fault:stall>`, app/faults.py) and recovers when it ends. The drain
 is checked in the SIGTERM test of tests/app/test_server.py.
 
-A connection refused is what the kubelet counts as a failed probe too: `python -m app` opens its port only once
-the model is warm, and closes it moments after SIGTERM. The 503 bodies of those states are checked in process
-(tests/app/api/test_routes.py)."""
+A connection refused is what the kubelet counts as a failed probe too: `python -m app` opens its port once its
+settings and checkpoint are checked, before the engine is built and warmed up (503 "loading" meanwhile:
+tests/app/test_startup.py holds a load open to check every route then), and closes it moments after SIGTERM.
+The 503 bodies of those states are checked in process (tests/app/api/test_routes.py)."""
 
 from __future__ import annotations
 

@@ -162,3 +162,29 @@ def test_text_lines_and_never_the_prompt_or_the_key_even_at_trace(char_checkpoin
     assert re.fullmatch(expected, line), line
     for marker in (prompt, "STOPMARKER", user, KEY, wrong, "MARKER"):
         assert marker not in text, marker
+
+
+FORGED = "6.6.6.6 status=500 tokens_out=999 request_id=forged"
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["by-default", "forwarded-allow-ips"])
+def test_a_forwarded_address_is_believed_only_from_trusted_proxies_and_quoted(char_checkpoint: Path, tmp_path: Path,
+                                                                               trusted: bool) -> None:
+    """uvicorn believes X-Forwarded-For from 127.0.0.1 unless told otherwise: any local process wrote the forged
+    fields above into the text access log (before: `client=6.6.6.6 status=500 tokens_out=999 request_id=forged
+    request_id=real-1`). Now the header counts only from --forwarded-allow-ips, and a value that is not one plain
+    word is quoted."""
+    log = tmp_path / "server.log"
+    args = ("--log-level", "info", *(("--forwarded-allow-ips", "127.0.0.1") if trusted else ()))
+    with serving(char_checkpoint, log, *args) as (base, _):
+        r = httpx.post(f"{base}/generate", json={"inputs": "ab", "parameters": {"max_new_tokens": 2}}, timeout=60,
+                       headers={"X-Forwarded-For": FORGED, "X-Request-Id": "real-1"}, trust_env=False)
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 15
+        while not (lines := [ln for ln in log.read_text().splitlines() if "request_id=real-1" in ln]):
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+    (line,) = lines
+    client = f'client="{FORGED}"' if trusted else "client=127.0.0.1"
+    assert line.endswith(f" finish=length {client} request_id=real-1"), line
+    assert line.count("request_id=") == 1 + trusted  # the forged one only inside the quotes

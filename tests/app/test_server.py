@@ -163,6 +163,26 @@ def test_slow_clients_hold_no_slot_and_are_cut_at_their_deadlines(server: str) -
     assert httpx.post(f"{server}/generate", json={"inputs": PROMPT}, timeout=30).status_code == 200
 
 
+def test_connections_beyond_the_limit_get_the_apis_json_503(char_checkpoint: Path, tmp_path: Path) -> None:
+    """--max-connections open connections that send nothing: every request on another gets 503 in its API's
+    error shape with Retry-After (before: uvicorn's plain-text "Service Unavailable", without Retry-After)."""
+    with serving(char_checkpoint, tmp_path / "server.log", "--max-connections", "4") as (base, _):
+        idle = [connect(port_of(base), b"") for _ in range(4)]
+        time.sleep(0.2)  # the server has accepted them
+        with httpx.Client(base_url=base, trust_env=False) as client:
+            r = client.get("/health")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+            assert r.json()["error_type"] == "unavailable" and "--max-connections" in r.json()["error"]
+            r = client.post("/v1/completions", json={"prompt": PROMPT})
+            assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+            assert r.json()["error"]["type"] == "server_error" and "at its limit of 4" in r.json()["error"]["message"]
+        for sock in idle:
+            sock.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{base}/health", trust_env=False).status_code == 200
+        assert closed_count(base, "too_many_connections") == 2
+
+
 @pytest.mark.parametrize(("headers", "needle"), [
     ([(b"X-Big", b"a" * 20_000)], b"over 16384 bytes"),
     ([(b"X-%d" % i, b"1") for i in range(101)], b"more than 100 headers"),

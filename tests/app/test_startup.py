@@ -1,19 +1,30 @@
 """`python -m app`'s start-up checks, in process: every mistake in flags, `FOLIO_*` variables, device or address
-is one `error:` line and exit code 2, returned before any checkpoint is loaded."""
+is one `error:` line and exit code 2, returned before any checkpoint is loaded; then the port opens while the
+engine is built and warmed up (503 with Retry-After until ready, exit 2 if it cannot be built, a signal
+meanwhile ends the server at once)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import signal
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from app.__main__ import main, parse_args
+from app.__main__ import main, make_server, parse_args, startup_settings
 from app.main import create_app
 from app.settings import OTHER_VARIABLES, Settings
+from app.testing import REFUSED, assert_openai_error, assert_tgi_error, free_port, probe
+from model.checkpoint import load_checkpoint
 from tests import REPO
 
 
@@ -146,3 +157,101 @@ def test_star_origin_allows_any_origin(char_checkpoint: Path, monkeypatch: pytes
     with TestClient(create_app(settings)) as client:
         r = client.get("/health", headers={"Origin": "https://anywhere.example"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@pytest.fixture
+def held_build(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """`build_engine` held until the event is set (a start that builds the CPU kernels takes minutes)."""
+    import app.main
+
+    gate, build = threading.Event(), app.main.build_engine
+
+    def held(settings: Settings, checkpoint: Any) -> Any:
+        assert gate.wait(60)
+        return build(settings, checkpoint)
+
+    monkeypatch.setattr(app.main, "build_engine", held)
+    yield gate
+    gate.set()
+
+
+def test_the_port_opens_while_the_model_loads_and_answers_503_until_ready(char_checkpoint: Path,
+                                                                            held_build: threading.Event) -> None:
+    """Before: uvicorn opened the port only once the lifespan (load, build, warm-up) had ended, so the documented
+    503 while loading was never seen, only refused connections. Now every route answers meanwhile: loading (503 with
+    Retry-After) where it needs the model, alive on /health/live."""
+    port = free_port()
+    settings = startup_settings(["--checkpoint", str(char_checkpoint), "--port", str(port), "--device", "cpu",
+                                 "--threads", "1", "--log-level", "warning"])
+    server = make_server(settings, create_app(settings, checkpoint=load_checkpoint(char_checkpoint)))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as client:
+            deadline = time.monotonic() + 60
+            while probe(client, "/health") == REFUSED:
+                assert time.monotonic() < deadline and thread.is_alive()
+                time.sleep(0.02)
+            for route in ("/health", "/health/startup", "/health/ready"):
+                r = client.get(route)
+                assert (r.status_code, r.json()["status"], r.headers["retry-after"]) == (503, "loading", "1"), route
+            assert (client.get("/health/live").status_code, client.get("/health/live").json()) == (
+                200, {"status": "loading"})
+            r = client.post("/generate", json={"inputs": "ab"})
+            assert_tgi_error(r, 503, "unavailable", "still loading")
+            assert r.headers["retry-after"] == "1"
+            r = client.post("/v1/completions", json={"prompt": "ab"})
+            assert_openai_error(r, 503, "server_error", None, "still loading")
+            assert client.get("/info").status_code == 503
+            held_build.set()
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            r = client.post("/generate", json={"inputs": "ab", "parameters": {"max_new_tokens": 3}})
+            assert r.status_code == 200 and len(r.json()["generated_text"]) == 3
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_model_that_cannot_be_built_after_the_port_opened_exits_2(
+        char_checkpoint: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import app.main
+
+    def broken(settings: Settings, checkpoint: Any) -> Any:
+        raise RuntimeError("no memory for the KV cache")
+
+    monkeypatch.setattr(app.main, "build_engine", broken)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # main() puts its own handler there
+    monkeypatch.setattr(root, "level", root.level)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # and no-op ones for these
+    try:
+        code = main(["--checkpoint", str(char_checkpoint), "--port", str(free_port()), "--device", "cpu",
+                     "--threads", "1", "--log-level", "warning"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last == f"error: cannot serve {char_checkpoint}: no memory for the KV cache", last
+
+
+def test_a_signal_while_the_model_loads_ends_the_server_without_waiting_for_the_load(
+        char_checkpoint: Path, held_build: threading.Event) -> None:
+    port = free_port()
+    settings = startup_settings(["--checkpoint", str(char_checkpoint), "--port", str(port), "--device", "cpu",
+                                 "--threads", "1", "--log-level", "warning"])
+    app = create_app(settings, checkpoint=load_checkpoint(char_checkpoint))
+    server = make_server(settings, app)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False, timeout=30) as client:
+        deadline = time.monotonic() + 60
+        while probe(client, "/health") == REFUSED:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+    server.handle_exit(signal.SIGTERM, None)
+    thread.join(45)  # the build is held for 60 s
+    assert not thread.is_alive() and not held_build.is_set()
+    assert server.started and app.state.startup_error is None  # stopped, not failed: exit code 0

@@ -118,6 +118,7 @@ def test_oversized_work_is_refused_or_done_off_the_event_loop(server: tuple[str,
     no_problems(result)  # includes: /health answered during the largest /tokenize (if it took over 0.1 s)
     tokenize = result["tokenize"]
     assert tokenize["status"] == 200 and tokenize["over_the_limit"]["status"] == 422
+    assert result["many_fields"]["statuses"] == [422] * 4  # one error each, not 150,000
     assert result["stop_strings"]["stop_strings"] == 16
 
 

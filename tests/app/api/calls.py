@@ -14,8 +14,9 @@ from app.testing import parse_sse
 
 LIMIT = 256  # max_new_tokens_limit of the test apps
 BODY_LIMIT = 16 * 1024
+# n and best_of up to 4 on a batch of 4: beyond the default share of one request (half the batch)
 BASE = dict(device="cpu", threads=1, max_batch_size=4, max_waiting=8, max_new_tokens_limit=LIMIT,
-            max_body_bytes=BODY_LIMIT)
+            max_body_bytes=BODY_LIMIT, max_sequences_per_request=4)
 PROMPT = "Hello there"
 
 

@@ -29,7 +29,7 @@ from model.inspect import InspectTooLarge, check_options, reference_attention
 from model.kernels.ops import native_int8_gemm
 from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
-from model.testing import make_gpt2_shaped_checkpoint
+from model.testing import make_char_checkpoint, make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
 from tests.app.api.calls import engine_of, generate
 from tests.model.conftest import w8a8_product
@@ -152,6 +152,27 @@ def test_lens_last_layer_and_scores_are_the_models_own(which: str, request: pyte
         want = torch.topk(logprobs[pos - 1], 3)
         assert [a["id"] for a in tokens[pos]["top_tokens"]] == want.indices.tolist()
         assert [a["text"] for a in tokens[pos]["top_tokens"]] == [ck.tokenizer.decode([i]) for i in want.indices]
+
+
+def test_a_vocabulary_smaller_than_the_alternatives_asked_for_gives_all_of_it(
+        make_client: Callable[..., TestClient], tmp_path: Path) -> None:
+    """A 2-symbol model and the default top_n and lens_top of 5 (before: 424 "selected index k out of range"):
+    each position's alternatives and lens entries are the whole vocabulary, in the model's own order."""
+    ck = load_checkpoint(make_char_checkpoint(tmp_path / "two", chars=["a", "b"]))
+    client = make_client(ck.path)
+    text = "abbab"
+    answer = inspect(client, inputs=text)
+    ids = ck.tokenizer.encode(text)
+    with torch.no_grad():
+        logprobs = ck.model(torch.tensor([ids]))[0].float().log_softmax(-1)
+    for pos in range(1, len(ids)):
+        want = torch.topk(logprobs[pos - 1], 2)
+        got = answer["tokens"][pos]["top_tokens"]
+        assert [a["id"] for a in got] == want.indices.tolist()
+        assert [a["logprob"] for a in got] == pytest.approx(want.values.tolist(), abs=1e-5)
+    last = answer["lens"][-1]["top"]
+    assert [[i for i, _ in top] for top in last] == torch.topk(logprobs, 2).indices.tolist()
+    assert all(sum(p for _, p in top) == pytest.approx(1, abs=1e-5) for layer in answer["lens"] for top in layer["top"])
 
 
 def test_a_prompt_and_a_generation_request(bundled_client: TestClient) -> None:

@@ -28,16 +28,16 @@ def test_health_is_ok_after_startup(client: TestClient) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
 
 
-PROBES = ("/health/startup", "/health/ready", "/health/live")
-
-
 def test_probes_say_loading_before_the_lifespan_has_run(char_checkpoint: Path) -> None:
-    """The app before its lifespan (checkpoint load, engine start, warmup) has run: no service yet."""
+    """The app before its lifespan (checkpoint load, engine start, warmup) has run: no service yet. The process
+    is alive; it is neither started nor ready, and says when to ask again."""
     loading = TestClient(create_app(Settings(checkpoint=char_checkpoint, **BASE)))  # no `with`: no lifespan
-    for route in PROBES:
+    for route in ("/health", "/health/startup", "/health/ready"):
         r = loading.get(route)
         assert r.status_code == 503 and r.json()["status"] == "loading", (route, r.text)
-    assert "still loading" in loading.get("/health/ready").json()["reason"]
+        assert r.headers["retry-after"] == "1" and "still loading" in r.json()["reason"]
+    r = loading.get("/health/live")
+    assert (r.status_code, r.json()) == (200, {"status": "loading"})
 
 
 def test_probes_after_startup_and_during_warmup(client: TestClient) -> None:

@@ -3,9 +3,11 @@ of its API family."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -129,6 +131,84 @@ def test_tokenize_over_its_limit_is_422_naming_it(make_client: Callable[..., Tes
     assert len(client.post("/tokenize", json={"inputs": "a" * 16}).json()) == 16
     r = client.post("/tokenize", json={"inputs": "a" * 17})
     assert_tgi_error(r, 422, "validation", "inputs: must be at most 16 characters", "--max-tokenize-chars", "got 17")
+
+
+def test_one_request_may_take_its_share_of_the_batch_and_no_more(make_client: Callable[..., TestClient]) -> None:
+    """By default half of --max-batch-size (here 2 of 4): a request of 4 prompts x n 16 held 64 of a server's 80
+    slots, and a stream sent beside it waited seconds for its first token."""
+    client = make_client(max_sequences_per_request=0)
+    assert client.get("/info").json()["max_sequences_per_request"] == 2
+    r = client.post("/v1/completions", json={"prompt": ["To be", "or not"], "n": 2, "max_tokens": 2})
+    assert_openai_error(r, 422, "invalid_request_error", "n", "prompts x max(n, best_of) must be at most 2",
+                        "--max-sequences-per-request", "got 2 x 2 = 4")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "n": 1, "best_of": 3, "max_tokens": 2})
+    assert_openai_error(r, 422, "invalid_request_error", "best_of", "at most 2", "got 1 x 3 = 3")
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"best_of": 3, "do_sample": True}})
+    assert_tgi_error(r, 422, "validation", "parameters.best_of: best_of must be at most 2", "got 3")
+    r = client.post("/v1/completions", json={"prompt": ["To be", "or not"], "n": 1, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True,
+                                                                         "details": True, "max_new_tokens": 2}})
+    assert r.status_code == 200 and len(r.json()["details"]["best_of_sequences"]) == 1
+    wider = make_client(max_sequences_per_request=3)
+    assert wider.post("/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 2}).status_code == 200
+
+
+def test_a_large_body_of_bad_fields_or_items_is_one_error(make_client: Callable[..., TestClient]) -> None:
+    """The work a body under the size limit costs is bounded by its shape: 150,000 unknown fields were 150,000
+    errors (2-3 s of the event loop, /health waiting as long), a list of ids with a bad one was tried as each
+    shape of prompt and made an error per item and per shape (seconds): now one error each."""
+    client = make_client(max_body_bytes=4 * 2**20)
+    unknown = {f"k{i}": 0 for i in range(150_000)}
+    r = client.post("/generate", json={"inputs": PROMPT, **unknown})
+    assert_tgi_error(r, 422, "validation", "body: has 150001 fields, more than the 3 it may hold (inputs, parameters, "
+                     "stream); unknown fields include ['k0', 'k1', 'k2']")
+    r = client.post("/generate", json={"inputs": PROMPT, "parameters": unknown})
+    assert_tgi_error(r, 422, "validation", "parameters: has 150000 fields, more than the 21")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, **unknown})
+    message = assert_openai_error(r, 422, "invalid_request_error", "body", "has 150001 fields")
+    assert "more error" not in message
+    r = client.post("/v1/completions", json={"prompt": [1] * 150_000 + [0.5]})
+    assert_openai_error(r, 422, "invalid_request_error", "prompt", "a list of token ids", "(150001 items)")
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "logit_bias": {str(i): 1.0 for i in range(150_000)}})
+    assert_openai_error(r, 422, "invalid_request_error", "logit_bias", "must hold at most 1024 entries")
+    r = client.post("/detokenize", json={"tokens": [0.5] * 150_000})
+    assert assert_tgi_error(r, 422, "validation").startswith("tokens.0: Input should be a valid integer, got 0.5")
+
+
+def test_a_large_json_body_is_parsed_and_validated_off_the_event_loop(make_client: Callable[..., TestClient],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bodies over INLINE_PARSE_BYTES (here padded with JSON's whitespace) are parsed and validated in a worker
+    thread, their errors as FastAPI's own; a small one on the event loop (less work than the hand-off)."""
+    import app.limits
+
+    client = make_client(max_body_bytes=2**20)
+    seen: list[bool] = []
+    parse = app.limits._parse_and_validate
+
+    def recording(field: Any, body: bytes) -> Any:
+        try:
+            asyncio.get_running_loop()
+            seen.append(True)
+        except RuntimeError:  # no event loop runs in this thread: a worker's
+            seen.append(False)
+        return parse(field, body)
+
+    def post(route: str, body: bytes) -> Any:
+        padded = body + b" " * app.limits.INLINE_PARSE_BYTES
+        return client.post(route, content=padded, headers={"content-type": "application/json"})
+
+    monkeypatch.setattr(app.limits, "_parse_and_validate", recording)
+    r = post("/generate", json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode())
+    assert r.status_code == 200 and len(r.json()["generated_text"]) == 2
+    assert_tgi_error(post("/generate", b'{"inputs": "ab", "nope": 1}'), 422, "validation", "nope: unknown field")
+    assert_tgi_error(post("/generate", b'{"inputs": '), 422, "validation", "body is not valid JSON")
+    assert_tgi_error(post("/generate", b'{"inputs": "\xff"}'), 422, "validation", "not UTF-8 (byte 0xff at offset 12)")
+    r = post("/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert seen == [False] * 5
+    assert client.post("/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).status_code == 200
+    assert seen == [False] * 5  # parsed by FastAPI, on the event loop
 
 
 def test_a_prompt_list_of_many_items_is_one_error(client: TestClient) -> None:
