@@ -15,7 +15,7 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.engine import Engine
 from model.gpt import GPT
-from model.registry import FAILED, LOADED, UNLOADED, ModelFailed, ModelLoading, ModelNotFound, ModelRegistry
+from model.registry import FAILED, LOADED, LOADING, UNLOADED, ModelFailed, ModelLoading, ModelNotFound, ModelRegistry
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
 
@@ -89,15 +89,27 @@ def test_a_model_that_fails_to_load_fails_alone(models, tmp_path) -> None:
 
 
 def test_a_request_waits_for_loading_up_to_the_limit(models) -> None:
+    """The load is held by a gate, so that neither outcome depends on how fast this machine loads: a request gives
+    up after `load_wait` while the gate is shut, and one that waits longer gets the model once the gate opens."""
     gate = threading.Event()
     reg = ModelRegistry(models, loader(gate), load_wait=0.2)
     try:
         with pytest.raises(ModelLoading) as e:
-            run(reg.acquire("a"))
-        assert e.value.retry_after >= 1
-        gate.set()
-        assert run(reg.acquire("a"))[0] == "a"
+            run(reg.acquire("a"))  # the gate is shut: 0.2 s pass whatever the machine's load
+        assert e.value.retry_after >= 1 and reg.info()[0].state == LOADING
+        reg.load_wait = 60.0  # a bound no loaded machine reaches, not a timing
+
+        async def wait_then_open() -> str:
+            waiting = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)  # the request is waiting for the load when the gate opens
+            assert not waiting.done()
+            gate.set()
+            return (await waiting)[0]
+
+        assert asyncio.run(asyncio.wait_for(wait_then_open(), 120.0)) == "a"
+        assert reg.info()[0].state == LOADED
     finally:
+        gate.set()
         reg.stop()
 
 
