@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from model.checkpoint import Checkpoint
+from model.config import GPTConfig
 from model.engine.attention import check_spec
 from model.engine.events import EngineError, EngineStopped, Event, Finished, GenerationError, Result, TokenEvent
 from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
-from model.engine.runner import ModelRunner
+from model.engine.runner import ModelRunner, memory_needed
 from model.engine.scheduler import EngineStats, Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
 from model.inspect import InspectOptions, Inspector
@@ -106,17 +107,29 @@ class Engine:
             with self._lock:
                 self.scheduler.fail_all(EngineStopped("the engine stopped before this request started"))
 
-    def drain(self, timeout: float) -> bool:
-        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish for up to `timeout`
-        seconds, then stop. True if everything finished."""
+    DRAIN_POLL_S = 0.05
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish (for up to `timeout`
+        seconds; None: however long it takes, each request being bounded by its own max_new_tokens), then stop.
+        True if everything finished."""
         with self._lock:
             self.scheduler.closing = True
-        deadline = time.monotonic() + timeout
-        while self.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy and (deadline is None or time.monotonic() < deadline):
+            time.sleep(self.DRAIN_POLL_S)
         finished = not self.busy
         self.stop()
         return finished
+
+    @staticmethod
+    def memory_needed(config: GPTConfig, weights_bytes: int, *, max_batch_size: int = 16,
+                      device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                      quantized: bool = False, kv_cache_dtype: str = "auto") -> int:
+        """About the bytes an engine built with these arguments takes for a checkpoint of `config` whose weights
+        file holds `weights_bytes` bytes (`runner.memory_needed`), known before it is loaded."""
+        return memory_needed(config, weights_bytes, max_batch_size, device=device, dtype=dtype, quantized=quantized,
+                             kv_cache_dtype=kv_cache_dtype)
 
     def liveness(self, stall_after: float) -> tuple[bool, str]:
         """Whether the engine thread is alive and stepping: started, not dead, and idle or within `stall_after`

@@ -4,9 +4,11 @@ finishes running requests on the old weights and refuses a broken new checkpoint
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +16,18 @@ import torch
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.engine import Engine
+from model.engine import engine as engine_module
 from model.gpt import GPT
-from model.registry import FAILED, LOADED, LOADING, UNLOADED, ModelFailed, ModelLoading, ModelNotFound, ModelRegistry
+from model.registry import (
+    FAILED,
+    LOADED,
+    LOADING,
+    UNLOADED,
+    ModelFailed,
+    ModelLoading,
+    ModelNotFound,
+    ModelRegistry,
+)
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
 
@@ -179,3 +191,213 @@ def test_a_model_that_failed_to_load_is_not_loaded_again_until_its_files_change(
         assert run(reg.acquire("b"))[0] == "b" and len(calls) == 2
     finally:
         reg.stop()
+
+
+# -- the --max-loaded limit under concurrent loads -------------------------------------------------------------
+
+
+class FakeEngine:
+    """What the registry asks of an engine: whether anything uses it, and to drain and stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.busy, self.reserved, self.stopped = name, 0, 0, False
+
+    def drain(self, timeout: float | None = None) -> bool:
+        self.stopped = True
+        return True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class BlockingLoader:
+    """A loader whose loads each wait for the test to let them finish; it records, at the start of each load, how
+    many models the registry holds in memory or is loading (this one included)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: dict[str, threading.Event] = {}
+        self.finish: dict[str, threading.Event] = {}
+        self.in_memory: list[int] = []
+        self.loading = 0
+        self.reg: ModelRegistry | None = None
+
+    def events(self, name: str) -> tuple[threading.Event, threading.Event]:
+        with self.lock:
+            return (self.started.setdefault(name, threading.Event()), self.finish.setdefault(name, threading.Event()))
+
+    def __call__(self, path: Path):
+        started, finish = self.events(path.name)
+        assert self.reg is not None
+        with self.lock:
+            self.loading += 1
+            self.in_memory.append(len(self.reg.loaded()) + self.loading)
+        started.set()
+        try:
+            assert finish.wait(60), f"the test never let {path.name} finish loading"
+        finally:
+            with self.lock:
+                self.loading -= 1
+        return SimpleNamespace(meta={}), FakeEngine(path.name)
+
+
+def five(tmp_path: Path) -> dict[str, Path]:
+    return {name: tmp_path / name for name in "abcde"}
+
+
+def test_max_loaded_holds_under_concurrent_loads(tmp_path) -> None:
+    """Five requests at once for five models with --max-loaded 2: loads in progress count, so two loads begin and
+    the other three wait; each then takes the place of an idle model. Every request gets its model."""
+    load = BlockingLoader()
+    reg = load.reg = ModelRegistry(five(tmp_path), load, max_loaded=2, load_wait=120)
+    try:
+        async def main() -> list[str]:
+            requests = [asyncio.create_task(reg.acquire(name)) for name in "abcde"]
+            while len([n for n in "abcde" if load.events(n)[0].is_set()]) < 2:
+                await asyncio.sleep(0.01)
+            begun = [n for n in "abcde" if load.events(n)[0].is_set()]
+            assert len(begun) == 2, begun
+            assert sum(i.state == LOADING for i in reg.info()) == 5  # three of them waiting for a place
+            for name in "abcde":  # let each load finish as soon as it begins
+                load.events(name)[1].set()
+            return [(await r)[0] for r in requests]
+
+        assert run_long(main()) == list("abcde")
+        assert max(load.in_memory) == 2 and len(load.in_memory) >= 5, load.in_memory
+        assert len(reg.loaded()) <= 2
+    finally:
+        for name in "abcde":
+            load.events(name)[1].set()
+        reg.stop()
+
+
+def test_a_load_waits_for_a_place_until_a_loaded_model_is_idle(tmp_path) -> None:
+    """A busy model is not unloaded to make room (its running requests would share memory with the new load): the
+    load waits until it is idle, then takes its place."""
+    load = BlockingLoader()
+    reg = load.reg = ModelRegistry(five(tmp_path), load, max_loaded=1, load_wait=120)
+    load.events("a")[1].set()
+    load.events("b")[1].set()
+    waiting = threading.Event()  # b's load logged that it waits for a place, or (wrongly) began
+    load.started["b"] = waiting
+    note = logging.Handler(logging.INFO)
+    note.emit = lambda record: waiting.set() if "waits for a place" in record.getMessage() else None
+    logger = logging.getLogger("folio.registry")
+    level = logger.level
+    logger.addHandler(note)
+    logger.setLevel(logging.INFO)
+    try:
+        _, a, _ = run(reg.acquire("a"))
+        a.busy = 1  # a request runs on it
+
+        async def main() -> str:
+            request = asyncio.create_task(reg.acquire("b"))
+            assert await asyncio.to_thread(waiting.wait, 60)
+            assert load.loading == 0 and not a.stopped and reg.loaded()[0][0] == "a"  # b's load has not begun
+            a.busy = 0  # the request on a finished
+            return (await request)[0]
+
+        assert run_long(main()) == "b"
+        assert a.stopped and [n for n, _, _ in reg.loaded()] == ["b"]
+    finally:
+        logger.removeHandler(note)
+        logger.setLevel(level)
+        reg.stop()
+
+
+def run_long(coro):
+    """`run` with a bound no loaded machine reaches: these tests wait on events, never on the clock."""
+    return asyncio.run(asyncio.wait_for(coro, 120.0))
+
+
+# -- hot reload: torn files, long requests, memory -------------------------------------------------------------
+
+
+def test_a_torn_copy_is_refused_then_loaded_once_its_files_are_complete(models, tmp_path) -> None:
+    """`cp new/config.json new/model.safetensors DIR/` writes the files one after the other: a look in between finds
+    the new config.json beside the old weights. That reload is refused (the old weights serve on) and tried again
+    once the weights have changed too, though config.json has not changed since."""
+    new = write_model(tmp_path / "new", 3)
+    reg = ModelRegistry(models, loader())
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        before = greedy(old)
+        (models["a"] / "config.json").write_bytes((new / "config.json").read_bytes())
+        assert reg.reload("a") is False
+        info = reg.info()[0]
+        assert "reload refused" in info.error and "sha256" in info.error and info.refused_reloads == 1
+        assert run(reg.acquire("a"))[1] is old and greedy(old) == before
+        assert reg.reload("a") is False and reg.info()[0].refused_reloads == 1  # the same files: not tried again
+        (models["a"] / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
+        assert reg.reload("a") is True
+        _, engine, _ = run(reg.acquire("a"))
+        assert greedy(engine) == greedy(loader()(new)[1]) != before and reg.info()[0].error is None
+    finally:
+        reg.stop()
+
+
+def test_requests_on_retired_weights_finish_however_long_they_take(models, monkeypatch) -> None:
+    """A reload's old engine finishes every request it runs before it stops, with no deadline: here its clock says
+    an hour passes between two of its checks (a stream of thousands of tokens on a loaded machine), and the request
+    still ends with all its tokens, on the old weights. The old engine stopped after `drain_timeout` (30 s) and cut
+    its streams ("the engine stopped before this request finished")."""
+    reg = ModelRegistry(models, loader())
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        want = greedy(old, 30)
+        clock = [time.monotonic()]
+        polls = threading.Semaphore(0)
+        monkeypatch.setattr(engine_module, "time", SimpleNamespace(
+            monotonic=lambda: clock.__setitem__(0, clock[0] + 3600) or clock[0],
+            sleep=lambda s: (polls.release(), time.sleep(s))))
+        hold = threading.Event()
+        old.on_step = lambda reqs: hold.wait(60)
+        out: list = []
+        params = SamplingParams(max_new_tokens=30)
+        running = threading.Thread(target=lambda: out.append(old.generate([1, 2, 3], params)))
+        running.start()
+        write_model(models["a"], 3)
+        assert reg.reload("a") is True
+        looks = 0  # until the drain has looked three times whether the request is done (or stopped the engine)
+        while looks < 3 and not old.scheduler.stopping:
+            looks += polls.acquire(timeout=0.1)
+        hold.set()
+        running.join(60)
+        assert out and out[0].token_ids == want and out[0].finished.finish_reason == "length"
+    finally:
+        reg.stop()
+
+
+def test_a_reload_is_refused_while_memory_is_short_and_tried_again_when_it_is_not(models) -> None:
+    memory = {"needed": 300 * 2**20, "available": 200 * 2**20}
+    reg = ModelRegistry(models, loader(), memory=lambda path: (memory["needed"], memory["available"]))
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        write_model(models["a"], 3)
+        assert reg.reload("a") is False and reg.reload("a") is False
+        info = reg.info()[0]
+        assert info.error == (
+            "reload refused: loading the new weights of a beside the engine serving it needs about 315MB (weights, "
+            "their packed copy and the KV cache), and 210MB of memory is available; it is tried again at each look "
+            "(--watch, POST /admin/reload) until memory frees up (fewer loaded models: --max-loaded; a smaller "
+            "--max-batch-size)")
+        assert info.refused_reloads == 1 and run(reg.acquire("a"))[1] is old  # counted once for the same files
+        memory["available"] = 400 * 2**20  # the files unchanged, memory freed
+        assert reg.reload("a") is True and run(reg.acquire("a"))[1] is not old and reg.info()[0].error is None
+    finally:
+        reg.stop()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16"])
+def test_the_memory_a_reload_checks_is_what_the_engine_takes(models, kv_cache_dtype: str) -> None:
+    """`Engine.memory_needed`, known before loading, against what the engine then holds: its weights, their packed
+    copy (the CPU kernels) and its KV cache. At least that, and not far above: the packed copy is estimated as
+    large as all the weights (this tiny model's embeddings and layer norms are a tenth of them; GPT-2's are unpacked
+    wpe and norms, 1%)."""
+    ck = load_checkpoint(models["a"])
+    engine = Engine(ck, device="cpu", threads=1, max_batch_size=4, kv_cache_dtype=kv_cache_dtype)
+    held = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    held += engine.packed_bytes + engine.kv_cache_bytes
+    estimate = Engine.memory_needed(ck.config, (models["a"] / "model.safetensors").stat().st_size, max_batch_size=4,
+                                    device="cpu", kv_cache_dtype=kv_cache_dtype)
+    assert held <= estimate <= 1.15 * held, (held, estimate)
