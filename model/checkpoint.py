@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,11 +264,16 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# a tensor this large is read into an anonymous mapping of its own, which goes back to the system whole once the
+# tensor is freed; from the heap, a retired engine's weights left a few copies' worth of RSS behind over five
+# reloads (malloc keeps what it grew by, and raises its mmap threshold to the size of each block freed)
+MAPPED_TENSOR_BYTES = 1 << 20
 _Entry = tuple[int, int, str, torch.dtype, list[int]]  # a tensor's (start, end) in the data, name, dtype and shape
 
 
 def _read_weights(path: Path, config: GPTConfig) -> tuple[dict[str, torch.Tensor], str]:
-    """The file's tensors, each read into memory of its own, and the sha256 of every byte read (the header too)."""
+    """The file's tensors, each read into memory of its own (MAPPED_TENSOR_BYTES), and the sha256 of every byte read
+    (the header too)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
@@ -284,16 +290,17 @@ def _read_weights(path: Path, config: GPTConfig) -> tuple[dict[str, torch.Tensor
         digest = hashlib.sha256(first + raw)
         tensors = {}
         for start, end, name, dtype, shape in entries:
-            t = torch.empty(shape, dtype=dtype)
-            into = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            got = 0
+            memory = mmap.mmap(-1, end - start) if end - start >= MAPPED_TENSOR_BYTES else bytearray(end - start)
+            into, got = memoryview(memory), 0
             while got < end - start and (k := f.readinto(into[got:])):
                 got += k
             if got < end - start:
                 raise _Unreadable(f"it is shorter than its header says ({size} bytes when it was opened): it "
                                   "was cut short while it was read, or is being written")
             digest.update(into)
-            tensors[name] = t
+            into.release()
+            tensors[name] = torch.frombuffer(memory, dtype=dtype).reshape(shape) if memory else torch.empty(
+                shape, dtype=dtype)
     return tensors, digest.hexdigest()
 
 
