@@ -96,6 +96,7 @@ class _Slot:
     short_of_memory: tuple | None = None  # the files a reload last lacked memory for (logged once for them)
     failed: tuple | None = None  # the files (`files_stamp`) a load failed on: not tried again until they change
     waiters: int = 0  # requests waiting in `acquire` for this model's load: it is not idle until they have it
+    incoming: Future | None = None  # while a reload loads new weights: done once they serve, or were refused
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the swap of engine and checkpoint
     reloading: threading.Lock = field(default_factory=threading.Lock)  # one reload at a time
 
@@ -176,15 +177,23 @@ class ModelRegistry:
 
     # -- getting an engine ------------------------------------------------------------------------------
     async def acquire(self, name: str | None = None) -> tuple[str, Engine, Checkpoint]:
-        """The engine serving `name` (the default model if None), loading it first if needed."""
+        """The engine serving `name` (the default model if None), loading it first if needed. While new weights
+        load for it (a reload) and its engine has no free batch slot, the request waits for them (up to
+        `load_wait`): in the old engine it would wait behind requests that may run for minutes."""
         name = self.slot_for(name)
         slot = self._slots[name]
         deadline = time.monotonic() + self.load_wait
         while True:
             slot.info.last_used = time.monotonic()
-            engine, checkpoint = slot.engine, slot.checkpoint
+            engine, checkpoint, incoming = slot.engine, slot.checkpoint, slot.incoming
             if engine is not None and checkpoint is not None:
-                return name, engine, checkpoint
+                if incoming is None or engine.busy + engine.reserved < engine.max_batch_size:
+                    return name, engine, checkpoint
+                try:
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(incoming)), deadline - time.monotonic())
+                except TimeoutError:
+                    return name, engine, checkpoint  # the old weights serve it, once a slot frees
+                continue
             if slot.info.state == FAILED and _known_broken(slot):
                 raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
             slot.waiters += 1  # before the load can end: a load wanting a place must not unload it from under us
@@ -321,29 +330,42 @@ class ModelRegistry:
             stamp = files_stamp(slot.info.path)
             if stamp == slot.refused:
                 return False
+            slot.incoming = Future()
             try:
-                self._check_memory(name, slot.info.path)
-                checkpoint, engine = self._load(slot.info.path)
-            except ShortOfMemory as e:
-                slot.info.error = f"reload refused: {e}"
-                if slot.short_of_memory != stamp:
-                    log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
-                    slot.info.refused_reloads += 1
-                    slot.short_of_memory = stamp
-                return False
-            except Exception as e:
+                return self._swap_in(name, slot, digest, stamp)
+            finally:
+                incoming, slot.incoming = slot.incoming, None
+                incoming.set_result(None)
+
+    def _swap_in(self, name: str, slot: _Slot, digest: str, stamp: tuple) -> bool:
+        """Load the slot's checkpoint beside its engine, swap it in and retire the old one; False where the reload
+        was refused (the reason in `ModelInfo.error`)."""
+        try:
+            self._check_memory(name, slot.info.path)
+            checkpoint, engine = self._load(slot.info.path)
+        except ShortOfMemory as e:
+            slot.info.error = f"reload refused: {e}"
+            if slot.short_of_memory != stamp:
                 log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
-                slot.info.error, slot.refused = f"reload refused: {e}", stamp
                 slot.info.refused_reloads += 1
-                return False
-            with slot.lock:
-                old, slot.engine, slot.checkpoint = slot.engine, engine, checkpoint
+                slot.short_of_memory = stamp
+            return False
+        except Exception as e:
+            log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
+            slot.info.error, slot.refused = f"reload refused: {e}", stamp
+            slot.info.refused_reloads += 1
+            return False
+        with slot.lock:
+            old = slot.engine
+            if old is not None:  # (unloaded meanwhile: its place is given back, so the new engine goes too)
+                slot.engine, slot.checkpoint = engine, checkpoint
                 self._loaded(slot.info, checkpoint, digest)
                 slot.info.reloads += 1
                 slot.refused = slot.short_of_memory = None
+        self._retire(old if old is not None else engine)
+        if old is None:
+            return False
         log.info("model %s reloaded (weights %s)", name, (slot.info.weights_sha256 or "?")[:12])
-        if old is not None:
-            self._retire(old)
         return True
 
     def _check_memory(self, name: str, path: Path) -> None:

@@ -368,6 +368,64 @@ def test_requests_on_retired_weights_finish_however_long_they_take(models, monke
         reg.stop()
 
 
+def test_a_request_that_finds_the_engine_full_while_new_weights_load_waits_for_them(models) -> None:
+    """While a reload loads, a request goes to the old engine if it has a free batch slot, and otherwise waits for
+    the new weights: in the old engine it would wait behind requests that may run for minutes (4 of 30 new requests
+    waited 28 s behind 1,500-token streams in the bench's hot_reload section)."""
+    gate, calls, load = threading.Event(), [], loader()
+
+    def reload_waits(path: Path):
+        calls.append(path)
+        if len(calls) > 1:
+            assert gate.wait(60), "the test never let the reload finish"
+        return load(path)
+
+    reg = ModelRegistry(models, reload_waits, load_wait=60)
+    running: list[threading.Thread] = []
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        hold = threading.Event()
+        old.on_step = lambda reqs: hold.wait(60)
+        results: list = []
+
+        def occupy(n: int) -> None:  # n more requests running on the old engine (4 slots)
+            for _ in range(n):
+                running.append(threading.Thread(target=lambda: results.append(
+                    old.generate([1, 2, 3], SamplingParams(max_new_tokens=5)))))
+                running[-1].start()
+            while old.busy < len(running):
+                time.sleep(0.01)
+
+        occupy(3)
+        write_model(models["a"], 3)
+        reloading = threading.Thread(target=reg.reload, args=("a",))
+        reloading.start()
+        while len(calls) < 2:
+            time.sleep(0.01)
+
+        async def main() -> Engine:
+            free = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)
+            assert free.done() and free.result()[1] is old  # a slot is free in the old engine: at once
+            await asyncio.to_thread(occupy, 1)
+            full = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)
+            assert not full.done()  # no slot free: it waits for the new weights
+            gate.set()
+            return (await full)[1]
+
+        new = run_long(main())
+        assert new is not old and greedy(new) == greedy(load(models["a"])[1])
+        hold.set()
+        reloading.join(60)
+        for t in running:
+            t.join(60)
+        assert len(results) == 4 and all(len(r.token_ids) == 5 for r in results)  # the old ones finished
+    finally:
+        gate.set()
+        reg.stop()
+
+
 def test_a_reload_is_refused_while_memory_is_short_and_tried_again_when_it_is_not(models) -> None:
     memory = {"needed": 300 * 2**20, "available": 200 * 2**20}
     reg = ModelRegistry(models, loader(), memory=lambda path: (memory["needed"], memory["available"]))
