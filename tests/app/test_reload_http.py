@@ -1,8 +1,11 @@
 """Models that change while the server runs (app/models.py, model/registry.py): checkpoints put into --models-dir
 are served with --watch, a broken one is refused (and not loaded again until its files change) while the others
 serve, an answer names the checkpoint that made it even when a reload swaps the weights meanwhile, and the
-weights a reload or an unload retires leave memory (an engine object, and a real server's RSS under load).
-Reload under load with the real trainer writing is a reliability section (bench/reliability/reload.py)."""
+weights a reload or an unload retires leave memory (an engine object, and a real server's RSS under load); a plain
+`cp` or a truncate over a served checkpoint never crashes a real server (a torn copy is refused, then reloaded once
+complete); --max-loaded holds under concurrent requests; a reload short of memory is refused. Reload under load is
+measured by reliability sections: the real trainer writing (bench/reliability/reload.py), and long streams while
+the weights are replaced (bench/reliability/hot_reload.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Several models in one process: load on first use, LRU unloading, a broken model alone failing, hot reload that
-finishes running requests on the old weights and refuses a broken new checkpoint."""
+"""Several models in one process: load on first use, LRU unloading, --max-loaded under concurrent loads (loads in
+progress counted, a busy model never unloaded), a broken model alone failing, hot reload that finishes running
+requests on the old weights however long they take, refuses a broken or torn new checkpoint (and retries it once
+its files change) or one there is no memory for, and sends requests that find the old engine full to the new."""
 
 from __future__ import annotations
 
