@@ -7,7 +7,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
-import torch
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
@@ -28,29 +27,17 @@ from app.responses import StrictJSONResponse
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
-from model.devices import resolve_device
-from model.engine import Engine, EngineConfig
+from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
-    device = resolve_device(settings.device)
     if settings.quantize != "none":
         log.info("quantizing %s to %s (%s bytes of weights)", checkpoint.path.name if checkpoint.path else "the model",
                  settings.quantize, f"{quantize(checkpoint.model, settings.quantize):,}")
-    engine = Engine(checkpoint, EngineConfig(
-        device=device,
-        dtype=DTYPES.get(settings.dtype),
-        max_batch_size=settings.max_batch_size,
-        max_waiting=settings.max_waiting,
-        prefill_chunk=settings.prefill_chunk,
-        window_shift=settings.window_shift or None,
-        threads=settings.threads or None,
-        kv_cache_dtype=settings.kv_cache_dtype,
-    ))
+    engine = Engine(checkpoint, settings.engine_config())
     if settings.fault_injection:
         log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "
                     "the engine step", FAULT_PREFILL, FAULT_DECODE, FAULT_STALL)

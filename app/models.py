@@ -39,8 +39,10 @@ from app.metrics import Metrics
 from app.schemas import ErrorBody
 from app.service import GenerationService
 from app.settings import Settings
-from model.checkpoint import CONFIG_FILE, Checkpoint, load_checkpoint
-from model.engine import Engine, EngineConfig, EngineStats
+from model import devices
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
+from model.config import GPTConfig
+from model.engine import Engine, EngineConfig, EngineStats, memory_needed
 from model.registry import ModelInfo, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
@@ -92,7 +94,7 @@ class ServedModels:
             return checkpoint, engine
 
         self.registry = ModelRegistry(model_paths(settings), load, max_loaded=settings.max_loaded,
-                                      load_wait=settings.load_wait, drain_timeout=settings.drain_timeout)
+                                      load_wait=settings.load_wait, memory=lambda path: engine_memory(settings, path))
         self.services: dict[str, GenerationService] = {}
         metrics.registry.register(ReloadCollector(self.registry))
 
@@ -151,6 +153,16 @@ class ServedModels:
 
     def describe(self) -> list[dict[str, Any]]:
         return [describe(info) for info in self.registry.info()]
+
+
+def engine_memory(settings: Settings, path: Path) -> tuple[int, int]:
+    """The bytes an engine built as `settings` say for the checkpoint at `path` will take (from its config.json and
+    the size of its weights, before loading them), and the bytes available on its device."""
+    meta = read_config(path)
+    engine = settings.engine_config()
+    needed = memory_needed(GPTConfig.from_dict(meta["model"]), (path / WEIGHTS_FILE).stat().st_size, engine,
+                           quantized=meta.get("quantization", "none") != "none" or settings.quantize != "none")
+    return needed, devices.free_memory(engine.device)
 
 
 def describe(info: ModelInfo) -> dict[str, Any]:

@@ -11,12 +11,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.auth import PROTECTED_DOC
 from app.schemas import MAX_SEQUENCES
 from model.cli import check_threads
+from model.devices import resolve_device
+from model.engine import EngineConfig
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
 ENV_PREFIX = "FOLIO_"
@@ -39,6 +42,9 @@ OTHER_VARIABLES = {
     "FOLIO_TEST_DATA": "the test suite's data directory (tests/conftest.py), for a server the tests start",
 }
 ORIGIN = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s]+")  # scheme://host[:port], as browsers send it
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype (auto: None)
 
 
 class Settings(BaseSettings):
@@ -142,6 +148,20 @@ class Settings(BaseSettings):
     def sequences_per_request(self) -> int:
         """--max-sequences-per-request, its 0 resolved: half of the batch."""
         return self.max_sequences_per_request or max(1, self.max_batch_size // 2)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration these settings give (each model's engine is built with it; a reload checks its
+        memory with it first)."""
+        return EngineConfig(
+            device=resolve_device(self.device),
+            dtype=DTYPES.get(self.dtype),
+            max_batch_size=self.max_batch_size,
+            max_waiting=self.max_waiting,
+            prefill_chunk=self.prefill_chunk,
+            window_shift=self.window_shift or None,
+            threads=self.threads or None,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
 
     @property
     def several_models(self) -> bool:

@@ -2,8 +2,9 @@
 
 `config.json` holds the model config under nanoGPT's `GPTConfig` names, the tokenizer (kind plus what it
 needs; a BPE tokenizer's ranks sit beside it in `tokenizer.tiktoken`) and training provenance. Resume state
-(optimizer, RNG, step) is a separate `resume.pt` written by the trainer. Loading validates everything and
-never unpickles.
+(optimizer, RNG, step) is a separate `resume.pt` written by the trainer. Loading validates everything, never
+unpickles, and reads the weights into memory once, hashing the very bytes it builds tensors from: a served model
+never depends on its file staying unchanged (`load_weights`).
 
 Saving over an existing checkpoint (the trainer rewrites its best one in place) is crash-safe. Every file is
 written atomically (temp file, fsync, rename), and weights and config, which must agree (config.json records
@@ -15,15 +16,16 @@ forward to it. Before that point the old pair is intact, after it the new one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model.config import GPTConfig, machine_memory, si
@@ -168,13 +170,8 @@ def load_checkpoint(
             f"{directory}: tokenizer has {tokenizer.n_vocab} tokens but vocab_size is {config.vocab_size}"
         )
     quantization = meta.get("quantization", "none")
-    state = load_weights(directory / WEIGHTS_FILE, config, device=device, quantization=quantization)
-    want = meta.get("weights_sha256")
-    if want and (got := sha256_file(directory / WEIGHTS_FILE)) != want:
-        raise CheckpointError(
-            f"{directory / WEIGHTS_FILE} has sha256 {got}, but {CONFIG_FILE} records {want}: the weights were "
-            "corrupted or replaced after the checkpoint was written"
-        )
+    state = load_weights(directory / WEIGHTS_FILE, config, device=device, quantization=quantization,
+                         sha256=meta.get("weights_sha256"))
     for name, t in state.items():  # after the hash: damaged bytes are reported as damage, not as the NaNs they make
         if name not in TIED_KEYS:
             _check_finite(directory / WEIGHTS_FILE, name, t)
@@ -201,38 +198,22 @@ def _empty_model(config: GPTConfig, quantization: str) -> GPT:
 
 
 def load_weights(
-    path: Path, config: GPTConfig, *, device: torch.device | str = "cpu", quantization: str = "none"
+    path: Path, config: GPTConfig, *, device: torch.device | str = "cpu", quantization: str = "none",
+    sha256: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Read `model.safetensors`, checking its size against what `config` implies (before building anything),
-    then names, shapes and dtypes against what `config` builds (quantized as `quantization` says)."""
+    """Read `model.safetensors` into memory, once, through one descriptor: first its header, checked as safetensors
+    checks it and against the size `config` implies (and this machine's memory) before anything is read or built;
+    then each tensor into memory of its own, the bytes hashed as they are read. On what was read: names, shapes and
+    dtypes against what `config` builds (quantized as `quantization` says), then the hash against `sha256` (what
+    config.json records). A served model never reads its file again, so a file replaced in place or truncated
+    meanwhile (a plain `cp` over it) changes nothing it computes (a memory map of it ended the server with SIGBUS),
+    and a file read while it was being written is refused here (its header, its length or its hash disagrees),
+    never half loaded."""
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
-    state: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            keys = set(f.keys())
-            _check_size(path, config, {k: f.get_slice(k).get_shape() for k in keys - set(TIED_KEYS)})
-            model = _empty_model(config, quantization)
-            expected = {k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}
-            missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected) - set(TIED_KEYS))
-            if missing or unexpected:
-                raise CheckpointError(
-                    f"{path} does not match the model config: missing {missing[:5]}"
-                    f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                    f"{' ...' if len(unexpected) > 5 else ''}"
-                )
-            for k, want in expected.items():
-                t = f.get_tensor(k)
-                if tuple(t.shape) != tuple(want.shape):
-                    raise CheckpointError(
-                        f"{path}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}"
-                    )
-                floating = want.is_floating_point()  # any float type; an int8 weight must be int8
-                if t.is_floating_point() != floating or (not floating and t.dtype != want.dtype):
-                    expected_dtype = "a float type" if floating else want.dtype
-                    raise CheckpointError(f"{path}: tensor {k} has dtype {t.dtype}, expected {expected_dtype}")
-                state[k] = t
-    except SafetensorError as e:
+        tensors, got = _read_weights(path, config)
+    except _Unreadable as e:
         raise CheckpointError(
             f"{path} is not a readable safetensors file ({e}); it may be truncated, corrupted, or a "
             "pickle renamed to .safetensors (Folio never unpickles checkpoints; convert it with "
@@ -240,20 +221,133 @@ def load_weights(
         ) from None
     except OSError as e:
         raise CheckpointError(f"{path} could not be read: {e}") from None
+    model = _empty_model(config, quantization)
+    expected = {k: v for k, v in model.state_dict().items() if k not in TIED_KEYS}
+    keys = set(tensors)
+    missing, unexpected = sorted(set(expected) - keys), sorted(keys - set(expected) - set(TIED_KEYS))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match the model config: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for k, want in expected.items():
+        t = tensors[k]
+        if tuple(t.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{path}: tensor {k} has shape {tuple(t.shape)}, the config needs {tuple(want.shape)}"
+            )
+        floating = want.is_floating_point()  # any float type; an int8 weight must be int8
+        if t.is_floating_point() != floating or (not floating and t.dtype != want.dtype):
+            expected_dtype = "a float type" if floating else want.dtype
+            raise CheckpointError(f"{path}: tensor {k} has dtype {t.dtype}, expected {expected_dtype}")
+        state[k] = t
+    if sha256 and got != sha256:
+        raise CheckpointError(
+            f"{path} has sha256 {got}, but {CONFIG_FILE} records {sha256}: the weights were corrupted or replaced "
+            "after the checkpoint was written (or are being written now)"
+        )
+    if torch.device(device).type != "cpu":
+        state = {k: t.to(device) for k, t in state.items()}
     if quantization == "none":
         state["lm_head.weight"] = state["transformer.wte.weight"]
     return state
 
 
-def _check_size(path: Path, config: GPTConfig, shapes: dict[str, list[int]]) -> None:
-    """The config against the weights' header (`shapes`: read without loading a tensor) and this machine's
-    memory, before any module is built even on the meta device: a config claiming 100,000 layers would otherwise
-    take a minute and gigabytes to build before the first tensor is compared. A smaller mismatch (fewer layers,
-    other widths) is left to the comparison tensor by tensor, which names the tensor."""
+class _Unreadable(ValueError):
+    """Bytes that are not a safetensors file (the message says what is wrong with them)."""
+
+
+# safetensors' dtype names, as torch knows them
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+# a tensor this large is read into an anonymous mapping of its own, which goes back to the system whole once the
+# tensor is freed; from the heap, a retired engine's weights left a few copies' worth of RSS behind over five
+# reloads (malloc keeps what it grew by, and raises its mmap threshold to the size of each block freed)
+MAPPED_TENSOR_BYTES = 1 << 20
+_Entry = tuple[int, int, str, torch.dtype, list[int]]  # a tensor's (start, end) in the data, name, dtype and shape
+
+
+def _read_weights(path: Path, config: GPTConfig) -> tuple[dict[str, torch.Tensor], str]:
+    """The file's tensors, each read into memory of its own (MAPPED_TENSOR_BYTES), and the sha256 of every byte read
+    (the header too)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        if size < 8 or len(first) < 8:
+            raise _Unreadable(f"{size} bytes, fewer than the 8 of the header's length")
+        n = int.from_bytes(first, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise _Unreadable(f"the header's length, {n} bytes, is more than the file's {size} bytes or "
+                              f"safetensors' limit of {MAX_HEADER_BYTES}")
+        raw = f.read(n)
+        entries = _entries(raw, size - 8 - n)
+        _check_size(path, config, {name: shape for _, _, name, _, shape in entries if name not in TIED_KEYS},
+                    size - 8 - n)
+        digest = hashlib.sha256(first + raw)
+        tensors = {}
+        for start, end, name, dtype, shape in entries:
+            memory = mmap.mmap(-1, end - start) if end - start >= MAPPED_TENSOR_BYTES else bytearray(end - start)
+            into, got = memoryview(memory), 0
+            while got < end - start and (k := f.readinto(into[got:])):
+                got += k
+            if got < end - start:
+                raise _Unreadable(f"it is shorter than its header says ({size} bytes when it was opened): it "
+                                  "was cut short while it was read, or is being written")
+            digest.update(into)
+            into.release()
+            tensors[name] = torch.frombuffer(memory, dtype=dtype).reshape(shape) if memory else torch.empty(
+                shape, dtype=dtype)
+    return tensors, digest.hexdigest()
+
+
+def _entries(raw: bytes, data_bytes: int) -> list[_Entry]:
+    """The tensors a safetensors header (`raw`, JSON) lists, in the order of their bytes; checked as safetensors
+    checks a file: known dtypes, each tensor's bytes as many as its shape needs, one after another to the end of
+    the file's `data_bytes` bytes of tensor data."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _Unreadable(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _Unreadable("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    entries: list[_Entry] = []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (start, end) = SAFETENSORS_DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+            if not all(isinstance(d, int) and d >= 0 for d in (*shape, start, end)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise _Unreadable(f"the header's entry for {name!r} is not a tensor's (dtype, shape, data_offsets): "
+                              f"{str(entry)[:100]}") from None
+        if dtype is None:
+            raise _Unreadable(f"tensor {name} has dtype {entry['dtype']!r}, not one of {sorted(SAFETENSORS_DTYPES)}")
+        if end - start != math.prod(shape) * dtype.itemsize:
+            raise _Unreadable(f"tensor {name} of shape {shape} ({entry['dtype']}) has {end - start} bytes")
+        entries.append((start, end, name, dtype, shape))
+    entries.sort(key=lambda e: e[:2])
+    at = 0
+    for start, end, name, _, _ in entries:
+        if start != at:
+            raise _Unreadable(f"tensor {name}'s bytes begin at {start}, not where the previous one ends ({at})")
+        at = end
+    if at != data_bytes:
+        raise _Unreadable(f"its header lists {at} bytes of tensors, the file holds {data_bytes}")
+    return entries
+
+
+def _check_size(path: Path, config: GPTConfig, shapes: dict[str, list[int]], stored: int) -> None:
+    """The config against the weights' header (`shapes`: read without loading a tensor; `stored`: the bytes of
+    its tensors) and this machine's memory, before any module is built even on the meta device: a config claiming
+    100,000 layers would otherwise take a minute and gigabytes to build before the first tensor is compared. A
+    smaller mismatch (fewer layers, other widths) is left to the comparison tensor by tensor, which names the
+    tensor."""
     held = sum(math.prod(shape) for shape in shapes.values())
     layers = len({k.split(".")[2] for k in shapes if k.startswith("transformer.h.")})
-    with open(path, "rb") as f:  # tensor bytes: the file less its 8-byte length and JSON header
-        stored = path.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
     sizes = f"{path.name} holds {si(held)} parameters in {layers} layers ({si(stored)}B)"
     try:
         config.check_memory(stored / held if held else 4, machine_memory(), "loading it")

@@ -1,5 +1,6 @@
 """The model's shape: nanoGPT's `GPTConfig`, field for field, so configs map one to one; and what a shape costs
-against this machine's memory, checked before anything is built."""
+against this machine's memory (all of it, `machine_memory`, or what is left now, `available_memory`), checked
+before anything is built."""
 
 from __future__ import annotations
 
@@ -107,3 +108,29 @@ def machine_memory() -> int:
         if value.isdigit():
             total = min(total, int(value))
     return total
+
+
+def available_memory() -> int:
+    """Bytes this process can still take without the machine swapping or its cgroup's limit being hit: /proc/meminfo's
+    MemAvailable (free memory plus the page cache the kernel can reclaim), or less where the cgroup's limit less its
+    usage (its reclaimable file cache not counted as used) is lower; `machine_memory()` where neither can be read."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cgroups = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "inactive_file"),  # cgroup v2
+               ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                "total_inactive_file"))  # v1
+    for limit_file, usage_file, reclaimable in cgroups:
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), int(Path(usage_file).read_text())
+            stat = dict(line.split() for line in (Path(limit_file).parent / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            left = int(limit) - usage + int(stat.get(reclaimable, 0))
+            available = left if available is None else min(available, left)
+    return machine_memory() if available is None else max(0, available)

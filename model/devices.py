@@ -1,8 +1,11 @@
-"""Device and dtype choices, in one place: what `auto` means and what a device runs in by default."""
+"""Device and dtype choices, in one place: what `auto` means, what a device runs in by default, and how much memory
+is left on one."""
 
 from __future__ import annotations
 
 import torch
+
+from model.config import available_memory
 
 
 def resolve_device(name: str | torch.device | None = "auto", kinds: tuple[str, ...] = ("cpu", "cuda")) -> torch.device:
@@ -34,3 +37,10 @@ def resolve_device(name: str | torch.device | None = "auto", kinds: tuple[str, .
 def default_dtype(device: torch.device) -> torch.dtype:
     """What inference runs in unless told otherwise: bf16 on CUDA, fp32 on the CPU (where the kernels are)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes that can still be allocated on `device`: a GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()

@@ -1,13 +1,19 @@
 """Several checkpoints in one server: each has a name and an engine that is loaded on first use (or at start),
-unloaded least-recently-used beyond a budget, and swapped without dropping a request when its files change.
+at most `max_loaded` at once, and swapped without dropping a request when its files change.
 
 - `acquire(name)` gives the engine to submit to (loading it first if needed, off the event loop, waiting up to
   `load_wait` seconds; `ModelLoading` with a retry time beyond that). A request keeps the engine it got: a reload
-  or an unload lets that engine finish what it runs (`Engine.drain`) before it stops.
+  or an unload lets that engine finish everything it runs, however long (each request is bounded by its own
+  max_new_tokens), before it stops (`Engine.drain`).
+- `max_loaded`: a model takes a place when its load begins, so loads in progress count. A load that finds every
+  place taken unloads the least recently used idle model (nothing running, queued, reserved, or waiting for its
+  own load), or waits until one is idle; the limit holds under any interleaving of requests.
 - Hot reload (`watch`, or `reload(name)`): a checkpoint whose `config.json` changed (the trainer writes it last,
-  atomically, with the new weights' sha256) is loaded beside the old one and warmed up; then new requests go to
-  it and the old engine drains. A checkpoint that fails to load is refused: the old one keeps serving, and the
-  reason is kept (`ModelInfo.error`) and logged.
+  atomically, with the new weights' sha256) is loaded beside the old one and warmed up, if the memory left allows
+  a second engine (`memory`); then new requests go to it and the old engine drains. A checkpoint that fails to
+  load (torn: a `cp` in progress writes config.json and the weights one after the other) is refused: the old one
+  keeps serving, the reason is kept (`ModelInfo.error`) and logged, and it is tried again once the checkpoint's
+  files change (`files_stamp`), or at the next look if memory was short.
 - One model failing to load affects no other; it is not tried again until its files change (a request to it is a
   fast `ModelFailed`, and evicts nothing to make room).
 """
@@ -26,15 +32,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.checkpoint import CONFIG_FILE, Checkpoint
+from model.checkpoint import CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, Checkpoint
+from model.config import si
 from model.engine import Engine
 from model.sampling_params import preview
+from model.tokenizer import BPE_FILE
 
 log = logging.getLogger("folio.registry")
 
 UNLOADED, LOADING, LOADED, FAILED = "unloaded", "loading", "loaded", "failed"
 RETIRE_COLLECTIONS = 20  # full garbage collections, 0.5 s apart, that a retired engine gets to be freed
+ROOM_POLL_S = 0.05  # how often a load waiting for a place looks for an idle model (engines do not say when)
+CHECKPOINT_FILES = (CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, BPE_FILE)  # what a load reads
 Loader = Callable[[Path], tuple[Checkpoint, Engine]]  # load, build, start and warm up an engine
+# the bytes loading the checkpoint at a path will take, and the bytes available for it (on its device)
+Memory = Callable[[Path], tuple[int, int]]
 
 
 class ModelNotFound(LookupError):
@@ -54,6 +66,10 @@ class ModelLoading(RuntimeError):
 
 class ModelFailed(RuntimeError):
     """The model could not be loaded (the reason is in the message)."""
+
+
+class ShortOfMemory(RuntimeError):
+    """A reload refused for want of memory for a second engine beside the one serving (tried again later)."""
 
 
 @dataclass
@@ -76,8 +92,11 @@ class _Slot:
     engine: Engine | None = None
     checkpoint: Checkpoint | None = None
     loading: Future | None = None
-    refused: str | None = None  # the config.json digest a reload refused (not retried until it changes)
+    refused: tuple | None = None  # the files (`files_stamp`) a reload was refused on: not tried until they change
+    short_of_memory: tuple | None = None  # the files a reload last lacked memory for (logged once for them)
     failed: tuple | None = None  # the files (`files_stamp`) a load failed on: not tried again until they change
+    waiters: int = 0  # requests waiting in `acquire` for this model's load: it is not idle until they have it
+    incoming: Future | None = None  # while a reload loads new weights: done once they serve, or were refused
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards the swap of engine and checkpoint
     reloading: threading.Lock = field(default_factory=threading.Lock)  # one reload at a time
 
@@ -90,13 +109,17 @@ def config_digest(directory: Path) -> str | None:
 
 
 def files_stamp(directory: Path) -> tuple:
-    """The directory's files by name, size and modification time: a few stat calls, cheap enough for each request
-    to a model that failed to load (its weights may be complete now, its config.json unchanged)."""
-    try:
-        return tuple(sorted((p.name, st.st_size, st.st_mtime_ns) for p in directory.iterdir()
-                            if p.is_file() and (st := p.stat())))
-    except OSError:
-        return ()
+    """The checkpoint's files (CHECKPOINT_FILES) by name, size and modification time: a few stat calls, cheap enough
+    for each request to a model that failed to load (its weights may be complete now, its config.json unchanged).
+    Other files (a trainer's metrics.jsonl, loss.png) change without changing the checkpoint."""
+    out = []
+    for name in CHECKPOINT_FILES:
+        try:
+            st = (directory / name).stat()
+        except OSError:
+            continue
+        out.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _known_broken(slot: _Slot) -> bool:
@@ -106,16 +129,19 @@ def _known_broken(slot: _Slot) -> bool:
 
 class ModelRegistry:
     def __init__(self, models: dict[str, Path], load: Loader, *, max_loaded: int | None = None,
-                 load_wait: float = 30.0, drain_timeout: float = 30.0) -> None:
+                 load_wait: float = 30.0, memory: Memory | None = None) -> None:
         if not models:
             raise ValueError("a registry needs at least one model")
         self._slots = {name: _Slot(ModelInfo(name, Path(path))) for name, path in models.items()}
         self.default = next(iter(models))
         self._load = load
+        self._memory = memory
         self.max_loaded = max_loaded
         self.load_wait = load_wait
-        self.drain_timeout = drain_timeout
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # guards the slots' dict and the places
+        self._room = threading.Condition(self._lock)  # a place given back
+        self._places: set[str] = set()  # the models loaded or loading, at most max_loaded
+        self._retiring: weakref.WeakSet[Engine] = weakref.WeakSet()  # retired engines still finishing their work
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -151,22 +177,33 @@ class ModelRegistry:
 
     # -- getting an engine ------------------------------------------------------------------------------
     async def acquire(self, name: str | None = None) -> tuple[str, Engine, Checkpoint]:
-        """The engine serving `name` (the default model if None), loading it first if needed."""
+        """The engine serving `name` (the default model if None), loading it first if needed. While new weights
+        load for it (a reload) and its engine has no free batch slot, the request waits for them (up to
+        `load_wait`): in the old engine it would wait behind requests that may run for minutes."""
         name = self.slot_for(name)
         slot = self._slots[name]
         deadline = time.monotonic() + self.load_wait
         while True:
             slot.info.last_used = time.monotonic()
-            engine, checkpoint = slot.engine, slot.checkpoint
+            engine, checkpoint, incoming = slot.engine, slot.checkpoint, slot.incoming
             if engine is not None and checkpoint is not None:
-                return name, engine, checkpoint
+                if incoming is None or engine.busy + engine.reserved < engine.config.max_batch_size:
+                    return name, engine, checkpoint
+                try:
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(incoming)), deadline - time.monotonic())
+                except TimeoutError:
+                    return name, engine, checkpoint  # the old weights serve it, once a slot frees
+                continue
             if slot.info.state == FAILED and _known_broken(slot):
                 raise ModelFailed(f"model {name!r} could not be loaded: {slot.info.error}")
-            future = self._start_loading(name)  # again if another load unloaded it before this request got it
+            slot.waiters += 1  # before the load can end: a load wanting a place must not unload it from under us
             try:
+                future = self._start_loading(name)  # again if another load unloaded it before this request got it
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), deadline - time.monotonic())
             except TimeoutError:
                 raise ModelLoading(name, max(1, int(self.load_wait))) from None
+            finally:
+                slot.waiters -= 1
 
     def load_now(self, name: str) -> None:
         """Load `name` and wait (startup); raises ModelFailed if it cannot be."""
@@ -192,10 +229,15 @@ class ModelRegistry:
         slot = self._slots[name]
         stamp = files_stamp(slot.info.path)
         try:
-            self._make_room(keep=name)
-            digest = config_digest(slot.info.path)
-            checkpoint, engine = self._load(slot.info.path)
-            slot.checkpoint, slot.engine, slot.failed = checkpoint, engine, None
+            self._take_place(name)
+            try:
+                digest = config_digest(slot.info.path)
+                checkpoint, engine = self._load(slot.info.path)
+            except BaseException:
+                self._give_place(name)
+                raise
+            with slot.lock:
+                slot.checkpoint, slot.engine, slot.failed = checkpoint, engine, None
             self._loaded(slot.info, checkpoint, digest)
         except Exception as e:  # this model alone fails; the others serve
             log.error("model %s could not be loaded from %s: %s", name, slot.info.path, e)
@@ -208,15 +250,41 @@ class ModelRegistry:
         info.state, info.error, info.loaded_at = LOADED, None, time.time()
         info.config_sha256, info.weights_sha256 = digest, checkpoint.meta.get("weights_sha256")
 
-    def _make_room(self, keep: str) -> None:
-        """Unload least-recently-used models until loading `keep` stays within `max_loaded`."""
-        if self.max_loaded is None:
-            return
-        with self._lock:
-            loaded = sorted((s for n, s in self._slots.items() if s.engine is not None and n != keep),
-                            key=lambda s: s.info.last_used)
-            while len(loaded) >= self.max_loaded:
-                self.unload(loaded.pop(0).info.name)
+    # -- the places (max_loaded) ------------------------------------------------------------------------
+    def _take_place(self, name: str) -> None:
+        """A place for `name`, before its load begins: a free one, or an idle model's (unloaded for it), or the
+        first to come free. Raises ModelFailed if the registry stops meanwhile."""
+        waited = False
+        with self._room:
+            while True:
+                if self._stop.is_set():
+                    raise ModelFailed("the server is stopping")
+                if self.max_loaded is None or len(self._places) < self.max_loaded:
+                    self._places.add(name)
+                    return
+                idle = self._least_recently_used_idle()
+                if idle is not None:
+                    log.info("unloading model %s (idle) to load %s within --max-loaded %d", idle, name,
+                             self.max_loaded)
+                    self.unload(idle)
+                    continue
+                if not waited:
+                    log.info("model %s waits for a place: the %d loaded or loading (%s) are all busy", name,
+                             self.max_loaded, ", ".join(sorted(self._places)))
+                    waited = True
+                self._room.wait(ROOM_POLL_S)
+
+    def _give_place(self, name: str) -> None:
+        with self._room:
+            self._places.discard(name)
+            self._room.notify_all()
+
+    def _least_recently_used_idle(self) -> str | None:
+        """The loaded model used least recently that nothing uses: no request running, queued or holding a slot in
+        its engine, none waiting for its load to finish (those are about to use it)."""
+        idle = [s for n, s in self._slots.items() if n in self._places and s.engine is not None and s.waiters == 0
+                and not s.engine.busy and not s.engine.reserved]
+        return min(idle, key=lambda s: s.info.last_used).info.name if idle else None
 
     def unload(self, name: str) -> None:
         """Stop serving `name` from memory: new requests load it again; running ones finish first."""
@@ -224,7 +292,8 @@ class ModelRegistry:
         with slot.lock:
             engine, slot.engine, slot.checkpoint = slot.engine, None, None
             slot.info.state = UNLOADED
-        if engine is not None:
+        if engine is not None:  # (a model still loading keeps its place: its load gives it back if it fails)
+            self._give_place(name)
             log.info("unloading model %s", name)
             self._retire(engine)
 
@@ -235,9 +304,10 @@ class ModelRegistry:
         the weights twice over per reload, the packed copy included). So collect until it is gone (a response still
         being written may hold it a moment longer)."""
         gone = weakref.ref(engine)
+        self._retiring.add(engine)
 
         def retire(held: list[Engine]) -> None:
-            held.pop().drain(self.drain_timeout)
+            held.pop().drain()  # no deadline: what runs on the old weights finishes on them
             for _ in range(RETIRE_COLLECTIONS):
                 gc.collect()
                 if gone() is None:
@@ -250,27 +320,66 @@ class ModelRegistry:
     # -- hot reload -----------------------------------------------------------------------------------
     def reload(self, name: str) -> bool:
         """Load `name` again if its config.json changed since it was loaded; True if a new engine now serves it.
-        A checkpoint that fails to load leaves the old engine serving (the reason: `ModelInfo.error`)."""
+        A checkpoint that fails to load leaves the old engine serving (the reason: `ModelInfo.error`), and is not
+        tried again until its files change; one there is not memory for beside the old, at every call."""
         slot = self._slots[self.slot_for(name)]
         with slot.reloading:
             digest = config_digest(slot.info.path)
-            if slot.engine is None or digest is None or digest in (slot.info.config_sha256, slot.refused):
+            if slot.engine is None or digest is None or digest == slot.info.config_sha256:
                 return False
+            stamp = files_stamp(slot.info.path)
+            if stamp == slot.refused:
+                return False
+            slot.incoming = Future()
             try:
-                checkpoint, engine = self._load(slot.info.path)
-            except Exception as e:
+                return self._swap_in(name, slot, digest, stamp)
+            finally:
+                incoming, slot.incoming = slot.incoming, None
+                incoming.set_result(None)
+
+    def _swap_in(self, name: str, slot: _Slot, digest: str, stamp: tuple) -> bool:
+        """Load the slot's checkpoint beside its engine, swap it in and retire the old one; False where the reload
+        was refused (the reason in `ModelInfo.error`)."""
+        try:
+            self._check_memory(name, slot.info.path)
+            checkpoint, engine = self._load(slot.info.path)
+        except ShortOfMemory as e:
+            slot.info.error = f"reload refused: {e}"
+            if slot.short_of_memory != stamp:
                 log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
-                slot.info.error, slot.refused = f"reload refused: {e}", digest
                 slot.info.refused_reloads += 1
-                return False
-            with slot.lock:
-                old, slot.engine, slot.checkpoint = slot.engine, engine, checkpoint
+                slot.short_of_memory = stamp
+            return False
+        except Exception as e:
+            log.error("reload of %s refused, the loaded weights keep serving: %s", name, e)
+            slot.info.error, slot.refused = f"reload refused: {e}", stamp
+            slot.info.refused_reloads += 1
+            return False
+        with slot.lock:
+            old = slot.engine
+            if old is not None:  # (unloaded meanwhile: its place is given back, so the new engine goes too)
+                slot.engine, slot.checkpoint = engine, checkpoint
                 self._loaded(slot.info, checkpoint, digest)
                 slot.info.reloads += 1
+                slot.refused = slot.short_of_memory = None
+        self._retire(old if old is not None else engine)
+        if old is None:
+            return False
         log.info("model %s reloaded (weights %s)", name, (slot.info.weights_sha256 or "?")[:12])
-        if old is not None:
-            self._retire(old)
         return True
+
+    def _check_memory(self, name: str, path: Path) -> None:
+        """ShortOfMemory unless the memory left holds another engine for the checkpoint at `path`."""
+        if self._memory is None:
+            return
+        needed, available = self._memory(path)
+        if needed > available:
+            raise ShortOfMemory(
+                f"loading the new weights of {name} beside the engine serving it needs about {si(needed)}B "
+                f"(weights, their packed copy and the KV cache), and {si(available)}B of memory is available; "
+                "it is tried again at each look (--watch, POST /admin/reload) until memory frees up (fewer loaded "
+                "models: --max-loaded; a smaller --max-batch-size)"
+            )
 
     def watch(self, interval: float, discover: Callable[[], dict[str, Path]] | None = None) -> None:
         """Check every loaded model's files every `interval` seconds (a background thread) and reload changed ones;
@@ -287,7 +396,10 @@ class ModelRegistry:
         self._watcher.start()
 
     def stop(self) -> None:
+        """Stop every engine: those serving, and those a reload or an unload retired that still finish requests."""
         self._stop.set()
-        for slot in self._slots.values():
-            if slot.engine is not None:
-                slot.engine.stop()
+        with self._room:
+            self._room.notify_all()
+        for engine in [*(slot.engine for slot in self._slots.values()), *list(self._retiring)]:
+            if engine is not None:
+                engine.stop()

@@ -56,6 +56,9 @@ class Sizes:
     stop_batch: int
     reload_clients: int  # streaming clients while the trainer writes and the server swaps
     reload_iters: int  # training steps of the resumed run (a checkpoint per improving evaluation)
+    hot_reload_streams: int  # long streams running on the bundled model while its weights are replaced
+    hot_reload_tokens: int  # each stream's max_new_tokens
+    hot_reload_new: int  # requests sent while the new weights load and swap in
 
 
 FULL = Sizes(fuzz_examples=150, load_requests=2000, load_clients=64, load_warmup=200, overload_batch=8,
@@ -63,13 +66,13 @@ FULL = Sizes(fuzz_examples=150, load_requests=2000, load_clients=64, load_warmup
              disconnect_streams=200, disconnect_wave=36, shutdown_streams=32, drain_timeout=5.0, fault_good=24,
              fault_bad=8, training_kills=5, training_iters=300, slow_batch=16, slow_waiting=64, slow_connections=80,
              slow_requests=64, slow_timeout=3.0, stop_new_tokens=256, stop_batch=16, reload_clients=8,
-             reload_iters=200)
+             reload_iters=200, hot_reload_streams=32, hot_reload_tokens=1500, hot_reload_new=30)
 QUICK = Sizes(fuzz_examples=25, load_requests=200, load_clients=16, load_warmup=40, overload_batch=2,
               overload_waiting=2, overload_factor=10, overload_new_tokens=128, overload_rounds=1,
               disconnect_streams=30, disconnect_wave=15, shutdown_streams=8, drain_timeout=3.0, fault_good=8,
               fault_bad=4, training_kills=2, training_iters=80, slow_batch=2, slow_waiting=2, slow_connections=8,
               slow_requests=8, slow_timeout=1.0, stop_new_tokens=64, stop_batch=4, reload_clients=4,
-              reload_iters=60)
+              reload_iters=60, hot_reload_streams=4, hot_reload_tokens=200, hot_reload_new=6)
 
 
 class Problems(list):

@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from app.testing import serving
+from bench import REPO
 from bench.reliability import (
     bad_inputs,
     checkpoints,
     disconnects,
     faults,
     fuzz,
+    hot_reload,
     load,
     overload,
     oversized,
@@ -29,8 +31,9 @@ from bench.reliability.harness import MAIN_ARGS, Sizes
 from model.testing import make_char_checkpoint
 
 SECTIONS = ("fuzz", "bad_inputs", "load", "overload", "disconnects", "shutdown", "faults", "checkpoints", "training",
-            "slow_clients", "oversized", "reload")
+            "slow_clients", "oversized", "reload", "hot_reload")
 ON_THE_MAIN_SERVER = {"fuzz", "bad_inputs", "load", "disconnects", "faults", "oversized"}
+BUNDLED = REPO / "weights" / "shakespeare-char"  # the hot_reload section's model: long streams of a real one
 Report = Callable[[str, dict[str, Any]], None]
 
 
@@ -69,6 +72,8 @@ def _own_server_sections(ck: Path, sizes: Sizes, workdir: Path, seed: int) -> di
         "checkpoints": lambda: checkpoints.run(ck, workdir),
         "training": lambda: training.run(workdir, sizes.training_kills, sizes.training_iters, seed),
         "reload": lambda: reload.run(workdir, sizes.reload_clients, sizes.reload_iters),
+        "hot_reload": lambda: hot_reload.run(BUNDLED, workdir, sizes.hot_reload_streams, sizes.hot_reload_tokens,
+                                             sizes.hot_reload_new),
     }
 
 
@@ -118,6 +123,10 @@ HEADLINES = {
                            f"unknown fields: /health max {r['many_fields']['health_latency_max_ms']} ms; 16 stops "
                            f"x{r['stop_strings']['alone_ratio']} "
                            f"alone, batch x{r['stop_strings']['batch_throughput_ratio']}",
+    "hot_reload": lambda r: "; ".join(
+        f"{name}: {x['streams_completed_on_old_weights']}/{x['streams']} streams on the old weights, "
+        f"{x['new_requests']['failed']} of {x['new_requests']['sent']} new failed, swap {x['swap_latency_s']} s"
+        for name, x in r["rounds"].items()) + f"; crashed {r['crashed']}",
     "training": lambda r: f"{r['kills']} SIGKILLs, final val loss {r.get('val_loss')} vs "
                           f"{r.get('reference_val_loss')}, bitwise {r.get('final_weights_bitwise_equal')}",
 }

@@ -7,7 +7,8 @@
 - `events`: what it hands back (token events, the final result), its counters and its domain errors;
 - `stream`: the hand-off to asyncio (an event stream per request, a mailbox per event loop, reservations);
 - `request`, `batch`, `prefill`: one request's state, the batch (every slot and cache row), prefill packing;
-- `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes.
+- `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes (`memory_needed`: their bytes,
+  before loading).
 """
 
 from model.engine.config import EngineConfig
@@ -27,10 +28,11 @@ from model.engine.events import (
     end_of,
 )
 from model.engine.request import Request
+from model.engine.runner import memory_needed
 from model.engine.stream import GenerationStream, Reservation
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "EngineStats", "EngineStopped", "Event", "Finished", "GenerationError",
     "GenerationStream", "Overloaded", "PromptToken", "Request", "Reservation", "Result", "TokenEvent", "TopToken",
-    "end_of",
+    "end_of", "memory_needed",
 ]

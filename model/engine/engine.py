@@ -87,14 +87,17 @@ class Engine:
             with self._lock:
                 self.scheduler.fail_all(EngineStopped("the engine stopped before this request started"))
 
-    def drain(self, timeout: float) -> bool:
-        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish for up to `timeout`
-        seconds, then stop. True if everything finished."""
+    DRAIN_POLL_S = 0.05
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Admit nothing new (submissions raise EngineStopped), let what is in flight finish (for up to `timeout`
+        seconds; None: however long it takes, each request being bounded by its own max_new_tokens), then stop.
+        True if everything finished."""
         with self._lock:
             self.scheduler.closing = True
-        deadline = time.monotonic() + timeout
-        while self.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy and (deadline is None or time.monotonic() < deadline):
+            time.sleep(self.DRAIN_POLL_S)
         finished = not self.busy
         self.stop()
         return finished

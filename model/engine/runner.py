@@ -11,6 +11,7 @@ import torch
 
 from model import kernels
 from model.checkpoint import Checkpoint
+from model.config import GPTConfig
 from model.devices import default_dtype, resolve_device
 from model.engine.config import EngineConfig
 from model.gpt import KVCache
@@ -31,18 +32,34 @@ def default_threads(n_params: int, cores: int | None = None) -> int:
     return max(1, min(cores, n_params // PARAMS_PER_THREAD))
 
 
-def resolve_kv_cache_dtype(choice: str, model: torch.nn.Module, dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_cache_dtype(choice: str, model: torch.nn.Module | bool, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type for `choice` ("auto", or a key of KV_CACHE_DTYPES) and a model computing in
     `dtype`. "auto" is the model's dtype, except fp16 where its weights are quantized (int8, bf16) and it computes in
     fp32 on CPU: those weights already trade a measured sliver of quality for speed, and a decode step of many rows
     reads as many cache bytes as weight bytes (32 rows of GPT-2 small at position 64: 113 MB of fp32 keys and
-    values, 125 MB of int8 weights). llama.cpp keeps its cache in f16 by default too."""
+    values, 125 MB of int8 weights). llama.cpp keeps its cache in f16 by default too. `model`: the model, or
+    whether its weights are quantized (before it is built)."""
     if choice != "auto":
         if choice not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {choice!r}")
         return KV_CACHE_DTYPES[choice]
-    quantized = any(isinstance(m, StoredLinear) for m in model.modules())
+    quantized = model if isinstance(model, bool) else any(isinstance(m, StoredLinear) for m in model.modules())
     return torch.float16 if quantized and dtype == torch.float32 else dtype
+
+
+def memory_needed(config: GPTConfig, weights_bytes: int, engine: EngineConfig, *, quantized: bool = False) -> int:
+    """About the bytes a `ModelRunner` built with `engine` takes for a checkpoint of `config` whose weights file holds
+    `weights_bytes` bytes, before it is loaded: its weights (the file's bytes, or more where they are widened to
+    the engine's dtype; an fp32 checkpoint quantized at load holds its fp32 weights while it quantizes), their packed
+    copy where the CPU kernels run them (at most as much again: the products' weights), and its KV cache (exactly,
+    a row per batch slot). A reload checks it against the memory left beside the engine that serves
+    (model/registry.py)."""
+    device = resolve_device(engine.device)
+    dtype = engine.dtype or default_dtype(device)
+    weights = weights_bytes if quantized else max(weights_bytes, config.num_params() * dtype.itemsize)
+    packed = weights if device.type == "cpu" and dtype == torch.float32 and kernels.library() is not None else 0
+    kv = resolve_kv_cache_dtype(engine.kv_cache_dtype, quantized, dtype).itemsize
+    return weights + packed + 2 * config.n_layer * engine.max_batch_size * config.block_size * config.n_embd * kv
 
 
 class ModelRunner:

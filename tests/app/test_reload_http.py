@@ -1,14 +1,19 @@
 """Models that change while the server runs (app/models.py, model/registry.py): checkpoints put into --models-dir
 are served with --watch, a broken one is refused (and not loaded again until its files change) while the others
 serve, an answer names the checkpoint that made it even when a reload swaps the weights meanwhile, and the
-weights a reload or an unload retires leave memory (an engine object, and a real server's RSS under load).
-Reload under load with the real trainer writing is a reliability section (bench/reliability/reload.py)."""
+weights a reload or an unload retires leave memory (an engine object, and a real server's RSS under load); a plain
+`cp` or a truncate over a served checkpoint never crashes a real server (a torn copy is refused, then reloaded once
+complete); --max-loaded holds under concurrent requests; a reload short of memory is refused. Reload under load is
+measured by reliability sections: the real trainer writing (bench/reliability/reload.py), and long streams while
+the weights are replaced (bench/reliability/hot_reload.py)."""
 
 from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import shutil
+import subprocess
 import threading
 import time
 import weakref
@@ -21,10 +26,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 import app.models
+import model.devices
 from app.testing import serving
 from bench.reliability.reload import StreamingClients, rss_mb
 from model.testing import make_char_checkpoint
 from tests.app.test_models_http import PROMPT, client, greedy, states
+
+SEEDS = (1, 2, 3, 4, 5)
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
@@ -38,10 +46,10 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30) -> N
 def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """The greedy answer of the seeded checkpoint of each seed, from a server that serves it alone."""
     out = {}
-    for seed in (1, 2, 3):
+    for seed in SEEDS:
         with client(checkpoint=make_char_checkpoint(tmp_path_factory.mktemp("alone") / f"s{seed}", seed=seed)) as c:
             out[seed] = greedy(c)["choices"][0]["text"]
-    assert len(set(out.values())) == 3
+    assert len(set(out.values())) == len(SEEDS)
     return out
 
 
@@ -161,3 +169,127 @@ def test_memory_stays_level_across_reloads_under_load(tmp_path: Path) -> None:
     assert load.failed.count == 0, list(load.failed)
     assert len(load.checkpoints) >= 2 and last in load.checkpoints
     assert after - before < 3 * weights_mb
+
+
+def cp(*files: Path) -> None:
+    """A plain `cp FILE... DIR/`: each file truncated and written in place, one after the other."""
+    subprocess.run(["cp", *map(str, files[:-1]), f"{files[-1]}/"], check=True)
+
+
+@pytest.mark.parametrize("mode", ["plain", "watch", "admin"])
+def test_a_plain_cp_or_a_truncate_over_a_served_checkpoint_never_crashes(tmp_path: Path, answers: dict[int, str],
+                                                                          mode: str) -> None:
+    """Another checkpoint's files copied over a served one with `cp` (both files in one command, in either order;
+    one file, a request, then the other), then the weights truncated, on a real server: a server without the
+    registry (`plain`), one with --watch, one reloaded by POST /admin/reload (`admin`). Every request is answered,
+    by the old weights until a complete copy is reloaded and by the new ones after; the process never dies (the
+    weights read through a memory map ended it with SIGBUS at the next request). A torn pair (config.json new,
+    weights old) is refused and tried again once the weights have arrived."""
+    live = make_char_checkpoint(tmp_path / "live", seed=1)
+    src = {seed: make_char_checkpoint(tmp_path / f"seed{seed}", seed=seed) for seed in SEEDS[1:]}
+    weights, config = "model.safetensors", "config.json"
+    args = {"plain": [], "watch": ["--watch", "0.05"], "admin": ["--watch", "3600"]}[mode]
+    with serving(live, tmp_path / "server.log", *args) as (base, proc), httpx.Client(timeout=60) as http:
+        def answer() -> str:
+            r = http.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        def info() -> dict[str, Any]:
+            return http.get(f"{base}/info").json()["models"][0]
+
+        served = [1]
+
+        def reloaded(seed: int) -> None:
+            """After a complete copy: the registry serves the new weights (--watch: once it has looked)."""
+            if mode == "watch":
+                digest = hashlib.sha256((live / config).read_bytes()).hexdigest()
+                wait_for(lambda: info()["config_sha256"] == digest, f"the reload of seed {seed}")
+            elif mode == "admin":
+                assert http.post(f"{base}/admin/reload", json={}).json()["reloaded"] == {"live": True}
+            served[0] = served[0] if mode == "plain" else seed
+            assert answer() == answers[served[0]]
+
+        def torn() -> None:
+            """Half a copy: the loaded weights answer; a reload of it is refused."""
+            if mode == "watch":
+                refused = info()["refused_reloads"]
+                wait_for(lambda: info()["refused_reloads"] > refused or info()["config_sha256"] == hashlib.sha256(
+                    (live / config).read_bytes()).hexdigest(), "the watcher to look at the torn copy")
+            elif mode == "admin":
+                assert http.post(f"{base}/admin/reload", json={}).json()["reloaded"] == {"live": False}
+            assert answer() == answers[served[0]]
+
+        assert answer() == answers[1]
+        cp(src[2] / weights, src[2] / config, live)  # the issue's command: weights, then config.json
+        assert answer() in (answers[served[0]], answers[2])  # --watch may have swapped already
+        reloaded(2)
+        cp(src[3] / config, src[3] / weights, live)  # config.json first
+        assert answer() in (answers[served[0]], answers[3])
+        reloaded(3)
+        cp(src[4] / config, live)  # new config.json beside the old weights: a torn pair
+        torn()
+        if mode != "plain":
+            assert "reload refused" in info()["error"] and "sha256" in info()["error"]
+        cp(src[4] / weights, live)  # the weights arrive: config.json unchanged since, yet it is tried again
+        reloaded(4)
+        cp(src[5] / weights, live)  # new weights beside the old config.json
+        assert answer() == answers[served[0]]
+        cp(src[5] / config, live)
+        reloaded(5)
+        os.truncate(live / weights, 0)
+        os.truncate(live / config, 0)
+        torn()
+        assert answer() == answers[served[0]] and proc.poll() is None
+
+
+def test_max_loaded_holds_for_concurrent_requests_naming_five_models(tmp_path: Path, answers: dict[int, str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five requests at once, each naming another of five models, with --max-loaded 2: each gets its model's
+    answer, and no moment holds more than two models in memory (loaded, or loading); all five stayed loaded."""
+    dirs = {name: make_char_checkpoint(tmp_path / name, seed=seed) for name, seed in zip("abcde", SEEDS)}
+    in_memory, loading, lock = [], [0], threading.Lock()
+    load = app.models.load_checkpoint
+
+    def counted(path: Path) -> Any:
+        with lock:
+            loading[0] += 1
+            models = getattr(c.app.state, "models", None)  # None while the server starts
+            in_memory.append((len(models.registry.loaded()) if models else 0) + loading[0])
+        try:
+            return load(path)
+        finally:
+            with lock:
+                loading[0] -= 1
+
+    monkeypatch.setattr(app.models, "load_checkpoint", counted)
+    c = client(checkpoint=dirs["a"], models=[str(dirs[n]) for n in "bcde"], max_loaded=2)
+    with c:
+        got: dict[str, str] = {}
+        workers = [threading.Thread(target=lambda n=name: got.__setitem__(n, greedy(c, n)["choices"][0]["text"]))
+                   for name in "abcde"]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        assert got == {name: answers[seed] for name, seed in zip("abcde", SEEDS)}
+        assert sum(state == "loaded" for state in states(c).values()) <= 2, states(c)
+    assert max(in_memory) <= 2, in_memory
+
+
+def test_a_reload_is_refused_while_memory_is_short(tmp_path: Path, answers: dict[int, str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory for a second engine is checked before a reload loads one (here the machine has 1 kB left): the reload
+    is refused, saying how much it needs and how much there is, and the loaded weights serve; with memory back, the
+    same files reload."""
+    path = make_char_checkpoint(tmp_path / "live", seed=1)
+    with client(checkpoint=path, watch=3600) as c:
+        make_char_checkpoint(path, seed=2)
+        monkeypatch.setattr(model.devices, "free_memory", lambda device: 1000)
+        assert c.post("/admin/reload", json={}).json()["reloaded"] == {"live": False}
+        error = c.get("/info").json()["models"][0]["error"]
+        assert "needs about" in error and "and 1kB of memory is available" in error, error
+        assert greedy(c)["choices"][0]["text"] == answers[1]
+        monkeypatch.undo()
+        assert c.post("/admin/reload", json={}).json()["reloaded"] == {"live": True}
+        assert greedy(c)["choices"][0]["text"] == answers[2]

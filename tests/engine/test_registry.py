@@ -1,21 +1,35 @@
-"""Several models in one process: load on first use, LRU unloading, a broken model alone failing, hot reload that
-finishes running requests on the old weights and refuses a broken new checkpoint."""
+"""Several models in one process: load on first use, LRU unloading, --max-loaded under concurrent loads (loads in
+progress counted, a busy model never unloaded), a broken model alone failing, hot reload that finishes running
+requests on the old weights however long they take, refuses a broken or torn new checkpoint (and retries it once
+its files change) or one there is no memory for, and sends requests that find the old engine full to the new."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import GPTConfig
-from model.engine import Engine
+from model.engine import Engine, EngineConfig, memory_needed
+from model.engine import engine as engine_module
 from model.gpt import GPT
-from model.registry import FAILED, LOADED, UNLOADED, ModelFailed, ModelLoading, ModelNotFound, ModelRegistry
+from model.registry import (
+    FAILED,
+    LOADED,
+    LOADING,
+    UNLOADED,
+    ModelFailed,
+    ModelLoading,
+    ModelNotFound,
+    ModelRegistry,
+)
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
 
@@ -89,15 +103,27 @@ def test_a_model_that_fails_to_load_fails_alone(models, tmp_path) -> None:
 
 
 def test_a_request_waits_for_loading_up_to_the_limit(models) -> None:
+    """The load is held by a gate, so that neither outcome depends on how fast this machine loads: a request gives
+    up after `load_wait` while the gate is shut, and one that waits longer gets the model once the gate opens."""
     gate = threading.Event()
     reg = ModelRegistry(models, loader(gate), load_wait=0.2)
     try:
         with pytest.raises(ModelLoading) as e:
-            run(reg.acquire("a"))
-        assert e.value.retry_after >= 1
-        gate.set()
-        assert run(reg.acquire("a"))[0] == "a"
+            run(reg.acquire("a"))  # the gate is shut: 0.2 s pass whatever the machine's load
+        assert e.value.retry_after >= 1 and reg.info()[0].state == LOADING
+        reg.load_wait = 60.0  # a bound no loaded machine reaches, not a timing
+
+        async def wait_then_open() -> str:
+            waiting = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)  # the request is waiting for the load when the gate opens
+            assert not waiting.done()
+            gate.set()
+            return (await waiting)[0]
+
+        assert asyncio.run(asyncio.wait_for(wait_then_open(), 120.0)) == "a"
+        assert reg.info()[0].state == LOADED
     finally:
+        gate.set()
         reg.stop()
 
 
@@ -167,3 +193,271 @@ def test_a_model_that_failed_to_load_is_not_loaded_again_until_its_files_change(
         assert run(reg.acquire("b"))[0] == "b" and len(calls) == 2
     finally:
         reg.stop()
+
+
+# -- the --max-loaded limit under concurrent loads -------------------------------------------------------------
+
+
+class FakeEngine:
+    """What the registry asks of an engine: whether anything uses it, and to drain and stop."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.busy, self.reserved, self.stopped = name, 0, 0, False
+
+    def drain(self, timeout: float | None = None) -> bool:
+        self.stopped = True
+        return True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class BlockingLoader:
+    """A loader whose loads each wait for the test to let them finish; it records, at the start of each load, how
+    many models the registry holds in memory or is loading (this one included)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started: dict[str, threading.Event] = {}
+        self.finish: dict[str, threading.Event] = {}
+        self.in_memory: list[int] = []
+        self.loading = 0
+        self.reg: ModelRegistry | None = None
+
+    def events(self, name: str) -> tuple[threading.Event, threading.Event]:
+        with self.lock:
+            return (self.started.setdefault(name, threading.Event()), self.finish.setdefault(name, threading.Event()))
+
+    def __call__(self, path: Path):
+        started, finish = self.events(path.name)
+        assert self.reg is not None
+        with self.lock:
+            self.loading += 1
+            self.in_memory.append(len(self.reg.loaded()) + self.loading)
+        started.set()
+        try:
+            assert finish.wait(60), f"the test never let {path.name} finish loading"
+        finally:
+            with self.lock:
+                self.loading -= 1
+        return SimpleNamespace(meta={}), FakeEngine(path.name)
+
+
+def five(tmp_path: Path) -> dict[str, Path]:
+    return {name: tmp_path / name for name in "abcde"}
+
+
+def test_max_loaded_holds_under_concurrent_loads(tmp_path) -> None:
+    """Five requests at once for five models with --max-loaded 2: loads in progress count, so two loads begin and
+    the other three wait; each then takes the place of an idle model. Every request gets its model."""
+    load = BlockingLoader()
+    reg = load.reg = ModelRegistry(five(tmp_path), load, max_loaded=2, load_wait=120)
+    try:
+        async def main() -> list[str]:
+            requests = [asyncio.create_task(reg.acquire(name)) for name in "abcde"]
+            while len([n for n in "abcde" if load.events(n)[0].is_set()]) < 2:
+                await asyncio.sleep(0.01)
+            begun = [n for n in "abcde" if load.events(n)[0].is_set()]
+            assert len(begun) == 2, begun
+            assert sum(i.state == LOADING for i in reg.info()) == 5  # three of them waiting for a place
+            for name in "abcde":  # let each load finish as soon as it begins
+                load.events(name)[1].set()
+            return [(await r)[0] for r in requests]
+
+        assert run_long(main()) == list("abcde")
+        assert max(load.in_memory) == 2 and len(load.in_memory) >= 5, load.in_memory
+        assert len(reg.loaded()) <= 2
+    finally:
+        for name in "abcde":
+            load.events(name)[1].set()
+        reg.stop()
+
+
+def test_a_load_waits_for_a_place_until_a_loaded_model_is_idle(tmp_path) -> None:
+    """A busy model is not unloaded to make room (its running requests would share memory with the new load): the
+    load waits until it is idle, then takes its place."""
+    load = BlockingLoader()
+    reg = load.reg = ModelRegistry(five(tmp_path), load, max_loaded=1, load_wait=120)
+    load.events("a")[1].set()
+    load.events("b")[1].set()
+    waiting = threading.Event()  # b's load logged that it waits for a place, or (wrongly) began
+    load.started["b"] = waiting
+    note = logging.Handler(logging.INFO)
+    note.emit = lambda record: waiting.set() if "waits for a place" in record.getMessage() else None
+    logger = logging.getLogger("folio.registry")
+    level = logger.level
+    logger.addHandler(note)
+    logger.setLevel(logging.INFO)
+    try:
+        _, a, _ = run(reg.acquire("a"))
+        a.busy = 1  # a request runs on it
+
+        async def main() -> str:
+            request = asyncio.create_task(reg.acquire("b"))
+            assert await asyncio.to_thread(waiting.wait, 60)
+            assert load.loading == 0 and not a.stopped and reg.loaded()[0][0] == "a"  # b's load has not begun
+            a.busy = 0  # the request on a finished
+            return (await request)[0]
+
+        assert run_long(main()) == "b"
+        assert a.stopped and [n for n, _, _ in reg.loaded()] == ["b"]
+    finally:
+        logger.removeHandler(note)
+        logger.setLevel(level)
+        reg.stop()
+
+
+def run_long(coro):
+    """`run` with a bound no loaded machine reaches: these tests wait on events, never on the clock."""
+    return asyncio.run(asyncio.wait_for(coro, 120.0))
+
+
+# -- hot reload: torn files, long requests, memory -------------------------------------------------------------
+
+
+def test_a_torn_copy_is_refused_then_loaded_once_its_files_are_complete(models, tmp_path) -> None:
+    """`cp new/config.json new/model.safetensors DIR/` writes the files one after the other: a look in between finds
+    the new config.json beside the old weights. That reload is refused (the old weights serve on) and tried again
+    once the weights have changed too, though config.json has not changed since."""
+    new = write_model(tmp_path / "new", 3)
+    reg = ModelRegistry(models, loader())
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        before = greedy(old)
+        (models["a"] / "config.json").write_bytes((new / "config.json").read_bytes())
+        assert reg.reload("a") is False
+        info = reg.info()[0]
+        assert "reload refused" in info.error and "sha256" in info.error and info.refused_reloads == 1
+        assert run(reg.acquire("a"))[1] is old and greedy(old) == before
+        assert reg.reload("a") is False and reg.info()[0].refused_reloads == 1  # the same files: not tried again
+        (models["a"] / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
+        assert reg.reload("a") is True
+        _, engine, _ = run(reg.acquire("a"))
+        assert greedy(engine) == greedy(loader()(new)[1]) != before and reg.info()[0].error is None
+    finally:
+        reg.stop()
+
+
+def test_requests_on_retired_weights_finish_however_long_they_take(models, monkeypatch) -> None:
+    """A reload's old engine finishes every request it runs before it stops, with no deadline: here its clock says
+    an hour passes between two of its checks (a stream of thousands of tokens on a loaded machine), and the request
+    still ends with all its tokens, on the old weights. The old engine stopped after `drain_timeout` (30 s) and cut
+    its streams ("the engine stopped before this request finished")."""
+    reg = ModelRegistry(models, loader())
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        want = greedy(old, 30)
+        clock = [time.monotonic()]
+        polls = threading.Semaphore(0)
+        monkeypatch.setattr(engine_module, "time", SimpleNamespace(
+            monotonic=lambda: clock.__setitem__(0, clock[0] + 3600) or clock[0],
+            sleep=lambda s: (polls.release(), time.sleep(s))))
+        hold = threading.Event()
+        old.on_step = lambda reqs: hold.wait(60)
+        out: list = []
+        params = SamplingParams(max_new_tokens=30)
+        running = threading.Thread(target=lambda: out.append(old.generate([1, 2, 3], params)))
+        running.start()
+        write_model(models["a"], 3)
+        assert reg.reload("a") is True
+        looks = 0  # until the drain has looked three times whether the request is done (or stopped the engine)
+        while looks < 3 and not old.scheduler.stopping:
+            looks += polls.acquire(timeout=0.1)
+        hold.set()
+        running.join(60)
+        assert out and out[0].token_ids == want and out[0].finished.finish_reason == "length"
+    finally:
+        reg.stop()
+
+
+def test_a_request_that_finds_the_engine_full_while_new_weights_load_waits_for_them(models) -> None:
+    """While a reload loads, a request goes to the old engine if it has a free batch slot, and otherwise waits for
+    the new weights: in the old engine it would wait behind requests that may run for minutes (4 of 30 new requests
+    waited 28 s behind 1,500-token streams in the bench's hot_reload section)."""
+    gate, calls, load = threading.Event(), [], loader()
+
+    def reload_waits(path: Path):
+        calls.append(path)
+        if len(calls) > 1:
+            assert gate.wait(60), "the test never let the reload finish"
+        return load(path)
+
+    reg = ModelRegistry(models, reload_waits, load_wait=60)
+    running: list[threading.Thread] = []
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        hold = threading.Event()
+        old.on_step = lambda reqs: hold.wait(60)
+        results: list = []
+
+        def occupy(n: int) -> None:  # n more requests running on the old engine (4 slots)
+            for _ in range(n):
+                running.append(threading.Thread(target=lambda: results.append(
+                    old.generate([1, 2, 3], SamplingParams(max_new_tokens=5)))))
+                running[-1].start()
+            while old.busy < len(running):
+                time.sleep(0.01)
+
+        occupy(3)
+        write_model(models["a"], 3)
+        reloading = threading.Thread(target=reg.reload, args=("a",))
+        reloading.start()
+        while len(calls) < 2:
+            time.sleep(0.01)
+
+        async def main() -> Engine:
+            free = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)
+            assert free.done() and free.result()[1] is old  # a slot is free in the old engine: at once
+            await asyncio.to_thread(occupy, 1)
+            full = asyncio.create_task(reg.acquire("a"))
+            await asyncio.sleep(0)
+            assert not full.done()  # no slot free: it waits for the new weights
+            gate.set()
+            return (await full)[1]
+
+        new = run_long(main())
+        assert new is not old and greedy(new) == greedy(load(models["a"])[1])
+        hold.set()
+        reloading.join(60)
+        for t in running:
+            t.join(60)
+        assert len(results) == 4 and all(len(r.token_ids) == 5 for r in results)  # the old ones finished
+    finally:
+        gate.set()
+        reg.stop()
+
+
+def test_a_reload_is_refused_while_memory_is_short_and_tried_again_when_it_is_not(models) -> None:
+    memory = {"needed": 300 * 2**20, "available": 200 * 2**20}
+    reg = ModelRegistry(models, loader(), memory=lambda path: (memory["needed"], memory["available"]))
+    try:
+        _, old, _ = run(reg.acquire("a"))
+        write_model(models["a"], 3)
+        assert reg.reload("a") is False and reg.reload("a") is False
+        info = reg.info()[0]
+        assert info.error == (
+            "reload refused: loading the new weights of a beside the engine serving it needs about 315MB (weights, "
+            "their packed copy and the KV cache), and 210MB of memory is available; it is tried again at each look "
+            "(--watch, POST /admin/reload) until memory frees up (fewer loaded models: --max-loaded; a smaller "
+            "--max-batch-size)")
+        assert info.refused_reloads == 1 and run(reg.acquire("a"))[1] is old  # counted once for the same files
+        memory["available"] = 400 * 2**20  # the files unchanged, memory freed
+        assert reg.reload("a") is True and run(reg.acquire("a"))[1] is not old and reg.info()[0].error is None
+    finally:
+        reg.stop()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16"])
+def test_the_memory_a_reload_checks_is_what_the_engine_takes(models, kv_cache_dtype: str) -> None:
+    """`memory_needed`, known before loading, against what the engine then holds: its weights, their packed
+    copy (the CPU kernels) and its KV cache. At least that, and not far above: the packed copy is estimated as
+    large as all the weights (this tiny model's embeddings and layer norms are a tenth of them; GPT-2's are unpacked
+    wpe and norms, 1%)."""
+    ck = load_checkpoint(models["a"])
+    engine = Engine(ck, device="cpu", threads=1, max_batch_size=4, kv_cache_dtype=kv_cache_dtype)
+    held = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    held += engine.runner.packed_bytes + engine.runner.kv_cache_bytes
+    estimate = memory_needed(ck.config, (models["a"] / "model.safetensors").stat().st_size,
+                             EngineConfig(device="cpu", max_batch_size=4, kv_cache_dtype=kv_cache_dtype))
+    assert held <= estimate <= 1.15 * held, (held, estimate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,47 @@ def test_shapes_that_disagree_with_the_config(saved: Path) -> None:
     _edit_config(saved, lambda m: m["model"].update(n_embd=64))  # the weights are n_embd 32
     with pytest.raises(CheckpointError, match=r"wte.weight has shape \(65, 32\), the config needs \(65, 64\)"):
         load_checkpoint(saved)
+
+
+# --- a file that changes while it is loaded or served -------------------------------------------------------
+
+
+@pytest.fixture
+def other_weights(tmp_path: Path, tiny_model: GPT, char_tok: CharTokenizer) -> Path:
+    """A checkpoint of the same shape with other weights (its files the same sizes)."""
+    torch.manual_seed(99)
+    return save_checkpoint(tmp_path / "other", GPT(tiny_model.config).eval(), char_tok)
+
+
+def test_a_loaded_model_never_reads_its_file_again(saved: Path, other_weights: Path, tiny_model: GPT) -> None:
+    """A plain `cp` writes over the served file in place (the same inode): weights read through a memory map of it
+    changed under the model, and a truncated file ended the process with SIGBUS."""
+    ckpt = load_checkpoint(saved)
+    shutil.copyfile(other_weights / "model.safetensors", saved / "model.safetensors")  # truncate, then write
+    assert torch.equal(_logits(ckpt.model), _logits(tiny_model))
+    os.truncate(saved / "model.safetensors", 0)
+    assert torch.equal(_logits(ckpt.model), _logits(tiny_model))
+
+
+def test_weights_replaced_while_being_loaded_are_refused_never_mixed(
+    saved: Path, other_weights: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """config.json already the new one, the weights renamed into place while the loader works: the hash must be of
+    the bytes the tensors were made of. Read a second time, the file matched the new config.json while the model
+    held the old weights, and was served under the new weights' name."""
+    shutil.copyfile(other_weights / "config.json", saved / "config.json")
+    build = checkpoint._empty_model
+
+    def the_new_weights_land(*args: object) -> GPT:
+        incoming = shutil.copyfile(other_weights / "model.safetensors", saved / "incoming")
+        os.replace(incoming, saved / "model.safetensors")
+        return build(*args)
+
+    monkeypatch.setattr(checkpoint, "_empty_model", the_new_weights_land)
+    with pytest.raises(CheckpointError, match="corrupted or replaced after the checkpoint was written"):
+        load_checkpoint(saved)
+    monkeypatch.undo()
+    assert torch.equal(_logits(load_checkpoint(saved).model), _logits(load_checkpoint(other_weights).model))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
