@@ -14,9 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from model.cli import check_threads
+from model.cli import DEFAULT_CHECKPOINT, check_threads
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
 ENV_PREFIX = "FOLIO_"
 # FOLIO_* variables that are not server options: read by other parts of Folio, or by docker compose on the host.
 # Any other FOLIO_* name that is not an option's stops the server: a misspelled FOLIO_API_KEY must not leave it open.
