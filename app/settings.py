@@ -70,8 +70,11 @@ class Settings(BaseSettings):
     max_new_tokens_default: int = Field(20, ge=1, description="max_new_tokens when a request sets none")
     max_new_tokens_limit: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="larger request bodies get 413")
-    api_key: SecretStr | None = Field(None, description="if set, generation routes and /tokenize need 'Bearer <key>' "
-                                      "(surrounding whitespace is ignored; an empty key is refused)")
+    api_key: SecretStr | None = Field(None, description="if set, 'Authorization: Bearer <key>' is needed by POST /, "
+                                      "/generate, /generate_stream, /v1/completions, /tokenize, /detokenize, /inspect, "
+                                      "/admin/reload and GET /tokenizer_info (open: /health*, /info, /metrics, "
+                                      "/v1/models, /inspect/limits, /models/{name}/training, the pages and docs); "
+                                      "surrounding whitespace is ignored, an empty key is refused")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="allowed CORS origins: '*' for any, or origins such as "
         "https://example.com, comma-separated (or a JSON list)")
