@@ -81,7 +81,10 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
         await run_in_threadpool(eng.warmup)
         metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
         service.ready = True
-        log.info("serving %s on %s (%s)", service.model_id, eng.device, str(eng.dtype).removeprefix("torch."))
+        weights = ck.meta.get("quantization") or settings.quantize  # stored, or done at load (as /info says)
+        dtype, kv = (str(t).removeprefix("torch.") for t in (eng.dtype, eng.kv_cache_dtype))
+        log.info("serving %s on %s (%s weights, computed in %s, %s KV cache)", service.model_id, eng.device,
+                 dtype if weights == "none" else weights, dtype, kv)
         try:
             yield
         finally:

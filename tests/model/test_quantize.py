@@ -5,6 +5,7 @@ the bundled model's validation loss within 1% of fp32's, and a server started wi
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -168,9 +169,12 @@ def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(rep
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-def test_a_server_with_quantize_serves_and_says_so(repo, kind: str) -> None:
+def test_a_server_with_quantize_serves_and_says_so(repo, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """/info and the start-up line name the weights' format (the line said "(float32)", the compute type, alone)."""
     settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize=kind)
-    with TestClient(create_app(settings)) as c:
+    with caplog.at_level(logging.INFO, logger="folio"), TestClient(create_app(settings)) as c:
+        started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
+        assert started == [f"serving shakespeare-char on cpu ({kind} weights, computed in float32, float16 KV cache)"]
         info = c.get("/info").json()
         assert (info["quantization"], info["kv_cache_dtype"]) == (kind, "float16")  # auto: fp16 for quantized weights
         engine = c.app.state.service.engine
