@@ -61,14 +61,6 @@ def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
         return through_kernels, forward()
 
 
-def rounding_bound(x: torch.Tensor, w: torch.Tensor, limit: int) -> torch.Tensor:
-    """How far a product may be from the fp32 product with the dequantized weight `w` (O, I) when each row of x
-    (M, I) is rounded to integers up to `limit` first (a scale max |x_m| / limit per row; `ops.rows_rounded_to`):
-    half a step per value, times sum_i |w[o, i]|, plus fp32 summation slack. (M, O)."""
-    step = x.abs().amax(dim=1, keepdim=True).double() / limit
-    return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5
-
-
 def rounded_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     limit: int) -> torch.Tensor:
     """An int8 weight's product with each row of x (M, I) rounded to integers up to `limit` first, independently
