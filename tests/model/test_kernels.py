@@ -137,6 +137,26 @@ def test_folio_cpu_kernels_picks_a_variant_or_says_why_not(setting: str) -> None
         assert variant is None and want in why_not
 
 
+def test_using_a_variant_makes_it_the_processs_within_the_block(built: None) -> None:
+    """`loader.using(name)` (the kernel_variant fixture's): that variant's library within the block, the one
+    `load()` chose after it, also after an error inside; a variant this CPU cannot run is refused, naming why."""
+    chosen = kernels.library()
+    for variant in build.VARIANTS:
+        if not variant.cpu_flags <= build.cpu_flags():
+            with pytest.raises(ValueError, match="this CPU lacks"):
+                with loader.using(variant.name):
+                    pass
+            continue
+        with pytest.raises(KeyError), loader.using(variant.name) as used:
+            assert used == variant and kernels.variant() == variant and kernels.status() == f"loaded ({variant.name})"
+            assert kernels.library().__name__ == build.library_name(variant)
+            raise KeyError("inside")
+        assert kernels.library() is chosen
+    with pytest.raises(ValueError, match="none of 0, 1, avx2"):
+        with loader.using("sse"):
+            pass
+
+
 def same_cache(kv: torch.dtype) -> float:
     """The tolerance between the kernels and torch's path over caches of type `kv`: summation order alone for fp32;
     for fp16 also a key or value the two computed a rounding apart that lands on neighbouring halves."""
