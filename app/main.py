@@ -124,8 +124,9 @@ async def _serve_one(app: FastAPI, settings: Settings, checkpoint: Checkpoint | 
     await run_in_threadpool(eng.warmup)
     metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
     service.ready = True
-    log.info("serving %s on %s (%s)", service.model_id, eng.config.device,
-             str(eng.config.dtype).removeprefix("torch."))
+    dtype, kv = (str(t).removeprefix("torch.") for t in (eng.config.dtype, eng.runner.kv_dtype))
+    log.info("serving %s on %s (%s weights, computed in %s, %s KV cache)", service.model_id, eng.config.device,
+             dtype if service.quantization == "none" else service.quantization, dtype, kv)
     try:
         yield
     finally:

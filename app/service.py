@@ -98,6 +98,11 @@ class GenerationService:
         """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`)."""
         return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
 
+    @property
+    def quantization(self) -> str:
+        """How the served weights are quantized: as the checkpoint stores them, or as --quantize did at load."""
+        return self.checkpoint.meta.get("quantization") or self.settings.quantize
+
     def check_ready(self) -> None:
         if self._origin is not None:  # a request's copy: the shared service knows whether the server drains
             self._origin.check_ready()

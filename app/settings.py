@@ -17,11 +17,10 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.auth import PROTECTED_DOC
 from app.schemas import MAX_SEQUENCES
-from model.cli import check_threads
+from model.cli import DEFAULT_CHECKPOINT, check_threads
 from model.devices import resolve_device
 from model.engine import EngineConfig
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "shakespeare-char"
 ENV_PREFIX = "FOLIO_"
 # FOLIO_* variables that are not server options: read by other parts of Folio, or by docker compose on the host.
 # Any other FOLIO_* name that is not an option's stops the server: a misspelled FOLIO_API_KEY must not leave it open.

@@ -152,7 +152,7 @@ async def info(request: Request) -> dict[str, Any]:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "cpu_kernels": runner.cpu_kernels,  # "loaded (avx512)", or why not
         "threads": runner.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
-        "quantization": ck.meta.get("quantization") or service.settings.quantize,  # stored, or done at load
+        "quantization": service.quantization,
         "packed_weight_bytes": runner.packed_bytes,  # the kernels' second copy of the linear weights
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),  # --kv-cache-dtype, "auto" resolved
         "kv_cache_bytes": runner.kv_cache_bytes,  # keys and values of every layer and batch row

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, add_checkpoint_option
 from model.gpt import GPT
 from model.scoring import PromptScorer, TopToken
 from model.tokenizer import Tokenizer, TokenizerError
@@ -87,7 +87,7 @@ def score(model: GPT, tokenizer: Tokenizer, ids: list[int], *, stride: int | Non
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m model.eval", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
+    add_checkpoint_option(p)
     p.add_argument("--data", required=True, type=Path, help="a UTF-8 text file")
     p.add_argument("--stride", type=int, default=None, help="tokens scored per window (default: the context)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")

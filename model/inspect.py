@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, add_checkpoint_option
 from model.gpt import GPT, CacheStep, KVCache, stored_as
 from model.sampler import mask_unusable
 from model.scoring import PromptScorer, PromptToken, TopToken
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
                                 "logit lens as PNG files.")
-    p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
+    add_checkpoint_option(p)
     p.add_argument("--text", required=True, help="the text to look into")
     p.add_argument("--out", required=True, type=Path, help="directory for the PNG files")
     p.add_argument("--layers", type=int, nargs="*", help="layers whose attention to draw (default: all)")

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
-from model.cli import ArgumentParser
+from model.cli import ArgumentParser, add_checkpoint_option
 from model.reference import generate_naive
 from model.sampler import new_generator
 from model.sampling_params import SamplingParams, ValidationError
@@ -21,7 +21,7 @@ from model.tokenizer import TokenizerError
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m model.sample", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default="weights/shakespeare-char", help="checkpoint directory")
+    add_checkpoint_option(p)
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=500)
     p.add_argument("--temperature", type=float, default=0.8)

@@ -6,7 +6,9 @@ Every `TrainConfig` field is a flag in kebab case (`--max-iters 2000`); values c
 `--config` file (JSON or TOML), then flags. `--resume` continues a run exactly (step, optimizer, RNG,
 schedule) from `OUT/last/`. The best-validation model is written to `OUT/` itself (what the server loads);
 `OUT/last/` holds the latest periodic checkpoint plus `resume.pt`. Metrics go to `OUT/metrics.jsonl` and the
-loss curve to `OUT/loss.png` (redrawn at every evaluation). A run never starts over another one in `OUT`:
+loss curve to `OUT/loss.png` (redrawn at every evaluation). SIGTERM or Ctrl-C stops a run after the step in
+progress: that step logged, the curve redrawn, `OUT/last/` written (`--resume` continues it), exit code 143 or
+130; a second one ends it at once. A run never starts over another one in `OUT`:
 `--resume` continues it, `--overwrite` deletes it first (the tokenized text in `OUT/data/` is kept).
 
 Distributed data parallel: `torchrun --nproc_per_node=N -m model.train ...` runs N processes (gloo on CPU,
@@ -22,6 +24,7 @@ rank's RNG streams, so `--resume` under the same N continues exactly.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 from model import distributed
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed.close()  # after a failure, torchrun ends the other ranks: no waiting for them
     if trainer.is_main:
         print(json.dumps({k: v for k, v in result.items()}, default=str))
-    return 0
+    # stopped by a signal: a shell's code for it (143 SIGTERM, 130 Ctrl-C), so that `train && serve` stops there
+    return 128 + signal.Signals[result["stopped_by"]] if result["stopped_by"] else 0
 
 
 if __name__ == "__main__":

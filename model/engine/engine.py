@@ -278,7 +278,11 @@ class Engine:
     def _enqueue(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None],
                  truncate: int | None, reservation: Reservation | None = None) -> Request:
         seen = self.validate(prompt, truncate, params)
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(DRAWN_SEED_LIMIT)
+        seed = params.seed
+        if params.is_greedy:
+            seed = None  # greedy decoding samples nothing: no seed to report (TGI's details say null)
+        elif seed is None:
+            seed = random.SystemRandom().randrange(DRAWN_SEED_LIMIT)
         req = Request(next(self._ids), seen, params, seed, sink, truncated=len(prompt) - len(seen))
         with self._lock:
             self._admit(reservation)

@@ -48,7 +48,7 @@ class Finished:
     finish_reason: str  # "length", "eos_token", "stop_sequence"
     generated_text: str
     generated_tokens: int
-    seed: int
+    seed: int | None  # None for greedy decoding, which samples nothing
     prompt_tokens: int
     prefill: tuple[int, ...]  # the prompt's token ids as the model saw them (after truncation)
     stop_sequence: str | None = None

@@ -22,7 +22,7 @@ class Request:
     id: int
     prompt: list[int]  # the prompt the model sees (after truncation)
     params: SamplingParams
-    seed: int
+    seed: int | None  # what its sampler is seeded with; None when greedy (nothing is sampled)
     sink: Callable[[Event], None]  # where its events go (thread-safe)
     truncated: int = 0  # prompt tokens cut from the left by `truncate`
     context: list[int] = field(default_factory=list)  # tokens the model sees (the window)

@@ -101,7 +101,7 @@ class Mailbox:
 class GenerationStream:
     """What `Engine.submit` returns: an async iterator of events; `cancel()` when the client is gone."""
 
-    def __init__(self, events: EventQueue, cancel: Callable[[], None], *, seed: int,
+    def __init__(self, events: EventQueue, cancel: Callable[[], None], *, seed: int | None,
                  prompt_tokens: int) -> None:
         self._events = events
         self._cancel = cancel

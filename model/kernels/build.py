@@ -20,6 +20,8 @@ import importlib.util
 import logging
 import os
 import platform
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -56,6 +58,12 @@ PANEL = 16
 # each token a row, its attention in blocks per row; the bound is that call's scratch memory (~10 C floats a
 # token, 120 MB for GPT-2 small at the bound)
 FUSED_MAX_TOKENS = 4096
+
+# a first build compiles every .cpp in csrc/ with -O3: ~100 CPU-seconds of g++ in all (avx2 96, avx512vnni 110 on
+# a Sapphire Rapids Xeon; torch's headers are most of it), split over the cores by ninja: ~1 minute on 2 idle cores,
+# 3-5 on 2 busy ones (184 and 315 s measured at a load of 6). A line says how far it got every PROGRESS_EVERY s.
+BUILD_CPU_SECONDS = 100
+PROGRESS_EVERY = 30.0
 
 CSRC = Path(__file__).with_name("csrc")
 X86_64 = ("x86_64", "AMD64")
@@ -145,8 +153,9 @@ def import_built(variant: Variant) -> ModuleType | None:
 
 
 def build(variant: Variant) -> ModuleType:
-    """The variant's library, imported: built before, or compiled now (about a minute). Raises where it cannot be
-    compiled (no compiler, no ninja, a read-only cache). The CPU must run the variant: importing runs its code."""
+    """The variant's library, imported: built before, or compiled now (`BUILD_CPU_SECONDS` of g++, saying how far it
+    got as it goes). Raises where it cannot be compiled (no compiler, no ninja, a read-only cache). The CPU must run
+    the variant: importing runs its code."""
     module = import_built(variant)
     if module is not None:
         return module
@@ -162,6 +171,42 @@ def build(variant: Variant) -> ModuleType:
         if module is not None:
             return module
         (directory / "lock").unlink(missing_ok=True)  # a killed build's; no build runs now
-        log.info("building the CPU decode kernels (%s) once into %s (about a minute)", variant.name, directory)
-        return load(library_name(variant), [str(p) for p in sources() if p.suffix == ".cpp"],
-                    extra_cflags=cflags(variant), build_directory=str(directory), verbose=False)
+        files = [str(p) for p in sources() if p.suffix == ".cpp"]
+        cores = os.cpu_count() or 1
+        log.info("building the CPU decode kernels (%s) once into %s: %d C++ files, ~%d CPU-seconds of g++ (~%d s on "
+                 "%d idle cores, longer on a busy machine)", variant.name, directory, len(files), BUILD_CPU_SECONDS,
+                 BUILD_CPU_SECONDS / min(cores, len(files)), cores)
+        started, done, before = time.monotonic(), threading.Event(), _objects(directory)
+        progress = threading.Thread(target=_report_progress, args=(directory, before, len(files), started, done),
+                                    name="folio-kernel-build", daemon=True)
+        progress.start()
+        try:
+            module = load(library_name(variant), files, extra_cflags=cflags(variant), build_directory=str(directory),
+                          verbose=False)
+        finally:
+            done.set()
+            progress.join()
+        log.info("built the CPU decode kernels (%s) in %.0f s", variant.name, time.monotonic() - started)
+        return module
+
+
+def _objects(directory: Path) -> dict[str, int]:
+    """The object files in a build directory and when each was written (ns)."""
+    found = {}
+    for obj in directory.glob("*.o"):
+        try:
+            found[obj.name] = obj.stat().st_mtime_ns
+        except FileNotFoundError:  # replaced as we looked
+            continue
+    return found
+
+
+def _report_progress(directory: Path, before: dict[str, int], files: int, started: float,
+                     done: threading.Event) -> None:
+    """Every PROGRESS_EVERY seconds until `done`: how many of the build's `files` are compiled (objects new or
+    rewritten since `before`, the directory's when it started: file times follow a coarser clock than
+    time.time's) and for how long it has run."""
+    while not done.wait(PROGRESS_EVERY):
+        compiled = sum(before.get(name) != written for name, written in _objects(directory).items())
+        log.info("still building the CPU decode kernels: %d of %d files compiled, %.0f s so far", compiled, files,
+                 time.monotonic() - started)

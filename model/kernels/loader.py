@@ -2,7 +2,7 @@
 
 Where the kernels cannot be used (no compiler for a first build, a CPU without AVX2, FOLIO_CPU_KERNELS=0),
 `load()` logs why and torch's own ops serve everywhere: slower, same results. FOLIO_CPU_KERNELS=avx2 (a
-variant's name) picks that variant instead of the best this CPU runs.
+variant's name) picks that variant instead of the best this CPU runs; `using(name)` does so within a block (tests).
 """
 
 from __future__ import annotations
@@ -79,6 +79,27 @@ def variant() -> build.Variant | None:
 def status() -> str:
     """'loaded (VARIANT)', 'not loaded' or why the kernels cannot be used (for /info and logs)."""
     return f"loaded ({_variant.name})" if library() is not None and _variant else (_why_not or "not loaded")
+
+
+@contextlib.contextmanager
+def using(name: str) -> Iterator[build.Variant]:
+    """Within the block the process's kernels are the variant `name`'s (built here if need be) instead of those
+    `load()` chose, as FOLIO_CPU_KERNELS=name would make them for a whole process: the tests run the arithmetic of
+    every variant this CPU runs (an AVX2 machine's on an AVX-512 one). Modules installed within the block keep the
+    variant's fused blocks. Raises ValueError where this CPU cannot run it, and what `build.build` raises where it
+    cannot be built."""
+    global _library, _variant, _why_not
+    variant, why_not = chosen_variant(name)
+    if variant is None:
+        raise ValueError(f"the {name} kernels cannot be used here: {why_not}")
+    lib = build.build(variant)
+    with _lock:
+        saved, (_library, _variant, _why_not) = (_library, _variant, _why_not), (lib, variant, None)
+    try:
+        yield variant
+    finally:
+        with _lock:
+            _library, _variant, _why_not = saved
 
 
 @contextlib.contextmanager

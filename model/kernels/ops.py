@@ -44,17 +44,29 @@ def vnni_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
     return native_int8_gemm(rows, weight) and lib is not None and lib.vnni_gemm(weight.size(1))
 
 
+def rows_rounded_to(rows: int, weight: torch.Tensor, packed: bool) -> int | None:
+    """The largest integer the kernels' `linear` rounds each of `rows` rows of x to (a scale max |x_m| / it per row,
+    half to even) before multiplying them with `weight` (as stored; `packed`: given its packed copy): 127 where an
+    int8 GEMM takes them (`native_int8_gemm`: W8A8), 32767 where the kernels' own int8 products do (the avx512vnni
+    variant rounds to int16 for VNNI's vpdpwssd), None where x is multiplied as it is: fp32 products, up to
+    summation order (torch's bf16 GEMM rounds x to bf16 instead: `native_bf16_gemm`). The library's own rule
+    (linear.cpp); None without the kernels."""
+    lib = library()
+    if lib is None or weight.dim() != 2:
+        return None
+    return lib.rows_rounded_to(rows, weight.dtype, weight.size(0), weight.size(1), packed) or None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(weight, scale), bias)`. At inference with fp32 CPU inputs and a weight stored as
     fp32, int8 (with `scale`) or bf16, up to `MAX_ROWS` rows (all leading dims together) go through the kernels:
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
-    weight. Equal to that up to float summation order, except that the avx512vnni kernels' int8 products round
-    the activations to int16 first (a scale per row; see linear.cpp), that int8 weights (not small ones) with 8 rows
-    or more run in torch's int8 GEMM with each row rounded to int8 where the CPU multiplies int8 natively
-    (`native_int8_gemm`), and that bf16 weights with 16 rows or more run in torch's bf16 GEMM where it multiplies
-    bf16 natively, as do int8 weights for a prompt that the int8 GEMM does not take (`native_bf16_gemm`)."""
+    weight. Equal to that up to float summation order, except that int8 products may round the rows to integers
+    first (`rows_rounded_to`: to int8 in an int8 GEMM, to int16 in the avx512vnni kernels), and that bf16 weights
+    with 16 rows or more run in torch's bf16 GEMM where the CPU multiplies bf16 natively, as do int8 weights for a
+    prompt that the int8 GEMM does not take (`native_bf16_gemm`)."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

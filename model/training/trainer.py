@@ -1,13 +1,19 @@
 """One training run: `Trainer(cfg).run()` trains to `max_iters` (or `stop_after` more steps), evaluating,
-checkpointing the best model into OUT/ and the latest into OUT/last/ as it goes. Distributed (torchrun), every
-rank runs a Trainer; rank 0 alone logs and writes (model/train.py's docstring tells the whole story)."""
+checkpointing the best model into OUT/ and the latest into OUT/last/ as it goes; SIGTERM or Ctrl-C stops it after
+the step in progress, as an early stop: that step logged, the loss curve redrawn, OUT/last/ written. Distributed
+(torchrun), every rank runs a Trainer; rank 0 alone logs and writes (model/train.py's docstring tells the whole
+story)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,8 @@ from model.training.optim import configure_optimizer, get_lr
 
 # training memory per parameter: float32 weights, gradients and AdamW's two moments
 TRAIN_BYTES_PER_PARAM = 16
+# the signals that stop a run after the step in progress (a second one does what it did before: Ctrl-C interrupts)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def pick_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -88,6 +96,7 @@ class Trainer:
         self.best_val = float("inf")
         self.tokens_seen = 0
         self.wall_time = 0.0
+        self.stop_signal: int | None = None  # the signal that asked the run to stop (STOP_SIGNALS), if one did
         if resume:
             self._load_resume()
         self._wrap_forward()
@@ -270,7 +279,41 @@ class Trainer:
                                 training=self.provenance(losses["train"], losses["val"]))
         return losses
 
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """Within the block a STOP_SIGNALS signal sets `stop_signal` (the loop stops after the step in progress);
+        a second one does what the first would have done. In the main thread only, where Python runs handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+        def stop(signum: int, _frame: object) -> None:
+            self.stop_signal = signum
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, stop)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stopping(self) -> bool:
+        """Whether a signal asked this run (any rank of it: they stop at the same step) to stop."""
+        asked = self.stop_signal is not None
+        return distributed.any_rank(asked, self.device) if self.dist.enabled else asked
+
     def run(self) -> dict[str, Any]:
+        """Train to `max_iters` (or `stop_after` more steps, or until SIGTERM or Ctrl-C), then evaluate at the end
+        of the run or, stopped early, redraw the loss curve; write OUT/last/ either way. The summary's
+        `stopped_by` names the signal that stopped it early, if one did."""
+        with self._stop_on_signals():
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -296,6 +339,8 @@ class Trainer:
             self.tokens_seen += tokens_per_step
             tok_log += tokens_per_step
             self.wall_time += time.perf_counter() - t0
+            if self._stopping():  # this step is the last: logged below, then the curve and last/
+                end = self.step
             if self.step % cfg.log_interval == 0 or self.step == end:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -314,9 +359,15 @@ class Trainer:
             if self.is_main:
                 print(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}",
                       file=sys.stderr)
-        elif self.is_main:  # stopped early (--stop-after): the curve up to the last step logged
+        elif self.is_main:  # stopped early (--stop-after, a signal): the curve up to the last step logged
             outputs.plot_metrics(self.out / outputs.METRICS_FILE, self.out / outputs.PLOT_FILE)
         self.save_last(losses)
+        stopped_by = None
+        if self.stop_signal is not None and self.step < cfg.max_iters:
+            stopped_by = signal.Signals(self.stop_signal).name
+            if self.is_main:
+                print(f"stopped by {stopped_by} at step {self.step}: {self.out / 'last'} holds it, --resume "
+                      f"continues", file=sys.stderr)
         return {"step": self.step, "best_val": self.best_val, "losses": losses, "wall_time_s": self.wall_time,
-                "tokens_seen": self.tokens_seen}
+                "tokens_seen": self.tokens_seen, "stopped_by": stopped_by}
 

@@ -167,7 +167,7 @@ def test_drawn_seeds_survive_json_doubles(make_engine) -> None:
     """A drawn seed is below 2^53, so a client that reads JSON numbers as doubles (JavaScript) gets it exactly;
     a request may still name any seed up to 2^63 - 1."""
     engine = make_engine()
-    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+    params = SamplingParams(max_new_tokens=1, do_sample=True)  # sampled: a greedy request draws no seed
     seeds = [engine.generate([1], params).finished.seed for _ in range(64)]
     assert all(0 <= seed < 2**53 for seed in seeds), [seed for seed in seeds if seed >= 2**53]
     assert len(set(seeds)) == len(seeds)  # still drawn, not fixed

@@ -1,10 +1,11 @@
-"""Model test fixtures: the CPU decode kernels, built and loaded once."""
+"""Model test fixtures: the CPU decode kernels, built and loaded once or as each variant this CPU runs, and the
+products the kernels compute, written out independently in float64 with the bounds of their arithmetic."""
 
 from __future__ import annotations
 
 import platform
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TypeVar
 
@@ -13,7 +14,7 @@ import torch
 from torch.utils.cpp_extension import get_cxx_compiler
 
 from model import kernels
-from model.kernels import build
+from model.kernels import build, loader, ops
 
 T = TypeVar("T")
 
@@ -42,6 +43,17 @@ def variant_library(variant: build.Variant) -> ModuleType:
         pytest.skip(f"the {variant.name} kernels cannot be built here: {e}")
 
 
+@pytest.fixture(params=build.VARIANTS, ids=lambda v: v.name)
+def kernel_variant(request: pytest.FixtureRequest) -> Iterator[build.Variant]:
+    """Each kernel variant this CPU runs as the process's kernels for the test, as FOLIO_CPU_KERNELS=<name> makes
+    them for a server (`loader.using`); the others skipped, naming the flags this CPU lacks. So the arithmetic of
+    every variant (8 or 16 lanes; int8 products from int16-rounded rows in avx512vnni) is tested wherever the suite
+    runs: an AVX2 machine's on an AVX-512 one too."""
+    variant_library(request.param)
+    with loader.using(request.param.name) as variant:
+        yield variant
+
+
 def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
     """`forward()` through the kernels, then again within `kernels.disabled()` (torch's path)."""
     through_kernels = forward()
@@ -49,24 +61,34 @@ def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
         return through_kernels, forward()
 
 
-def rounding_bound(x: torch.Tensor, w: torch.Tensor, limit: int) -> torch.Tensor:
-    """How far an int8 product may be from the fp32 product with the dequantized weight `w` (O, I) when each row of
-    x (M, I) is rounded to integers up to `limit` first (a scale max |x_m| / limit per row): half a step per value,
-    times sum_i |w[o, i]|, plus fp32 summation slack. (M, O). The avx512vnni kernels round to int16 (32767) for a
-    few rows; the int8 GEMM to int8 (127) for more (`ops.native_int8_gemm`)."""
-    step = x.abs().amax(dim=1, keepdim=True).double() / limit
-    return step / 2 * w.abs().sum(dim=1).double()[None, :] + 1e-5
+def rounded_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                    limit: int) -> torch.Tensor:
+    """An int8 weight's product with each row of x (M, I) rounded to integers up to `limit` first, independently
+    of linear.cpp's: the row's scale max |x_m| / limit, torch.round of x / scale (half to even), the integer
+    products summed exactly, times the row's and the output's scales, plus the bias. 127 is the int8 GEMM's W8A8
+    product, 32767 the avx512vnni kernels' int16 one. (M, O) float64."""
+    row_scale = (x.abs().amax(dim=1) / limit).clamp(min=1e-30)
+    xq = torch.round(x / row_scale[:, None])
+    out = (xq.double() @ stored.double().T) * (row_scale.double()[:, None] * scale.double()[None, :])
+    return out if bias is None else out + bias.double()
 
 
 def w8a8_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The int8 GEMM's product (linear.cpp's `int8_product`) in float64, independently: each row of x (M, I) rounded
-    to int8 (scale max |x_m| / 127, torch.round of x / scale), the integer products summed exactly, times the row's
-    and the output's scales, plus the bias. (M, O) float64."""
-    row_scale = (x.abs().amax(dim=1) / 127).clamp(min=1e-30)
-    xq = torch.round(x / row_scale[:, None])
-    out = (xq.double() @ stored.double().T) * (row_scale.double()[:, None] * scale.double()[None, :])
-    return out if bias is None else out + bias.double()
+    """The int8 GEMM's product (linear.cpp's `int8_product`): x rounded to int8 per row (`rounded_product`)."""
+    return rounded_product(x, stored, scale, bias, 127)
+
+
+def int8_product_as_served(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                           packed: bool) -> torch.Tensor:
+    """The loaded kernels' `linear` of x (M, I) against an int8 weight (`packed`: given its packed copy) as they
+    compute it, in float64: the rows rounded as `ops.rows_rounded_to` says (to int8 in an int8 GEMM, to int16 in
+    the avx512vnni kernels), else the product with the dequantized weight. What the kernels return differs from it
+    by fp32's summation order only. (M, O) float64."""
+    limit = ops.rows_rounded_to(x.shape[0], stored, packed)
+    if limit is not None:
+        return rounded_product(x, stored, scale, bias, limit)
+    return x.double() @ (stored.double() * scale.double()[:, None]).T + (0 if bias is None else bias.double())
 
 
 def bf16_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The CPU decode kernels against torch: `linear` against F.linear, the one-token attention against the masked
-SDPA path, and the fallbacks that must hand work back to torch untouched."""
+SDPA path (each in every variant this CPU runs: `kernel_variant`), and the fallbacks that must hand work back to
+torch untouched."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from model import kernels
 from model.config import GPTConfig
 from model.gpt import GPT, KVCache
 from model.kernels import build, loader, ops
-from tests.model.conftest import variant_library, with_kernels_and_without
+from tests.model.conftest import with_kernels_and_without
 
 
 def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
@@ -26,7 +27,7 @@ def run_python(code: str, cwd) -> subprocess.CompletedProcess:  # noqa: ANN001
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 32, 64])
 @pytest.mark.parametrize("n_out, n_in", [(65, 192), (101, 64), (2304, 768), (8, 3072), (7, 8)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bias: bool) -> None:
+def test_linear_matches_torch(kernel_variant: build.Variant, rows: int, n_out: int, n_in: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = torch.randn(rows, n_in, generator=g)
     w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
@@ -41,7 +42,8 @@ def test_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bia
 @pytest.mark.parametrize("rows", [kernels.PACKED_MIN_ROWS, 6, 7, 13, 32, kernels.MAX_ROWS])
 @pytest.mark.parametrize("n_out, n_in", [(65, 192), (101, 60), (2304, 768), (16, 3072), (7, 8)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_linear_matches_torch(built: None, rows: int, n_out: int, n_in: int, bias: bool) -> None:
+def test_packed_linear_matches_torch(kernel_variant: build.Variant, rows: int, n_out: int, n_in: int,
+                                     bias: bool) -> None:
     """Weights packed in panels of 16 outputs (a partial last panel; any input width) give F.linear's result."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out)
     model = torch.nn.Sequential(torch.nn.Linear(n_in, n_out, bias=bias))
@@ -135,6 +137,26 @@ def test_folio_cpu_kernels_picks_a_variant_or_says_why_not(setting: str) -> None
         assert variant is None and want in why_not
 
 
+def test_using_a_variant_makes_it_the_processs_within_the_block(built: None) -> None:
+    """`loader.using(name)` (the kernel_variant fixture's): that variant's library within the block, the one
+    `load()` chose after it, also after an error inside; a variant this CPU cannot run is refused, naming why."""
+    chosen = kernels.library()
+    for variant in build.VARIANTS:
+        if not variant.cpu_flags <= build.cpu_flags():
+            with pytest.raises(ValueError, match="this CPU lacks"):
+                with loader.using(variant.name):
+                    pass
+            continue
+        with pytest.raises(KeyError), loader.using(variant.name) as used:
+            assert used == variant and kernels.variant() == variant and kernels.status() == f"loaded ({variant.name})"
+            assert kernels.library().__name__ == build.library_name(variant)
+            raise KeyError("inside")
+        assert kernels.library() is chosen
+    with pytest.raises(ValueError, match="none of 0, 1, avx2"):
+        with loader.using("sse"):
+            pass
+
+
 def same_cache(kv: torch.dtype) -> float:
     """The tolerance between the kernels and torch's path over caches of type `kv`: summation order alone for fp32;
     for fp16 also a key or value the two computed a rounding apart that lands on neighbouring halves."""
@@ -144,7 +166,7 @@ def same_cache(kv: torch.dtype) -> float:
 @pytest.mark.parametrize("n_head, n_embd", [(4, 64), (6, 192), (2, 16), (2, 256), (1, 72)])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: int, packed: bool,
+def test_decode_attention_matches_sdpa_path(kernel_variant: build.Variant, n_head: int, n_embd: int, packed: bool,
                                             kv: torch.dtype) -> None:
     """Rows at different positions in non-contiguous cache rows: decode steps through the kernels (all blocks in
     one `Stack` call; the products from packed weights or not) give the logits of torch's masked-SDPA path over a
@@ -185,7 +207,7 @@ def test_decode_attention_matches_sdpa_path(built: None, n_head: int, n_embd: in
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool, kv: torch.dtype) -> None:
+def test_prompt_chunks_through_the_fused_blocks(kernel_variant: build.Variant, packed: bool, kv: torch.dtype) -> None:
     """A chunked prefill of three rows (several tokens per row, so tokens of one row read keys written in the same
     call, and a second chunk after the first) through the fused blocks gives the logits of torch's masked-SDPA
     path and of the full forward."""
@@ -213,7 +235,8 @@ def test_prompt_chunks_through_the_fused_blocks(built: None, packed: bool, kv: t
 
 @pytest.mark.parametrize("n_head, n_embd", [(2, 16), (3, 72), (4, 256), (2, 144)])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_long_prompt_chunks_attend_in_blocks(built: None, n_head: int, n_embd: int, kv: torch.dtype) -> None:
+def test_long_prompt_chunks_attend_in_blocks(kernel_variant: build.Variant, n_head: int, n_embd: int,
+                                             kv: torch.dtype) -> None:
     """Chunks of 37 and 63 tokens of two rows and a 5-token chunk of a third in one forward, then the rest: runs of
     at least 8 tokens of a row attend in blocks (several key blocks, a run starting past 0, head sizes 8-64 and
     not a multiple of 16), the short one token by token; the logits equal torch's path and the full forward."""
@@ -240,16 +263,15 @@ def test_long_prompt_chunks_attend_in_blocks(built: None, n_head: int, n_embd: i
     torch.testing.assert_close(got[1], full[2:, :5], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("variant", build.VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("n_embd", [72, 192])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_each_kernel_variants_fused_blocks_equal_torchs(built: None, variant: build.Variant, n_embd: int,
+def test_each_kernel_variants_fused_blocks_equal_torchs(kernel_variant: build.Variant, n_embd: int,
                                                         kv: torch.dtype) -> None:
     """Every variant this CPU runs (its own vector width: 8 or 16 lanes), the others skipped naming the flags it
     lacks: a 40-token chunk of each of two rows (attention in blocks), then a decode step of both, through that
     variant's `Stack`, against torch's blocks over a cache of the same type; head sizes 24 (not a multiple of 16)
     and 64."""
-    lib = variant_library(variant)
+    lib = kernels.library()
     torch.manual_seed(n_embd)
     cfg = GPTConfig(block_size=64, vocab_size=50, n_layer=2, n_head=3, n_embd=n_embd, bias=True)
     model = GPT(cfg).eval()
@@ -269,7 +291,7 @@ def test_each_kernel_variants_fused_blocks_equal_torchs(built: None, variant: bu
 
 
 @pytest.mark.parametrize("shape", [(32, 50257), (1, 50257), (5, 65), (3, 7), (2, 16)])
-def test_row_argmax_and_logsumexp_equal_torchs(built: None, shape: tuple[int, int]) -> None:
+def test_row_argmax_and_logsumexp_equal_torchs(kernel_variant: build.Variant, shape: tuple[int, int]) -> None:
     """The sampler's one pass per row: the first of tied largest values (as `argmax`), -inf entries (a padded
     vocabulary), widths not a multiple of the vector; a row with an infinity or a NaN is torch's."""
     torch.manual_seed(shape[1])
@@ -284,7 +306,7 @@ def test_row_argmax_and_logsumexp_equal_torchs(built: None, shape: tuple[int, in
     assert torch.equal(ids, x.argmax(dim=-1)) and torch.isnan(lse[0])
 
 
-def test_a_decode_step_with_many_rows(built: None) -> None:
+def test_a_decode_step_with_many_rows(kernel_variant: build.Variant) -> None:
     """40 rows of a 512-wide block: GELU is split over the kernel pool's threads, the products use packed
     weights; the step's output equals torch's path."""
     torch.manual_seed(0)

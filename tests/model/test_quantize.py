@@ -5,6 +5,7 @@ the bundled model's validation loss within 1% of fp32's, and a server started wi
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -16,13 +17,12 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.engine import Engine
 from model.eval import score
-from model.kernels import build
-from model.kernels.loader import library
+from model.kernels import build, ops
 from model.kernels.ops import native_bf16_gemm, native_int8_gemm
 from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_gemm_bound, rounding_bound, w8a8_product
+from tests.model.conftest import bf16_gemm_bound, int8_product_as_served, w8a8_product
 
 
 def test_rows_are_scaled_symmetrically_into_int8() -> None:
@@ -49,44 +49,49 @@ def test_bf16_weights_are_the_rounded_fp32_ones() -> None:
 @pytest.mark.parametrize("packed", [False, True], ids=["dot", "packed"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 64, 65, 200])
 @pytest.mark.parametrize("bias", [True, False])
-def test_stored_linear_equals_the_dequantized_product(kind: str, packed: bool, rows: int, bias: bool) -> None:
-    """Widths 104 (a multiple of 8, not of 16: AVX-512's half-vector end) and 200 outputs (a partial panel)."""
-    kernels.load()
+def test_stored_linear_equals_the_dequantized_product(kernel_variant: build.Variant, kind: str, packed: bool,
+                                                      rows: int, bias: bool) -> None:
+    """In every kernel variant this CPU runs. Widths 104 (a multiple of 8, not of 16: AVX-512's half-vector end)
+    and 200 outputs (a partial panel)."""
     torch.manual_seed(rows)
     lin = torch.nn.Linear(104, 200, bias=bias)
     q = SWAPS[kind](lin)
-    if packed and library() is not None:
+    if packed:
         q.pack()
     x = torch.randn(rows, 104)
-    want = x.double() @ q.dequantized().double().T + (lin.bias.double() if bias else 0)
+    want = dequantized = x.double() @ q.dequantized().double().T + (lin.bias.double() if bias else 0)
     with torch.inference_mode():
         got = q(x)
         with kernels.disabled():
             plain = q(x)
-    # with the kernels: 8 rows or more of int8 weights run in torch's int8 GEMM with x rounded to int8 where the
-    # CPU multiplies int8, and the avx512vnni kernels round x to int16 for fewer; 16 rows or more of bf16 weights
-    # run in torch's bf16 GEMM where the CPU multiplies bf16: within those roundings' bounds; else the fp32 product
-    # up to summation order (and always without the kernels)
+    # int8 weights: the rows are rounded to integers where the kernels say so (to int8 in the int8 GEMM, to int16
+    # in the avx512vnni variant's own products, for the rows it takes); elsewhere, as for bf16 weights below 16
+    # rows, the fp32 product up to summation order; bf16 weights from 16 rows, and int8 ones for more rows than
+    # the kernels and the int8 GEMM take, run in torch's bf16 GEMM where the CPU multiplies bf16 (within its
+    # rounding's bound); without the kernels always the fp32 product
     slack: torch.Tensor | float = 1e-4
+    limit = ops.rows_rounded_to(rows, q.stored, packed)
+    if kind == "int8":
+        int16 = kernel_variant.name == "avx512vnni" and rows <= kernels.MAX_ROWS
+        assert limit == (127 if native_int8_gemm(rows, q.stored) else 32767 if int16 else None)
+        want = int8_product_as_served(x, q.stored, q.scale, lin.bias if bias else None, packed)
     if native_bf16_gemm(rows, q.stored):
         slack = bf16_gemm_bound(x, q.dequantized())
-    elif kind == "int8":
-        slack = rounding_bound(x, q.dequantized(), 127 if native_int8_gemm(rows, q.stored) else 32767)
-    assert ((got.double() - want).abs() <= slack).all()
-    assert torch.allclose(plain.double(), want, atol=1e-4)
-    path = "kernel" if library() is not None and rows <= 64 else "torch"
-    path = "int8 GEMM" if native_int8_gemm(rows, q.stored) else path
-    print(f"{kind} rows {rows}: {path} path, max error {(got.double() - want).abs().max().item():.2e}")
+    assert ((got.double() - want).abs() <= slack).all(), (got.double() - want).abs().max()
+    assert torch.allclose(plain.double(), dequantized, atol=1e-4)
+    path = "int8 GEMM" if native_int8_gemm(rows, q.stored) else "kernel" if rows <= 64 else "torch"
+    print(f"{kind} rows {rows}: {path} path, rows rounded to {limit}, max error "
+          f"{(got.double() - want).abs().max().item():.2e}")
 
 
 @pytest.mark.parametrize("rows", [8, 40, 300])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
-    """Where the kernels send int8 weights to torch's int8 GEMM: each row of x rounded to int8 (scale max |x_m| /
-    127, torch.round of x / scale), the integer products summed exactly, times both scales, plus the bias: that
-    formula in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the pool; a
-    row holding a NaN or an infinity comes out NaN and leaves the others alone."""
-    kernels.load()
+def test_the_int8_gemm_is_the_w8a8_product(kernel_variant: build.Variant, rows: int, bias: bool) -> None:
+    """Where the kernels send int8 weights to an int8 GEMM (the avx512vnni variant's own VNNI GEMM on a CPU without
+    AMX, else oneDNN's), in every variant this CPU runs: each row of x rounded to int8 (scale max |x_m| / 127,
+    torch.round of x / scale), the integer products summed exactly, times both scales, plus the bias: that formula
+    in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the pool; a row
+    holding a NaN or an infinity comes out NaN and leaves the others alone."""
     torch.manual_seed(rows)
     q = Int8Linear(torch.nn.Linear(768, 384, bias=bias))  # big enough for the int8 GEMM (INT8_GEMM_MIN_WEIGHTS)
     if not native_int8_gemm(rows, q.stored):
@@ -117,13 +122,13 @@ def test_the_int8_gemm_is_the_w8a8_product(rows: int, bias: bool) -> None:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dot", "packed"])
 @pytest.mark.parametrize("rows", [1, 5, 13, 16, 40])
-def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows: int) -> None:
+def test_int8_products_of_the_largest_values_do_not_overflow(kernel_variant: build.Variant, packed: bool,
+                                                             rows: int) -> None:
     """Rows of 4104 of the largest int8 weight times equal activations, which the avx512vnni kernels round to
     int16's largest value: a packed panel's int32 sums would overflow past 516 such columns without the fp32 sums
     it keeps every 512; the dot products spread a row over 16 lanes; the int8 GEMM (8 rows or more; 64 outputs make
     the weight big enough for it) adds in int32, exact up to 133,000 such columns. Exact up to fp32 rounding on
-    every path."""
-    kernels.load()
+    every path, in every variant this CPU runs."""
     lin = torch.nn.Linear(4104, 64, bias=False)
     with torch.no_grad():
         lin.weight.fill_(0.5)
@@ -131,7 +136,7 @@ def test_int8_products_of_the_largest_values_do_not_overflow(packed: bool, rows:
     q = Int8Linear(lin)
     assert q.stored.abs().min() == 127
     assert q.stored.numel() >= build.INT8_GEMM_MIN_WEIGHTS  # the int8 GEMM takes it, where there is one
-    if packed and library() is not None:
+    if packed:
         q.pack()
     with torch.inference_mode():
         got = q(torch.full((rows, 4104), 3.0))
@@ -164,9 +169,12 @@ def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(rep
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-def test_a_server_with_quantize_serves_and_says_so(repo, kind: str) -> None:
+def test_a_server_with_quantize_serves_and_says_so(repo, kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """/info and the start-up line name the weights' format (the line said "(float32)", the compute type, alone)."""
     settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize=kind)
-    with TestClient(create_app(settings)) as c:
+    with caplog.at_level(logging.INFO, logger="folio"), TestClient(create_app(settings)) as c:
+        started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
+        assert started == [f"serving shakespeare-char on cpu ({kind} weights, computed in float32, float16 KV cache)"]
         info = c.get("/info").json()
         assert (info["quantization"], info["kv_cache_dtype"]) == (kind, "float16")  # auto: fp16 for quantized weights
         engine = c.app.state.service.engine

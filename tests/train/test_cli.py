@@ -1,14 +1,18 @@
 """`python -m model.train` end to end and its command line: a loadable, self-describing checkpoint that
-`python -m model.sample` reads, the loss plot, and every input error as exit code 2 with one clear line before
-anything is trained, a run already in --out never overwritten unasked."""
+`python -m model.sample` reads, the loss plot (redrawn at every evaluation and when a signal stops the run), and
+every input error as exit code 2 with one clear line before anything is trained, a run already in --out never
+overwritten unasked."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +21,8 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
-from model.train import Trainer, main, resolve_config
+from model.train import Trainer, main, plot_metrics, resolve_config
+from model.training.resume import load_state
 from tests import REPO
 from tests.train.runs import ENV, PNG_MAGIC, metrics, tiny_argv, train, write_file
 
@@ -123,6 +128,44 @@ def test_loss_png_is_redrawn_at_every_evaluation(
     assert hashlib.sha256((out / "loss.png").read_bytes()).hexdigest() != seen[20]  # and at the final one
 
 
+
+
+def completed_rows(metrics_file: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl that a running process may be appending to: whole lines only."""
+    text = metrics_file.read_text() if metrics_file.is_file() else ""
+    return [json.loads(ln) for ln in text[: text.rfind("\n") + 1].splitlines() if ln]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_stops_a_run_after_its_step_and_redraws_the_loss_curve(
+        text_file: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM (or Ctrl-C) during a run, after its first evaluation: it stops after the step in progress, with the
+    shell's exit code for the signal (143, 130); that step is the last row of metrics.jsonl (logged though not on
+    a log interval), loss.png is the curve of every row (byte for byte a fresh drawing of metrics.jsonl, not the
+    one of the last evaluation) and last/ holds that step, so --resume continues."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "model.train", *tiny_argv(text_file, out, max_iters=1_000_000)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600  # the first evaluation is at step 10: a second on an idle machine
+        while not any("val_loss" in row for row in completed_rows(out / "metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, stderr[-3000:]
+    rows = metrics(out)
+    summary = json.loads(stdout.splitlines()[-1])
+    assert summary["stopped_by"] == sig.name and summary["step"] == rows[-1]["step"] > 10 and "loss" in rows[-1]
+    assert f"stopped by {sig.name} at step {summary['step']}" in stderr and "Traceback" not in stderr
+    redrawn = tmp_path / "redrawn" / "run" / "loss.png"  # the title is the run directory's name
+    redrawn.parent.mkdir(parents=True)
+    plot_metrics(out / "metrics.jsonl", redrawn)
+    assert (out / "loss.png").read_bytes() == redrawn.read_bytes()
+    assert load_state(out / "last", torch.device("cpu"))["step"] == summary["step"]
 
 
 # -- bad input: exit code 2, a message naming the problem, nothing trained -----------------------------

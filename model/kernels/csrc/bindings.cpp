@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm", &folio::bf16_gemm);
   m.def("int8_gemm", &folio::int8_gemm);
   m.def("vnni_gemm", &folio::vnni_gemm);
+  m.def("rows_rounded_to", &folio::rows_rounded_to);
   m.def("decode_attention", &folio::decode_attention, release_gil());
   m.def("row_argmax_logsumexp", &folio::row_argmax_logsumexp, release_gil());
   m.def("pool_threads", &folio::pool_threads);

@@ -144,17 +144,14 @@ struct Int16Rows : QuantizedRows<int16_t> {
 };
 #endif
 
-// int8 weights' dot products; with VNNI from int16-rounded activations
-static void int8_dot_products(const int8_t* w, const float* x, float* y, const float* s, const float* b, int64_t M,
-                              int64_t I, int64_t O) {
+// whether the kernels' own products of int8 weights round the rows to int16 first (the avx512vnni build, for VNNI's
+// vpdpwssd): through the packed panels at any width, in the dot products up to INT16_MAX_WIDTH columns
+static bool int16_activations(bool packed, int64_t I) {
 #ifdef FOLIO_INT16_ACTIVATIONS
-  if (I <= INT16_MAX_WIDTH) {
-    const Int16Rows xq(x, M, I);
-    dot_products(w, xq.values.data(), xq.scales.data(), y, s, b, M, I, O);
-    return;
-  }
+  return packed || I <= INT16_MAX_WIDTH;
+#else
+  return (void)packed, (void)I, false;
 #endif
-  dot_products(w, x, static_cast<const float*>(nullptr), y, s, b, M, I, O);
 }
 
 // The packed layout, for PACKED_MIN_ROWS..MAX_ROWS rows. The dot products above reduce each output across a
@@ -321,20 +318,19 @@ template <typename W>
 static void kernel_product(const Weight& w, const float* x, int64_t M, float* y) {
   const float* s = w.scale ? w.scale->data_ptr<float>() : nullptr;
   const float* b = w.bias ? w.bias->data_ptr<float>() : nullptr;
-  if (M >= PACKED_MIN_ROWS && w.packed) {
+  const bool packed = M >= PACKED_MIN_ROWS && w.packed;
 #ifdef FOLIO_INT16_ACTIVATIONS
-    if constexpr (std::is_same_v<W, int8_t>) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (int16_activations(packed, w.I)) {
       const Int16Rows xq(x, M, w.I);
-      panel_products(weight_data<W>(*w.packed), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
+      if (packed) panel_products(weight_data<W>(*w.packed), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
+      else dot_products(weight_data<W>(w.w), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
       return;
     }
-#endif
-    panel_products(weight_data<W>(*w.packed), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
-  } else if constexpr (std::is_same_v<W, int8_t>) {
-    int8_dot_products(weight_data<W>(w.w), x, y, s, b, M, w.I, w.O);
-  } else {
-    dot_products(weight_data<W>(w.w), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
   }
+#endif
+  if (packed) panel_products(weight_data<W>(*w.packed), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
+  else dot_products(weight_data<W>(w.w), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
 }
 
 // whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)
@@ -390,9 +386,16 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 // fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's bf16 mode.
 // Else up to MAX_ROWS rows of a width that is a multiple of 8 go to the kernels, more to torch's linear with the
 // dequantized weight.
-static bool by_kernels(const Weight& w, int64_t M) {
-  const auto type = w.w.scalar_type();
-  return !int8_gemm(M, type, w.O * w.I) && !bf16_gemm(M, type, w.O * w.I) && M <= MAX_ROWS && w.I % 8 == 0;
+static bool by_kernels(at::ScalarType type, int64_t O, int64_t I, int64_t M) {
+  return !int8_gemm(M, type, O * I) && !bf16_gemm(M, type, O * I) && M <= MAX_ROWS && I % 8 == 0;
+}
+static bool by_kernels(const Weight& w, int64_t M) { return by_kernels(w.w.scalar_type(), w.O, w.I, M); }
+
+int64_t rows_rounded_to(int64_t rows, at::ScalarType weight, int64_t O, int64_t I, bool packed) {
+  if (int8_gemm(rows, weight, O * I)) return 127;
+  const bool int16 = weight == at::kChar && by_kernels(weight, O, I, rows)
+                     && int16_activations(packed && rows >= PACKED_MIN_ROWS, I);
+  return int16 ? 32767 : 0;
 }
 
 // rows [begin, end) of w (O, I) int8 times their scales, rounded to bf16 (to nearest even, as torch's .to(bfloat16))

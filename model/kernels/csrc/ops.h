@@ -66,6 +66,12 @@ bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 // with VNNI or AMX-INT8 (linear.cpp)
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
+// the largest integer `linear` rounds each of `rows` rows to (a scale max |x_m| / it per row) before multiplying them
+// with a weight of type `weight`, O x I (`packed`: with its packed copy): 127 where an int8 GEMM takes them (W8A8),
+// 32767 where the kernels' own int8 products do (the avx512vnni build: int16 for VNNI's vpdpwssd), 0 where the rows
+// are multiplied as they are (fp32; the bf16 GEMM rounds them to bf16 instead) (linear.cpp)
+int64_t rows_rounded_to(int64_t rows, at::ScalarType weight, int64_t O, int64_t I, bool packed);
+
 // whether this build and CPU have the kernels' VNNI GEMM: a build with AVX512-VNNI on a CPU without AMX-INT8 (where
 // oneDNN's AMX GEMM is faster), and whether it multiplies rows of `columns` int8 values: a multiple of 4 within
 // int32's exact range (vnni_gemm.cpp)

@@ -40,6 +40,19 @@ def test_unseeded_sampling_reports_a_seed_that_reproduces(client: TestClient) ->
     assert again["generated_text"] == first["generated_text"]
 
 
+@pytest.mark.parametrize("greedy", [{}, {"greedy": True}, {"do_sample": True, "temperature": 0, "seed": 3}],
+                         ids=["no-sampling-asked", "greedy", "temperature-0"])
+def test_greedy_decoding_reports_no_seed(client: TestClient, greedy: dict) -> None:
+    """Nothing is sampled, so there is no seed to report (TGI's rule): no details.seed (the stream's details say
+    null, those of /generate leave it out, as they leave out every null), a seed sent with a greedy request
+    included; a sampled request beside it reports its seed."""
+    body = generate(client, max_new_tokens=4, details=True, **greedy)
+    events = stream(client, max_new_tokens=4, **greedy)
+    assert "seed" not in body["details"] and events[-1]["details"]["seed"] is None
+    assert body["generated_text"] == events[-1]["generated_text"]
+    assert stream(client, max_new_tokens=4, do_sample=True, seed=11)[-1]["details"]["seed"] == 11
+
+
 def test_temperature_zero_and_top_p_one_mean_greedy(client: TestClient, reference: Callable) -> None:
     greedy = reference(PROMPT, 16)[1]
     assert generate(client, max_new_tokens=16, temperature=0, do_sample=True, seed=3)["generated_text"] == greedy
