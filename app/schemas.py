@@ -251,6 +251,7 @@ class BestOfSequence(SequenceDetails):
 class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = None
     window_slides: int = Field(0, description="Folio: how often the context window slid")
+    truncated_prompt_tokens: int = Field(0, description="Folio: prompt tokens that parameters.truncate left out")
     attention: list[TokenAttention] | None = Field(None, description="Folio: with parameters.attention, each "
                                                    "token's")
 
@@ -265,6 +266,7 @@ class StreamDetails(BaseModel):
     generated_tokens: int
     seed: int | None
     input_length: int
+    truncated_prompt_tokens: int = Field(0, description="Folio: prompt tokens that parameters.truncate left out")
 
 
 class StreamResponse(BaseModel):

@@ -146,7 +146,8 @@ class GenerationService:
     async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None, api: Api,
                          reservation: Reservation | None) -> list[GenerationStream]:
         """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
-        share the prompt's prefill (the prefix cache). If one cannot be submitted (429), none runs."""
+        share the prompt's prefill (the prefix cache). If one cannot be submitted (429, or 422 from the engine's
+        checks of the prompt and the parameters), none runs."""
         self.check_ready()
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
         own = None
@@ -155,12 +156,10 @@ class GenerationService:
             reservation = own = engine.reserve()
         try:
             prompt = await self.encode(text, api) if isinstance(text, str) else text
-            with api.naming_fields():
-                for p in params:
-                    prompt = engine.validate(prompt, truncate, p)
             self.check_ready()
             try:
-                return self._submit(engine, prompt, params, truncate, reservation)
+                with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once
+                    return self._submit(engine, prompt, params, truncate, reservation)
             except EngineStopped:
                 if self.registry is None or self._origin is None or self._origin.draining:
                     raise
@@ -168,7 +167,8 @@ class GenerationService:
             assert self.name is not None
             _, engine, checkpoint = await self.registry.acquire(self.name)
             self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
-            return self._submit(engine, prompt, params, truncate, None)
+            with api.naming_fields():
+                return self._submit(engine, prompt, params, truncate, None)
         finally:
             if own is not None:
                 own.release()  # a no-op once submitted

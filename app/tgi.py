@@ -83,6 +83,7 @@ def _response(service: GenerationService, body: GenerateRequest, result: Result,
     if body.parameters.details:
         details = Details(**{k: v for k, v in seq.items() if k != "generated_text"},
                           window_slides=result.finished.window_slides,
+                          truncated_prompt_tokens=result.finished.truncated_prompt_tokens,
                           best_of_sequences=[BestOfSequence(**_sequence(service, body, r)) for r in others]
                           if others else None,
                           attention=[_attention(t.attention) for t in result.tokens if t.attention]
@@ -135,7 +136,8 @@ def _stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
         "generated_text": None if fin is None else prefix + fin.generated_text,
         "details": None if fin is None else {"finish_reason": fin.finish_reason,
                                              "generated_tokens": fin.generated_tokens, "seed": fin.seed,
-                                             "input_length": fin.prompt_tokens},
+                                             "input_length": fin.prompt_tokens,
+                                             "truncated_prompt_tokens": fin.truncated_prompt_tokens},
     }
     if ev.attention is not None:
         event["attention"] = _attention(ev.attention)

@@ -94,6 +94,11 @@ def test_truncate_keeps_the_last_prompt_tokens(client: TestClient, reference: Ca
     body = generate(client, prompt, max_new_tokens=8, truncate=10, details=True, decoder_input_details=True)
     assert [p["text"] for p in body["details"]["prefill"]] == list("0123456789")
     assert body["generated_text"] == reference("0123456789", 8)[1]
+    assert body["details"]["truncated_prompt_tokens"] == 90  # the engine truncates, once: it knows how much
+    last = stream(client, prompt, max_new_tokens=8, truncate=10)[-1]
+    assert last["details"]["input_length"] == 10 and last["details"]["truncated_prompt_tokens"] == 90
+    assert last["generated_text"] == body["generated_text"]
+    assert generate(client, "0123456789", max_new_tokens=1, details=True)["details"]["truncated_prompt_tokens"] == 0
 
 
 
@@ -104,7 +109,7 @@ def test_generate_stream_frames_one_event_per_token(client: TestClient) -> None:
     assert all(e.get("generated_text") is None and e.get("details") is None for e in events[:-1])
     last = events[-1]
     assert last["details"] == {"finish_reason": "length", "generated_tokens": 12, "seed": 5,
-                               "input_length": len(PROMPT)}
+                               "input_length": len(PROMPT), "truncated_prompt_tokens": 0}
     text = "".join(e["token"]["text"] for e in events)
     assert text == last["generated_text"] == generate(client, **params)["generated_text"]
     assert all(e["token"]["logprob"] <= 0 for e in events)
