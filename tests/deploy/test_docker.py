@@ -362,6 +362,9 @@ def test_compose_services_profiles_and_nginx_agree() -> None:
     replica, nginx = services["replica"], services["nginx"]
     assert replica["profiles"] == nginx["profiles"] == ["replicas"]
     assert "replicas" in replica["deploy"] and "ports" not in replica  # reachable through nginx only
+    # nginx forwards the client's address; the replicas believe it (else their logs name nginx as the client)
+    assert "X-Forwarded-For" in (DOCKER / "nginx.conf").read_text()
+    assert replica["environment"]["FOLIO_FORWARDED_ALLOW_IPS"] == "*"
     assert "./nginx.conf:/etc/nginx/conf.d/default.conf:ro" in nginx["volumes"]
     assert nginx["depends_on"]["replica"]["condition"] == "service_healthy"
     conf = (DOCKER / "nginx.conf").read_text()
