@@ -58,8 +58,10 @@ class Settings(BaseSettings):
         "the X-Folio-Model header picks one")
     models_dir: Path | None = Field(None, description="serve every checkpoint directory under this one as well, "
                                     "each named by its directory")
-    max_loaded: int | None = Field(None, ge=1, description="models loaded at once; the least recently used is "
-                                   "unloaded beyond it (unset: no limit)")
+    max_loaded: int | None = Field(None, ge=1, description="models in memory at once, loads in progress included; a "
+                                   "load with no room unloads the least recently used idle model (nothing running, "
+                                   "queued or reserved), or waits (up to --load-wait, then 503 with Retry-After) "
+                                   "until one is idle (unset: no limit)")
     load_wait: float = Field(30.0, gt=0, description="seconds a request waits for its model to load before a 503 "
                              "with Retry-After")
     watch: float = Field(0.0, ge=0, description="check every loaded checkpoint's config.json this often (seconds) "
