@@ -238,7 +238,8 @@ class SequenceDetails(BaseModel):
 
     finish_reason: Literal["length", "eos_token", "stop_sequence"]
     generated_tokens: int
-    seed: int | None
+    seed: int | None = Field(None, description="the seed a sampled sequence used; absent for greedy decoding, which "
+                             "samples nothing")
     prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token] = Field(default_factory=list)
     top_tokens: list[list[Token]] = Field(default_factory=list)
