@@ -29,10 +29,10 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import Unavailable, client_gone_response, error_response
-from app.models import MODEL_HEADER
 from model.engine import Engine, Overloaded
 
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
+MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it, with the registry (app/models.py)
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
                             "/inspect"})
 BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it

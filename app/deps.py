@@ -7,9 +7,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.admission import RESERVATION
+from app.admission import MODEL_HEADER, RESERVATION
 from app.errors import Unavailable
-from app.models import MODEL_HEADER
 from app.requestlog import RequestRecord, request_record
 from app.service import GenerationService
 from model.engine import Reservation

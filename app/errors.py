@@ -7,13 +7,13 @@ null for an answer of the HTTP layer, app/protocol.py, to a request that never r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
+import annotated_types as at
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.requestlog import HEADER, current_request_id
@@ -36,36 +36,6 @@ class Unauthorized(Exception):
 class ClientGone(Exception):
     """The client disconnected before its answer was ready; its generation was cancelled (answered 499, a status
     nobody reads: nginx's 'client closed request', for the logs and metrics)."""
-
-
-@dataclass(frozen=True)
-class Api:
-    """How one API names the model's fields (`prompt`, `max_new_tokens`, `text`, ...) in its error messages: the
-    one place where the neutral names of `model/` become an API's."""
-
-    renamed: dict[str, str]
-    prefix: str = ""  # for the fields not renamed
-    truncate_hint: str = ""  # how to fit a prompt longer than the context, if the API has a way
-
-    def field(self, name: str) -> str:
-        return self.renamed.get(name, self.prefix + name)
-
-    @contextmanager
-    def naming_fields(self) -> Iterator[None]:
-        """Re-raise `model/`'s `ValidationError`s and `InspectError`s (of the same type) with this API's field
-        names, and the truncation hint on a prompt longer than the model's context."""
-        try:
-            yield
-        except (ValidationError, InspectError) as e:
-            field = self.field(e.field)
-            hint = self.truncate_hint if field == self.field("prompt") and "context" in e.message else ""
-            raise type(e)(field, e.message + hint) from None
-
-
-TGI = Api({"prompt": "inputs"}, prefix="parameters.", truncate_hint=" (parameters.truncate)")
-OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
-# POST /inspect: the text looked into is `inputs` (its generation request, `parameters`, is TGI's)
-INSPECT = Api({"prompt": "inputs", "text": "inputs"}, truncate_hint=" (truncate keeps the last tokens)")
 
 
 # exception type -> (HTTP status, TGI error_type, OpenAI error type)
@@ -121,17 +91,11 @@ def client_gone_response() -> Response:
     return Response(status_code=499)
 
 
-def _ranges() -> dict[str, str]:
-    """'parameters.temperature' -> '[0, 100]', from the request models' Field constraints."""
-    import annotated_types as at
-
-    from app.inspect_api import InspectRequest
-    from app.schemas import CompletionRequest, GenerateParameters
-    from app.tokenizer_api import TokenizeRequest
-
+def allowed_ranges(models: Iterable[tuple[str, type[BaseModel]]]) -> dict[str, str]:
+    """'parameters.temperature' -> '[0, 100]', from the Field constraints of request models, each given with the
+    prefix of its fields' names in an error's location (`("parameters.", GenerateParameters)`)."""
     out: dict[str, str] = {}
-    for prefix, model in (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest),
-                          ("", InspectRequest)):
+    for prefix, model in models:
         for name, f in model.model_fields.items():
             lo = hi = None
             lo_b, hi_b = "[", "]"
@@ -149,9 +113,6 @@ def _ranges() -> dict[str, str]:
     return out
 
 
-_RANGES: dict[str, str] | None = None
-
-
 MAX_ERRORS_SHOWN = 3  # of a request's validation errors (a list of a million wrong items has a million)
 MAX_NAME_CHARS = 40  # of a field name echoed back (an unknown key can be any string)
 
@@ -164,7 +125,7 @@ def _name(part: object) -> str:
     return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _describe(err: dict[str, Any]) -> tuple[str, str]:
+def _describe(err: dict[str, Any], ranges: dict[str, str]) -> tuple[str, str]:
     loc = [_name(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     msg = err.get("msg", "invalid value")
@@ -176,10 +137,7 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     if err.get("type") == "too_many_fields":  # the message counts them; a preview would sort them all
         return field, f"{field}: {msg}"
     shown = preview(err.get("input"))
-    global _RANGES
-    if _RANGES is None:
-        _RANGES = _ranges()
-    allowed = _RANGES.get(field)
+    allowed = ranges.get(field)
     where = f" (allowed: {allowed})" if allowed and err.get("type", "").endswith(("than", "than_equal")) else ""
     return field, f"{field}: {msg}{where}, got {shown}"
 
@@ -192,7 +150,10 @@ def _unparseable(cause: BaseException) -> str:
     return str(cause).split(";")[0]  # e.g. "Exceeds the limit (4300 digits) for integer string conversion: ..."
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[str, type[BaseModel]]]) -> None:
+    """One handler per kind of error. A validation error of a field of the request models `ranged` (with their
+    fields' prefixes, as `allowed_ranges` takes them) names the range the field allows."""
+    ranges = allowed_ranges(ranged)
     retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
 
     async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
@@ -209,7 +170,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def validation(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
         errors = exc.errors()
-        described = [_describe(e) for e in errors[:MAX_ERRORS_SHOWN]]
+        described = [_describe(e, ranges) for e in errors[:MAX_ERRORS_SHOWN]]
         message = "; ".join(m for _, m in described)
         if len(errors) > MAX_ERRORS_SHOWN:
             message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"

@@ -22,14 +22,14 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import ReservationDep, ServiceDep, described_service
-from app.errors import INSPECT, TGI
+from app.fields import INSPECT, TGI
 from app.limits import ThreadedBodyRoute
 from app.responses import dumps
-from app.schemas import GenerateParameters, StrictModel
+from app.schemas import GenerateParameters, StrictModel, error_docs
 from app.service import GenerationService, until_done
-from app.tgi import ERRORS
 from model.config import GPTConfig
 from model.engine import Reservation
+from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
 from model.inspect import (
     MAX_ATTENTION_ROWS,
     MAX_LENS_LOGITS,
@@ -43,6 +43,7 @@ from model.sampling_params import ValidationError
 from model.tokenizer import Tokenizer
 
 router = APIRouter(tags=["inspect"], route_class=ThreadedBodyRoute)
+ERRORS = error_docs(401, 413, 422, 424, 429, 503)
 DECIMALS = 6  # of attention weights and lens probabilities: an error of at most 5e-7
 MAX_RESPONSE_BYTES = 32 * 2**20  # an answer's estimated size, at most: GPT-2 small's whole context fits (~27 MB)
 # the estimate's bytes per item, from the JSON written (a weight "0.123456," or key "1023,"; a lens entry
@@ -245,8 +246,6 @@ def render(inspection: Inspection, body: InspectRequest, generated: Generated | 
 async def limits(request: Request) -> dict[str, Any]:
     """What `POST /inspect` and streamed attention allow on this model and server (`model`: null for a model that
     is not loaded, which this open route does not load)."""
-    from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-
     _, service = await described_service(request)
     model = None
     if service is not None:

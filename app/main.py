@@ -24,6 +24,7 @@ from app.metrics import Metrics, RequestMetricsMiddleware
 from app.models import CurrentEngine, ServedModels
 from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
+from app.schemas import CompletionRequest, GenerateParameters
 from app.service import GenerationService
 from app.settings import Settings
 from model.checkpoint import Checkpoint, load_checkpoint
@@ -31,6 +32,9 @@ from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
+# the request models whose fields' ranges a validation error names (app/errors.py), with their fields' prefixes
+RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", tokenizer_api.TokenizeRequest),
+          ("", inspect_api.InspectRequest))
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
@@ -76,7 +80,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.service = None
     app.state.models = None
     app.state.startup_error = None  # why the lifespan could not start serving, if it could not
-    install_error_handlers(app)
+    install_error_handlers(app, RANGED)
     _install_routes(app)
     _install_middleware(app, settings)
     return app

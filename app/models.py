@@ -34,11 +34,13 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from app.deps import described_service
 from app.limits import ThreadedBodyRoute
 from app.metrics import Metrics
-from app.schemas import ErrorBody
+from app.schemas import error_docs
 from app.service import GenerationService
 from app.settings import Settings
+from app.system import without_paths
 from model import devices
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
@@ -46,7 +48,6 @@ from model.engine import Engine, EngineConfig, EngineStats, memory_needed
 from model.registry import ModelInfo, ModelRegistry
 from model.training.outputs import METRICS_FILE
 
-MODEL_HEADER = "x-folio-model"
 log = logging.getLogger("folio.models")
 router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
 
@@ -168,7 +169,6 @@ def engine_memory(settings: Settings, path: Path) -> tuple[int, int]:
 def describe(info: ModelInfo) -> dict[str, Any]:
     """A model as /v1/models and /info show it: no absolute path (its directory by name, and a path in the error
     of a failed load by its last part): both are open routes."""
-    from app.system import without_paths
 
     out = {k: v for k, v in asdict(info).items() if k not in ("path", "last_used")}
     out["checkpoint"], out["error"] = info.path.name, without_paths(info.error)
@@ -216,7 +216,7 @@ def served_models(request: Request) -> ServedModels | None:
     return getattr(request.app.state, "models", None)
 
 
-@router.post("/admin/reload", responses={code: {"model": ErrorBody} for code in (401, 404, 409, 422)})
+@router.post("/admin/reload", responses=error_docs(401, 404, 409, 422))
 async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     """Swap in a checkpoint whose files changed (its config.json's hash tells), as `--watch` does: running requests
     finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
@@ -253,14 +253,12 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-@router.get("/models/{name}/training", responses={code: {"model": ErrorBody} for code in (404, 503)})
+@router.get("/models/{name}/training", responses=error_docs(404, 503))
 async def training(name: str, request: Request) -> dict[str, Any]:
     """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
     serve it now (null while it is not loaded), and the run's metrics (train loss per log interval, train/val
     loss per evaluation) from the metrics.jsonl beside it (empty for a checkpoint without one). Open like /info:
     no paths, no prompts, and it loads no model (a model not loaded is described from its files)."""
-    from app.deps import described_service
-    from app.system import without_paths
 
     name, service = await described_service(request, name)
     if service is not None:

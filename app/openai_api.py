@@ -14,7 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
 from app.deps import ReservationDep, get_service, service_for
-from app.errors import OPENAI, exception_body
+from app.errors import exception_body
+from app.fields import OPENAI
 from app.limits import ThreadedBodyRoute
 from app.models import served_models
 from app.requestlog import RequestRecord, request_record

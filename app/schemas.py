@@ -26,7 +26,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypeAliasType
 
-from app.errors import OPENAI, TGI
+from app.fields import OPENAI, TGI
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -283,6 +283,11 @@ class ErrorBody(BaseModel):
     error: str
     error_type: str
     request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")
+
+
+def error_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's `responses=` for its OpenAPI docs: each of `statuses` answered with an `ErrorBody`."""
+    return {status: {"model": ErrorBody} for status in statuses}
 
 
 # -- OpenAI ---------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from typing import TypeVar
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from app.errors import Api, ClientGone, Unavailable
+from app.errors import ClientGone, Unavailable
+from app.fields import Api
 from app.metrics import Metrics
 from app.requestlog import RequestRecord, request_record
 from app.schemas import ServerDefaults

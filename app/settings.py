@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     quantize: Literal["none", "int8", "bf16"] = Field(
         "none", description="weights of the blocks' products and the LM head stored as int8 (a scale per output "
         "row; a quarter of fp32's bytes) or bf16 (half), quantized at load; activations stay fp32 "
-        "(model/quantize.py)")
+        "(model/quantize)")
     kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
         "auto", description="the KV cache's element type: fp16 halves its memory and the bytes each decode step's "
         "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "

@@ -12,18 +12,19 @@ from fastapi.responses import StreamingResponse
 
 from app.completions import ranked, sample_params
 from app.deps import RecordDep, ReservationDep, ServiceDep
-from app.errors import TGI, exception_body
+from app.errors import exception_body
+from app.fields import TGI
 from app.limits import ThreadedBodyRoute
 from app.requestlog import RequestRecord, request_record
 from app.responses import json_number
 from app.schemas import (
     BestOfSequence,
     Details,
-    ErrorBody,
     GenerateRequest,
     GenerateResponse,
     PrefillToken,
     Token,
+    error_docs,
 )
 from app.service import GenerationService
 from app.sse import SSE_DOC, SSE_HEADERS, SSE_OR_JSON_DOC, sse
@@ -32,7 +33,7 @@ from model.engine.events import TokenAttention as EngineAttention
 
 router = APIRouter(tags=["TGI"], route_class=ThreadedBodyRoute)
 CHECKPOINT_HEADER = "X-Folio-Checkpoint"  # the served weights' sha256 (shortened): which weights answered
-ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 424, 429, 503)}
+ERRORS = error_docs(401, 413, 422, 424, 429, 503)
 
 
 async def _start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import ServiceDep
 from app.limits import ThreadedBodyRoute
-from app.schemas import ErrorBody, GenerateParameters, StrictModel, TokenIds
+from app.schemas import GenerateParameters, StrictModel, TokenIds, error_docs
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import Tokenizer
 
@@ -69,7 +69,7 @@ class SimpleToken(BaseModel):
 
 
 router = APIRouter(tags=["Tokenizer"], route_class=ThreadedBodyRoute)
-ERRORS = {code: {"model": ErrorBody} for code in (401, 413, 422, 429, 503)}
+ERRORS = error_docs(401, 413, 422, 429, 503)
 
 
 @router.post("/tokenize", response_model=list[SimpleToken] | TokenizeResponse, responses=ERRORS)

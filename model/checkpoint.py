@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from model.config import GPTConfig, machine_memory, si
 from model.files import atomic_path, atomic_write_json, fsync_dir, sha256_file
 from model.gpt import GPT
+from model.quantize import QUANTIZATIONS, quantize
 from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, tokenizer_from_config
 
 FORMAT = "folio-checkpoint"
@@ -187,8 +188,6 @@ def load_checkpoint(
 
 def _empty_model(config: GPTConfig, quantization: str) -> GPT:
     """`config`'s model on the meta device, with the modules `quantization` puts in (its state dict's names)."""
-    from model.quantize import QUANTIZATIONS, quantize  # lazily: model.quantize reaches into the kernels
-
     if quantization not in QUANTIZATIONS:
         raise CheckpointError(f"{CONFIG_FILE}: quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     with torch.device("meta"):

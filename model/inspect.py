@@ -25,11 +25,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser, add_checkpoint_option
 from model.gpt import GPT, CacheStep, KVCache, stored_as
 from model.sampler import mask_unusable
 from model.scoring import PromptScorer, PromptToken, TopToken
-from model.tokenizer import Tokenizer, token_spans
+from model.tokenizer import Tokenizer, TokenizerError, token_spans
 
 # what one inspection may ask for, so that a client cannot make the server compute or send without bound
 # (both admit GPT-2 small's whole context with every layer and head: 144 x 1,024 rows, 13 x 1,024 x 50,257 logits)
@@ -320,9 +321,6 @@ def _save_lens(result: Inspection, labels: list[str], out: Path, plt, decode: Ca
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.checkpoint import CheckpointError, load_checkpoint
-    from model.tokenizer import TokenizerError
-
     p = ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
                                 "logit lens as PNG files.")
     add_checkpoint_option(p)

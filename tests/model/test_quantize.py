@@ -1,4 +1,4 @@
-"""Weight-only int8 and bf16 (model/quantize.py): the per-row quantization against its own definition, the stored
+"""Weight-only int8 and bf16 (model/quantize): the per-row quantization against its own definition, the stored
 linears (the kernel's dot products, its packed panels and torch's) against the product with the dequantized weight,
 the bundled model's validation loss within 1% of fp32's, and a server started with --quantize."""
 

@@ -15,7 +15,8 @@ from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.kernels import build
 from model.kernels.ops import dequantize, linear, native_bf16_gemm, pack
-from model.quantize import SWAPS, Int8Linear, main, quantize
+from model.quantize import SWAPS, Int8Linear, quantize
+from model.quantize.__main__ import main
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from tests.model.conftest import bf16_gemm_bound, int8_product_as_served

@@ -56,6 +56,30 @@ def test_tgi_bad_parameter_is_422_naming_field_bound_and_value(
     assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
 
 
+RANGED = [  # a bound the request model checks: the message names the whole range the field allows (app/errors.py)
+    ("/generate", {"inputs": PROMPT, "parameters": {"temperature": -1}},
+     "parameters.temperature: Input should be greater than or equal to 0 (allowed: [0, 100]), got -1"),
+    ("/generate", {"inputs": PROMPT, "parameters": {"top_p": 0}},
+     "parameters.top_p: Input should be greater than 0 (allowed: (0, 1]), got 0"),
+    ("/v1/completions", {"prompt": PROMPT, "temperature": 3},
+     "temperature: Input should be less than or equal to 2 (allowed: [0, 2]), got 3"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1},
+     "max_tokens: Input should be greater than or equal to 0 (allowed: [0, inf]), got -1"),
+    ("/inspect", {"inputs": PROMPT, "sparse_threshold": 0},
+     "sparse_threshold: Input should be greater than 0 (allowed: (0, 1]), got 0"),
+    ("/inspect", {"inputs": PROMPT, "top_n": 99},
+     "top_n: Input should be less than or equal to 20 (allowed: [0, 20]), got 99"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "message"), RANGED, ids=[m.split(":")[0] for _, _, m in RANGED])
+def test_a_bound_names_the_range_allowed(client: TestClient, route: str, body: dict, message: str) -> None:
+    r = client.post(route, json=body)
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert (error["message"] if route.startswith("/v1/") else error) == message
+
+
 RAW_BODIES = [
     ('{"inputs": "ab", "parameters": {"temperature": NaN}}', "parameters.temperature", "finite number"),
     ('{"inputs": "ab", "parameters": {"temperature": Infinity}}', "parameters.temperature", "finite number"),

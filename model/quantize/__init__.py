@@ -12,13 +12,13 @@ fp32 product with the weight as stored) for up to `MAX_ROWS` rows, and through t
 otherwise (a long prompt's prefill, or without the kernels); on CPUs that multiply int8 natively, int8 products of
 8 rows or more round each activation row to int8 for torch's int8 GEMM (W8A8; docs/quantization.md, and
 linear.cpp). Quality is measured, not assumed: `bench/quantize.py`, tests/model/test_quantize.py.
+
+`python -m model.quantize` (`__main__.py`) writes a checkpoint quantized.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -98,28 +98,3 @@ def quantize(model: nn.Module, kind: str) -> int:
                 setattr(parent, name, swap(child))
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)
-
-
-def convert(checkpoint: str | Path, out: str | Path, kind: str = "int8") -> Path:
-    """Write `checkpoint` quantized (`kind`) into `out`: a Folio checkpoint whose config.json says
-    `"quantization": kind`, loaded as it is (no quantizing at load)."""
-    from model.checkpoint import load_checkpoint, save_checkpoint  # lazily: model.checkpoint imports this module
-
-    ck = load_checkpoint(checkpoint)
-    if ck.meta.get("quantization", "none") != "none":
-        raise ValueError(f"{checkpoint} is already quantized ({ck.meta['quantization']})")
-    quantize(ck.model, kind)
-    return save_checkpoint(out, ck.model, ck.tokenizer, training=ck.meta.get("training"), quantization=kind)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m model.quantize", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="a Folio checkpoint directory (fp32)")
-    parser.add_argument("--out", required=True, help="the directory to write the quantized checkpoint into")
-    parser.add_argument("--kind", default="int8", choices=[q for q in QUANTIZATIONS if q != "none"])
-    args = parser.parse_args(argv)
-    print(f"wrote {convert(args.checkpoint, args.out, args.kind)}")
-
-
-if __name__ == "__main__":
-    main()
