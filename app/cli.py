@@ -41,7 +41,7 @@ COMMANDS = {
     "sample": Command("model.sample", "continue a prompt from a checkpoint, offline, streaming to stdout"),
     "convert": Command("model.convert", "turn Hugging Face or nanoGPT GPT-2 weights into a Folio checkpoint"),
     "eval": Command("model.eval", "score a text file: perplexity and bits per character"),
-    "inspect": Command("model.inspect", "draw a text's attention maps and logit lens as PNG files"),
+    "inspect": Command("model.inspection", "draw a text's attention maps and logit lens as PNG files"),
 }
 
 

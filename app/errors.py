@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.requestlog import HEADER, current_request_id
 from app.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
-from model.inspect import InspectError, InspectTooLarge
+from model.inspection import InspectError, InspectTooLarge
 from model.registry import ModelFailed, ModelLoading, ModelNotFound
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import TokenizerError

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from model.inspect import InspectError
+from model.inspection import InspectError
 from model.sampling_params import ValidationError
 
 

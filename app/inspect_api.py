@@ -1,13 +1,13 @@
 """Looking inside the model over HTTP: `POST /inspect` (a text, or a prompt and a generation request, in; its
 tokens, attention maps, logit lens and each token's probability and alternatives out) and `GET /inspect/limits`.
 
-The work is `model.inspect`'s `Inspector`, run as an engine job: on the engine thread, one layer (or one chunk of
+The work is `model.inspection`'s `Inspector`, run as an engine job: on the engine thread, one layer (or one chunk of
 the LM head) between two decode steps, so running streams keep streaming. The route holds a slot like a generation
 (admission, `app/admission.py`); with a generation request it takes a second slot for the inspection before the
 generation starts, so that a full server refuses the request before doing any of it.
 
 Everything is bounded before any work: the text's length (`--max-tokenize-chars`, 413), the model's context
-(422), layers x heads x tokens of attention and the logit lens' work (`model.inspect`'s budgets, 413), and the
+(422), layers x heads x tokens of attention and the logit lens' work (`model.inspection`'s budgets, 413), and the
 answer's size, estimated from the shapes asked for (`MAX_RESPONSE_BYTES`, 413). Weights and probabilities are
 written with 6 decimals; the answer's JSON is built off the event loop.
 """
@@ -30,7 +30,7 @@ from app.service import GenerationService, until_done
 from model.config import GPTConfig
 from model.engine import Reservation
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspect import (
+from model.inspection import (
     MAX_ATTENTION_ROWS,
     MAX_LENS_LOGITS,
     MAX_TOP,

@@ -1,6 +1,6 @@
 """Scoring a text: each token's log-probability given the tokens before it, and the most likely alternatives
 there - chunk by chunk as the engine prefills a prompt (what lm-evaluation-harness asks for with `echo` and
-`max_tokens: 0`), or over a whole forward (`model.inspect`). The same numbers as for generated tokens:
+`max_tokens: 0`), or over a whole forward (`model.inspection`). The same numbers as for generated tokens:
 log-softmax of the logits with the unusable ids masked; the first token has no context and no log-probability."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ chose each generated token, sent with the token.
 
 Which weights: the token was chosen from the logits of the last token fed (the one before it), so its attention
 is that query's softmax(q k^T / sqrt(head_size)) over every position in the row's cache: the tokens before the
-new one (within the window, after a slide). The same row as `model.inspect` gives, for the text so far, at the
+new one (within the window, after a slide). The same row as `model.inspection` gives, for the text so far, at the
 position before the token.
 
 How: the decode step's kernels do not hand out their weights, and capturing them inside the step would change

@@ -28,7 +28,7 @@ from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
-from model.inspect import InspectOptions, Inspector
+from model.inspection import InspectOptions, Inspector
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
@@ -265,7 +265,7 @@ class Engine:
 
     def inspect(self, ids: list[int], options: InspectOptions, *,
                 reservation: Reservation | None = None) -> JobHandle:
-        """Look inside the model for `ids` (`model.inspect`), one layer per engine step; the handle's result is an
+        """Look inside the model for `ids` (`model.inspection`), one layer per engine step; the handle's result is an
         `Inspection`. Raises `InspectError` at once for options outside the limits."""
         inspector = Inspector(self.runner.model, self.tokenizer, ids, options, kv_dtype=self.runner.kv_dtype)
         return self.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from model.engine import EngineStopped, GenerationError, Overloaded
-from model.inspect import InspectError, InspectOptions, Inspector, inspect
+from model.inspection import InspectError, InspectOptions, Inspector, inspect
 from model.sampling_params import SamplingParams
 from tests.engine.references import wait_until
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.settings import Settings
 from model import eval as model_eval
-from model import inspect as model_inspect
+from model import inspection as model_inspect
 from model import sample
 
 

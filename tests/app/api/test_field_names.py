@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from app.fields import INSPECT, OPENAI, TGI, Api
 from app.testing import assert_openai_error, assert_tgi_error
-from model.inspect import InspectError, InspectTooLarge
+from model.inspection import InspectError, InspectTooLarge
 from model.sampling_params import ValidationError
 
 CONTEXT = "the prompt is 300 tokens, more than the model's context of 128"

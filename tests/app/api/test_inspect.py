@@ -20,11 +20,11 @@ from fastapi.testclient import TestClient
 from app import inspect_api
 from app.inspect_api import InspectRequest, InspectResponse, estimated_bytes
 from app.testing import assert_tgi_error, parse_sse, strict_json
-from model import inspect as model_inspect
+from model import inspection as model_inspect
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspect import InspectTooLarge, check_options, reference_attention
+from model.inspection import InspectTooLarge, check_options, reference_attention
 from model.kernels.ops import native_int8_gemm
 from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
@@ -346,7 +346,7 @@ def test_attention_with_int8_weights_equals_the_reference_of_the_served_products
     arithmetic (`served_attention_tolerance`). With an fp32 cache: in an fp16 one a key the two sum in another order
     can round to the neighbouring half (one step: 2^-11 of it), which moved weights by 2.5e-5 in layer 0 and 2e-4
     by layer 5 in every variant (measured); the inspector's fp16 cache is tested through torch's products, whose
-    order the reference shares (tests/model/test_inspect.py)."""
+    order the reference shares (tests/model/test_inspection.py)."""
     client = make_client(bundled, quantize="int8", kv_cache_dtype="fp32")
     text = TEXT[:40]  # 40 tokens
     answer = inspect(client, inputs=text, layers=[0, 5], lens=False)

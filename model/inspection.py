@@ -1,6 +1,6 @@
 """Looking inside the model for one text: attention maps, the logit lens, and each token's probability and
 alternatives. Offline: `inspect(checkpoint, ids)`; the engine runs the same `Inspector` one layer per step between
-its decode steps; `python -m model.inspect` draws the maps as PNG.
+its decode steps; `python -m model.inspection` draws the maps as PNG.
 
 - attention: for the chosen layers and heads, each query position's weights over positions 0..query, computed
   from the queries and keys of the forward itself (a hook on each block's `c_attn`, whatever computes it: torch,
@@ -321,7 +321,7 @@ def _save_lens(result: Inspection, labels: list[str], out: Path, plt, decode: Ca
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m model.inspect", description="Draw a text's attention maps and "
+    p = ArgumentParser(prog="python -m model.inspection", description="Draw a text's attention maps and "
                                 "logit lens as PNG files.")
     add_checkpoint_option(p)
     p.add_argument("--text", required=True, help="the text to look into")

@@ -1,4 +1,4 @@
-"""`model.inspect`: attention weights against an independent softmax(q k^T / sqrt(d)) reference, the logit lens at
+"""`model.inspection`: attention weights against an independent softmax(q k^T / sqrt(d)) reference, the logit lens at
 the last layer against the model's own distribution, next-token scores, limits, and the PNG command."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.inspect import (
+from model.inspection import (
     MAX_ATTENTION_ROWS,
     InspectError,
     InspectOptions,
@@ -147,7 +147,7 @@ def test_the_command_writes_the_heatmaps(repo, tmp_path) -> None:
 
 
 def test_the_lm_head_runs_a_chunk_of_positions_per_step_with_the_same_answer(gpt2_shape, monkeypatch) -> None:
-    from model import inspect as module
+    from model import inspection as module
 
     model, tok = gpt2_shape
     ids = tok.encode("It was the best of times")  # 24 tokens
