@@ -37,7 +37,8 @@ class Command:
 
 COMMANDS = {
     "serve": Command("app.__main__", "serve a checkpoint over HTTP: TGI's and OpenAI's APIs, metrics, a playground"),
-    "train": Command("model.train", "train a GPT on a text file and write a checkpoint (torchrun for several GPUs)"),
+    "train": Command("model.train.__main__",
+                     "train a GPT on a text file and write a checkpoint (torchrun for several GPUs)"),
     "sample": Command("model.sample", "continue a prompt from a checkpoint, offline, streaming to stdout"),
     "convert": Command("model.convert", "turn Hugging Face or nanoGPT GPT-2 weights into a Folio checkpoint"),
     "eval": Command("model.eval", "score a text file: perplexity and bits per character"),

@@ -46,7 +46,7 @@ from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpo
 from model.config import GPTConfig
 from model.engine import Engine, EngineConfig, EngineStats, memory_needed
 from model.registry import ModelInfo, ModelRegistry
-from model.training.outputs import METRICS_FILE
+from model.train.outputs import METRICS_FILE
 
 log = logging.getLogger("folio.models")
 router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)

@@ -30,7 +30,9 @@ import torch
 
 from bench import RESULTS, SHARED_DATA
 from bench.report import pyplot, save_figure, write_json
-from model.train import PRESETS, TrainConfig, Trainer, flops_per_token, get_lr
+from model.train.config import PRESETS, TrainConfig
+from model.train.optim import flops_per_token, get_lr
+from model.train.trainer import Trainer
 
 DEFAULT_DATA = SHARED_DATA / "tinyshakespeare" / "input.txt"
 

@@ -50,7 +50,7 @@ def folio_command() -> tuple[list[str], str]:
 
 
 FOLIO, HOW = folio_command()
-MODULE_COMMAND = {name: ["app" if c.module == "app.__main__" else c.module] for name, c in COMMANDS.items()}
+MODULE_COMMAND = {name: [c.module.removesuffix(".__main__")] for name, c in COMMANDS.items()}
 
 
 def folio(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

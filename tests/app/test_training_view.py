@@ -16,7 +16,7 @@ import pytest
 
 from app.testing import serving
 from model.testing import make_char_checkpoint
-from model.train import main as train_main
+from model.train.__main__ import main as train_main
 from tests import REPO
 from tests.app.browser import launched, needs_chromium
 from tests.train.runs import tiny_argv

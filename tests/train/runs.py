@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from model.train import main
+from model.train.__main__ import main
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -21,8 +21,11 @@ import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
-from model.train import Trainer, main, plot_metrics, resolve_config
-from model.training.resume import load_state
+from model.train.__main__ import main
+from model.train.config import resolve_config
+from model.train.outputs import plot_metrics
+from model.train.resume import load_state
+from model.train.trainer import Trainer
 from tests import REPO
 from tests.train.runs import ENV, PNG_MAGIC, metrics, tiny_argv, train, write_file
 

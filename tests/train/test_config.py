@@ -12,7 +12,8 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.train import PRESETS, TrainConfig, configure_optimizer, get_lr, resolve_config
+from model.train.config import PRESETS, TrainConfig, resolve_config
+from model.train.optim import configure_optimizer, get_lr
 from tests.train.runs import write_file
 
 # -- configuration: preset < --config < flags ----------------------------------------------------------

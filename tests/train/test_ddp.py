@@ -33,7 +33,9 @@ from model.data import get_batch
 from model.distributed import DistEnv, dist_env
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from model.train import Trainer, TrainError, main, resolve_config
+from model.train.__main__ import main
+from model.train.config import TrainError, resolve_config
+from model.train.trainer import Trainer
 from tests import REPO
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

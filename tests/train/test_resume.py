@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from model.checkpoint import load_checkpoint, read_config
-from model.train import Trainer, main, resolve_config
-from model.training import resume as train_module  # writes last.tmp/
+from model.train import resume as train_module  # writes last.tmp/
+from model.train.__main__ import main
+from model.train.config import resolve_config
+from model.train.trainer import Trainer
 from tests.train.runs import assert_same_weights, loss_rows, metrics, tiny_argv, train
 
 

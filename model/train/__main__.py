@@ -1,4 +1,4 @@
-"""The offline train module: `python -m model.train` turns a text file into a Folio checkpoint.
+"""The command line of the train package: `python -m model.train` turns a text file into a Folio checkpoint.
 
     python -m model.train --preset shakespeare-char-cpu --data input.txt --out weights/my-model
 
@@ -29,13 +29,8 @@ import sys
 
 from model import distributed
 from model.data import DataError
-from model.training.config import PRESETS, TrainConfig, TrainError, build_parser, resolve_config
-from model.training.optim import configure_optimizer, flops_per_token, get_lr
-from model.training.outputs import plot_metrics
-from model.training.trainer import Trainer
-
-__all__ = ["PRESETS", "TrainConfig", "TrainError", "Trainer", "build_parser", "configure_optimizer",
-           "flops_per_token", "get_lr", "main", "plot_metrics", "resolve_config"]
+from model.train.config import TrainError, resolve_config
+from model.train.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:

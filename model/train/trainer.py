@@ -1,8 +1,8 @@
 """One training run: `Trainer(cfg).run()` trains to `max_iters` (or `stop_after` more steps), evaluating,
 checkpointing the best model into OUT/ and the latest into OUT/last/ as it goes; SIGTERM or Ctrl-C stops it after
 the step in progress, as an early stop: that step logged, the loss curve redrawn, OUT/last/ written. Distributed
-(torchrun), every rank runs a Trainer; rank 0 alone logs and writes (model/train.py's docstring tells the whole
-story)."""
+(torchrun), every rank runs a Trainer; rank 0 alone logs and writes (model/train/__main__.py's docstring tells the
+whole story)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from model.data import DataError, Dataset, get_batch, prepare
 from model.devices import resolve_device
 from model.distributed import DistEnv, DistributedError, dist_env
 from model.gpt import GPT
-from model.training import outputs, resume
-from model.training.config import TrainConfig, TrainError, check_config, check_distributed
-from model.training.optim import configure_optimizer, get_lr
+from model.train import outputs, resume
+from model.train.config import TrainConfig, TrainError, check_config, check_distributed
+from model.train.optim import configure_optimizer, get_lr
 
 # training memory per parameter: float32 weights, gradients and AdamW's two moments
 TRAIN_BYTES_PER_PARAM = 16

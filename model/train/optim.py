@@ -9,7 +9,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.training.config import TrainConfig
+from model.train.config import TrainConfig
 
 
 def get_lr(it: int, cfg: TrainConfig) -> float:

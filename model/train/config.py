@@ -16,8 +16,8 @@ from typing import Any
 from model.checkpoint import CheckpointError, read_config
 from model.cli import ArgumentParser, check_threads
 from model.distributed import DistEnv
-from model.training.outputs import RUN_FILES
-from model.training.resume import last_dir
+from model.train.outputs import RUN_FILES
+from model.train.resume import last_dir
 
 
 @dataclass
