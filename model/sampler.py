@@ -1,5 +1,6 @@
-"""Sampling: validated parameters, pure functions over logits plus an explicit generator, and the batched
-`Sampler` the engine and the reference loop both use.
+"""Sampling: pure functions over logits plus an explicit generator, and the batched `Sampler` the engine and the
+reference loop both use (the parameters they apply, validated, are `SamplingParams` in model/sampling_params.py;
+the offline command `python -m model.sample` is model/sample.py).
 
 Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
 
