@@ -1,7 +1,7 @@
 """Fault injection, a testing aid: off by default, never reachable unless the server was started with
 `--fault-injection` (env `FOLIO_FAULT_INJECTION=1`).
 
-When enabled, the engine's `on_step` hook raises inside the model step of any request whose prompt contains
+When enabled, the engine's `fault_hook` raises inside the model step of any request whose prompt contains
 one of the markers below, so that a test against a real `python -m app` process can check that such a
 request fails alone (HTTP 424, or a final error event on a stream) while the others complete:
 
@@ -42,7 +42,7 @@ def _contains(seq: Sequence[int], sub: Sequence[int]) -> bool:
 
 
 def fault_hook(tokenizer: Tokenizer) -> Callable[[list[Request]], None]:
-    """The engine's `on_step` hook for the markers above, encoded with `tokenizer`."""
+    """The engine's `fault_hook` for the markers above, encoded with `tokenizer`."""
     def ids(marker: str) -> list[int]:
         try:
             return list(tokenizer.encode(marker))
@@ -51,7 +51,7 @@ def fault_hook(tokenizer: Tokenizer) -> Callable[[list[Request]], None]:
 
     prefill_ids, decode_ids, stall_ids = ids(FAULT_PREFILL), ids(FAULT_DECODE), ids(FAULT_STALL)
 
-    def on_step(requests: list[Request]) -> None:
+    def hook(requests: list[Request]) -> None:
         for req in requests:
             if _contains(req.prompt, stall_ids):
                 deadline = time.monotonic() + STALL_MAX_SECONDS
@@ -62,4 +62,4 @@ def fault_hook(tokenizer: Tokenizer) -> Callable[[list[Request]], None]:
             if not req.prefilling and len(req.output) >= DECODE_AFTER and _contains(req.prompt, decode_ids):
                 raise InjectedFault(f"injected fault in decode ({FAULT_DECODE} in the prompt)")
 
-    return on_step
+    return hook

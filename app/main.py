@@ -45,7 +45,7 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
     if settings.fault_injection:
         log.warning("fault injection is on (a testing aid): prompts with %s or %s fail on purpose, with %s hang "
                     "the engine step", FAULT_PREFILL, FAULT_DECODE, FAULT_STALL)
-        engine.on_step = fault_hook(checkpoint.tokenizer)
+        engine.fault_hook = fault_hook(checkpoint.tokenizer)
     return engine
 
 

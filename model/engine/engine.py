@@ -60,13 +60,13 @@ class Engine:
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
 
     @property
-    def on_step(self) -> Callable[[list[Request]], None] | None:
+    def fault_hook(self) -> Callable[[list[Request]], None] | None:
         """A hook called with each request before its model step (fault injection); raising fails that request."""
-        return self.scheduler.on_step
+        return self.scheduler.fault_hook
 
-    @on_step.setter
-    def on_step(self, hook: Callable[[list[Request]], None] | None) -> None:
-        self.scheduler.on_step = hook
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[list[Request]], None] | None) -> None:
+        self.scheduler.fault_hook = hook
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> Engine:

@@ -65,7 +65,7 @@ class Scheduler:
         self.stopping = False
         self.closing = False  # admits nothing new; what is in flight finishes (`Engine.drain`)
         self.step_started: float | None = None  # monotonic time the current loop iteration began; None when idle
-        self.on_step: Callable[[list[Request]], None] | None = None  # test hook: fault injection
+        self.fault_hook: Callable[[list[Request]], None] | None = None  # test hook: fault injection
         self.flush: Callable[[], None] = lambda: None  # hands the events of a step to their event loops
 
     # -- from any thread, under `lock` ------------------------------------------------------------------
@@ -207,14 +207,14 @@ class Scheduler:
         return not any(o.row >= 0 and o.prefilling and shares_prefix(o.prompt, req.prompt)
                        for o in self.batch.prefilling)
 
-    def _on_step(self, reqs: list[Request], phase: str) -> list[Request]:
-        """Run the `on_step` hook (fault injection) per request; a request it raises for fails alone. The rest."""
-        if self.on_step is None:
+    def _run_fault_hook(self, reqs: list[Request], phase: str) -> list[Request]:
+        """Run the fault-injection hook (`fault_hook`) per request; a request it raises for fails alone. The rest."""
+        if self.fault_hook is None:
             return reqs
         kept = []
         for req in reqs:
             try:
-                self.on_step([req])
+                self.fault_hook([req])
                 kept.append(req)
             except Exception as e:
                 req.warn(log, "request %d failed%s: %s", req.id, phase, e)
@@ -231,7 +231,7 @@ class Scheduler:
         if not begun:
             return
         plan = plan_prefill(begun, self.prefill_chunk, self.block_size)
-        kept = self._on_step([req for req, _ in plan], " during prefill")
+        kept = self._run_fault_hook([req for req, _ in plan], " during prefill")
         plan = [(req, n) for req, n in plan if req in kept]
         if not plan:
             return
@@ -271,7 +271,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         """One token for every running row; rows whose window is full slide it (re-prefill) first."""
-        reqs = self._on_step(list(self.batch.running), "")
+        reqs = self._run_fault_hook(list(self.batch.running), "")
         slid: dict[int, torch.Tensor] = {}  # the logits of rows whose window slid, by request id
         for req in reqs:
             if self.batch.slide(req, self.window_shift, self.block_size):

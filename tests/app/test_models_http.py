@@ -145,7 +145,7 @@ def test_reload_finishes_running_streams_on_the_old_weights(reloadable: tuple[Te
                         if ch != "[DONE]")
     engine = c.app.state.service.engine
     gate, entered = threading.Event(), threading.Event()
-    engine.on_step = lambda reqs: (entered.set(), gate.wait(10))  # hold the stream mid-way
+    engine.fault_hook = lambda reqs: (entered.set(), gate.wait(10))  # hold the stream mid-way
     streamed: list[str] = []
     worker = threading.Thread(target=lambda: streamed.append(c.post("/v1/completions", json=long_body).text))
     worker.start()
@@ -153,7 +153,7 @@ def test_reload_finishes_running_streams_on_the_old_weights(reloadable: tuple[Te
     make_char_checkpoint(path, seed=2)  # new weights (those of model b), written atomically
     r = c.post("/admin/reload", json={"model": "live"})
     assert r.status_code == 200 and r.json()["reloaded"] == {"live": True}
-    engine.on_step = None
+    engine.fault_hook = None
     gate.set()
     worker.join(30)
     text = "".join(ch["choices"][0]["text"] for ch in parse_sse(streamed[0]) if ch != "[DONE]")
@@ -202,7 +202,7 @@ def test_a_model_at_capacity_refuses_nothing_to_the_others(dirs: dict[str, Path]
         greedy(c, "b")
         engine_b = next(e for n, e, _ in c.app.state.models.registry.loaded() if n == "b")
         gate, entered = threading.Event(), threading.Event()
-        engine_b.on_step = lambda reqs: (entered.set(), gate.wait(10))
+        engine_b.fault_hook = lambda reqs: (entered.set(), gate.wait(10))
         body = {"prompt": PROMPT, "model": "b", "max_tokens": 5, "stream": True}
         worker = threading.Thread(target=lambda: c.post("/v1/completions", json=body))
         worker.start()
@@ -216,7 +216,7 @@ def test_a_model_at_capacity_refuses_nothing_to_the_others(dirs: dict[str, Path]
             full = c.post("/generate", json={"inputs": PROMPT}, headers={"X-Folio-Model": "b"})
             assert full.status_code == 429
         finally:
-            engine_b.on_step = None
+            engine_b.fault_hook = None
             gate.set()
             worker.join(30)
         assert c.app.state.service.engine.reserved == engine_b.reserved == 0

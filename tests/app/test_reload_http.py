@@ -89,12 +89,12 @@ def held(c: TestClient, send: Callable[[], Any]) -> tuple[threading.Event, threa
     """Run `send` in a thread with the default model's engine held at its next step: (gate, thread, [answer])."""
     engine = c.app.state.service.engine
     gate, entered = threading.Event(), threading.Event()
-    engine.on_step = lambda reqs: (entered.set(), gate.wait(10))
+    engine.fault_hook = lambda reqs: (entered.set(), gate.wait(10))
     out: list[Any] = []
     worker = threading.Thread(target=lambda: out.append(send()))
     worker.start()
     assert entered.wait(10)
-    engine.on_step = None  # the step already entered still waits for the gate
+    engine.fault_hook = None  # the step already entered still waits for the gate
     return gate, worker, out
 
 

@@ -59,5 +59,5 @@ def make_engine() -> Iterator[Callable[..., Engine]]:
 
     yield make
     for engine in engines:
-        engine.on_step = None
+        engine.fault_hook = None
         engine.stop(timeout=10)

@@ -98,5 +98,5 @@ def hold_steps(engine: Engine) -> tuple[threading.Event, threading.Event]:
         entered.set()
         release.wait(10)
 
-    engine.on_step = hold
+    engine.fault_hook = hold
     return entered, release

@@ -24,7 +24,7 @@ def test_an_inspection_interleaves_with_decoding_and_equals_the_offline_one(make
     engine = make_engine(ck)
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     order: list[str] = []
-    engine.on_step = lambda reqs: order.append("decode")
+    engine.fault_hook = lambda reqs: order.append("decode")
 
     def job_steps(inner):
         for step in inner:
@@ -113,7 +113,7 @@ def test_liveness_says_when_the_engine_stalls_and_drain_finishes_what_runs(make_
         drained = await asyncio.to_thread(engine.drain, 10.0)
         return drained, await stream.collect()
 
-    engine.on_step = lambda reqs: release.wait(10)  # a step that hangs until released
+    engine.fault_hook = lambda reqs: release.wait(10)  # a step that hangs until released
     drained, result = run(main())
     assert drained and result.finished.generated_tokens == 5
     with pytest.raises(EngineStopped):

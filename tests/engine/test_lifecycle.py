@@ -79,7 +79,7 @@ def test_overloaded_while_the_engine_is_busy(make_engine) -> None:
         with pytest.raises(Overloaded):
             engine.generate([5, 6], params)  # the blocking API refuses at once too
         assert engine.stats.rejected_total == 2
-        engine.on_step = None
+        engine.fault_hook = None
         release.set()
         return await asyncio.gather(first.collect(), second.collect())
 
@@ -92,7 +92,7 @@ def test_cancel_frees_the_slot_within_one_step(make_checkpoint, make_engine) -> 
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, window_shift=4, max_batch_size=4)
     seen: list[tuple[int, ...]] = []
-    engine.on_step = lambda reqs: seen.extend(tuple(r.prompt) for r in reqs)
+    engine.fault_hook = lambda reqs: seen.extend(tuple(r.prompt) for r in reqs)
     long_one, others = [10, 11, 12], [[20, 21], [30, 31, 32, 33]]
     params = SamplingParams(max_new_tokens=100_000, repetition_penalty=1.2)  # runs until cancelled
     short = SamplingParams(max_new_tokens=60, repetition_penalty=1.2)
@@ -166,7 +166,7 @@ def test_a_failing_request_does_not_take_the_others_down(make_checkpoint, make_e
             if (phase == "prefill" and prefilling) or (phase == "decode" and len(r.output) >= 3):
                 raise RuntimeError("injected fault")
 
-    engine.on_step = fault
+    engine.fault_hook = fault
 
     async def main():
         streams = [engine.submit(p, params) for p in prompts]
@@ -183,7 +183,7 @@ def test_a_failing_request_does_not_take_the_others_down(make_checkpoint, make_e
             assert got.token_ids == want
             assert_logprobs_match(ck, got, logits)  # the cache rows of the others were not disturbed
     assert engine.stats.failed_total == 1
-    engine.on_step = None
+    engine.fault_hook = None
     assert engine.generate(list(victim), params).token_ids == naive(ck, list(victim), params)[0]
 
 
@@ -263,14 +263,14 @@ def test_liveness_says_when_the_thread_is_gone_or_a_step_hangs(make_engine) -> N
 
     async def main():
         await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # waiting for work: no step to time
-        engine.on_step = hang
+        engine.fault_hook = hang
         stream = engine.submit([1, 2], SamplingParams(max_new_tokens=5))
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 5)
         assert engine.liveness(30.0) == (True, "stepping")
         await wait_until(lambda: not engine.liveness(0.1)[0])
         alive, why = engine.liveness(0.1)
         assert why.startswith("the engine's current step began") and why.endswith("s ago (limit 0.1 s)"), why
-        engine.on_step = None
+        engine.fault_hook = None
         release.set()
         result = await stream.collect()
         await wait_until(lambda: engine.liveness(0.1) == (True, "idle"))  # the stall is over: alive again
@@ -284,12 +284,12 @@ def test_liveness_says_when_the_thread_is_gone_or_a_step_hangs(make_engine) -> N
 def test_generate_timeout_cancels_the_request(make_engine) -> None:
     engine = make_engine()
     release = threading.Event()
-    engine.on_step = lambda reqs: release.wait(10)
+    engine.fault_hook = lambda reqs: release.wait(10)
     try:
         with pytest.raises(GenerationError, match="timed out"):
             engine.generate([1, 2], SamplingParams(max_new_tokens=5), timeout=0.2)
     finally:
-        engine.on_step = None
+        engine.fault_hook = None
         release.set()
     deadline = time.monotonic() + 5
     while engine.busy and time.monotonic() < deadline:

@@ -132,7 +132,7 @@ def test_a_running_stream_decodes_between_prefill_chunks(make_checkpoint, make_e
             phase = "prefill" if r.prefilled < len(r.prompt) else "decode"
             log.append((who, phase))
 
-    engine.on_step = record
+    engine.fault_hook = record
     runner_params = SamplingParams(max_new_tokens=40, repetition_penalty=1.3)
     long_params = SamplingParams(max_new_tokens=3)
 

@@ -134,7 +134,7 @@ def test_reload_swaps_weights_running_requests_finish_on_the_old_ones(models, tm
         before = greedy(old, 30)
         assert reg.reload("a") is False  # nothing changed
         hold = threading.Event()
-        old.on_step = lambda reqs: hold.wait(10)
+        old.fault_hook = lambda reqs: hold.wait(10)
 
         async def main():
             running = old.submit([1, 2, 3], SamplingParams(max_new_tokens=30))  # on the old weights
@@ -353,7 +353,7 @@ def test_requests_on_retired_weights_finish_however_long_they_take(models, monke
             monotonic=lambda: clock.__setitem__(0, clock[0] + 3600) or clock[0],
             sleep=lambda s: (polls.release(), time.sleep(s))))
         hold = threading.Event()
-        old.on_step = lambda reqs: hold.wait(60)
+        old.fault_hook = lambda reqs: hold.wait(60)
         out: list = []
         params = SamplingParams(max_new_tokens=30)
         running = threading.Thread(target=lambda: out.append(old.generate([1, 2, 3], params)))
@@ -387,7 +387,7 @@ def test_a_request_that_finds_the_engine_full_while_new_weights_load_waits_for_t
     try:
         _, old, _ = run(reg.acquire("a"))
         hold = threading.Event()
-        old.on_step = lambda reqs: hold.wait(60)
+        old.fault_hook = lambda reqs: hold.wait(60)
         results: list = []
 
         def occupy(n: int) -> None:  # n more requests running on the old engine (4 slots)

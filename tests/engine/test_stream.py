@@ -104,7 +104,7 @@ def test_a_quiet_stream_of_the_engine_ends_in_the_same_result(make_engine) -> No
     takes far less than its interval), where the plain reader was woken step by step. Each step is held 5 ms: a
     test model's steps are so short that the loop could take a whole generation's deliveries in one wake-up."""
     engine = make_engine(max_batch_size=2)
-    engine.on_step = lambda reqs: time.sleep(0.005)
+    engine.fault_hook = lambda reqs: time.sleep(0.005)
     params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_at_eos=False)
 
     async def generate(quiet: bool):

@@ -48,7 +48,7 @@ def engine_held_full(client: TestClient) -> Iterator[None]:
         entered.set()
         gate.wait(10)
 
-    engine.on_step = hold
+    engine.fault_hook = hold
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(client.post, "/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}})
@@ -57,7 +57,7 @@ def engine_held_full(client: TestClient) -> Iterator[None]:
             gate.set()
             assert first.result(timeout=10).status_code == 200
     finally:
-        engine.on_step = None
+        engine.fault_hook = None
         gate.set()
 
 

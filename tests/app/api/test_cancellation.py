@@ -36,14 +36,14 @@ def test_a_failing_sample_cancels_its_siblings(client: TestClient, route: str, b
         if req.seed == SEED + 1 and len(req.output) >= 2:  # the second sample fails after two tokens
             raise RuntimeError("injected fault")
 
-    engine.on_step = fault
+    engine.fault_hook = fault
     try:
         r = client.post(route, json=body)
         # cancelled before the error was answered, not later by the poll that notices the client has gone
         assert first[0].cancelled
         assert wait_until(lambda: engine.busy == 0, 1.0)
     finally:
-        engine.on_step = None
+        engine.fault_hook = None
     if route.startswith("/v1/"):
         assert_openai_error(r, 424, "server_error", None, "injected fault")
     else:

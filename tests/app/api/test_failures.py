@@ -28,7 +28,7 @@ def test_generation_failure_is_424_while_other_requests_succeed(client: TestClie
             raise RuntimeError("injected fault")
 
     failed_before = metric(client.get("/metrics").text, "folio_failed_requests_total")
-    engine.on_step = fault
+    engine.fault_hook = fault
     try:
         with ThreadPoolExecutor(4) as pool:
             good = [pool.submit(generate, client, p, max_new_tokens=12) for p in ("alpha", "beta")]
@@ -50,7 +50,7 @@ def test_generation_failure_is_424_while_other_requests_succeed(client: TestClie
                                         "param": None, "code": 424}, "request_id": r.headers["x-request-id"]}
         assert chunks[-1] == "[DONE]"
     finally:
-        engine.on_step = None
+        engine.fault_hook = None
     assert generate(client, "boom", max_new_tokens=4)["generated_text"] == reference("boom", 4)[1]
     assert metric(client.get("/metrics").text, "folio_failed_requests_total") == failed_before + 5
 
@@ -121,14 +121,14 @@ def test_client_disconnect_cancels_the_generation(client: TestClient, route: str
     engine = engine_of(client)
     before, tokens_before = engine.stats.cancelled_total, engine.stats.generated_tokens_total
     metrics_before = metric(client.get("/metrics").text, "folio_cancelled_requests_total")
-    engine.on_step = lambda _: time.sleep(0.005)  # LIMIT tokens now take well over a second
+    engine.fault_hook = lambda _: time.sleep(0.005)  # LIMIT tokens now take well over a second
     try:
         started = time.monotonic()
         status, body = client.portal.call(lambda: asgi_call(client.app, route, payload, hang_up=hang_up))
         assert time.monotonic() - started < 2.0
         assert wait_until(lambda: engine.stats.cancelled_total == before + 1 and engine.busy == 0, 1.0)
     finally:
-        engine.on_step = None
+        engine.fault_hook = None
     streaming = route == "/generate_stream" or payload.get("stream")
     assert status == (200 if streaming else 499)
     if streaming:

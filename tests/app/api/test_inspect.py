@@ -285,13 +285,13 @@ def test_a_running_stream_keeps_streaming_while_an_inspection_runs(bundled_clien
 
         return submit_job(stepped(), result, **kwargs)
 
-    def on_step(reqs: list) -> None:
+    def fault_hook(reqs: list) -> None:
         order.append("decode")
         decoding.set()
 
     body = {"inputs": "ROMEO:", "parameters": {"max_new_tokens": 250, "seed": 3, "do_sample": True}}
     alone = parse_sse(bundled_client.post("/generate_stream", json=body).text)
-    engine.submit_job, engine.on_step = recording, on_step
+    engine.submit_job, engine.fault_hook = recording, fault_hook
     try:
         with ThreadPoolExecutor(1) as pool:
             stream = pool.submit(bundled_client.post, "/generate_stream", json=body)
@@ -299,7 +299,7 @@ def test_a_running_stream_keeps_streaming_while_an_inspection_runs(bundled_clien
             answer = inspect(bundled_client, inputs=TEXT, lens_top=1)
             events = parse_sse(stream.result(timeout=60).text)
     finally:
-        engine.submit_job, engine.on_step = submit_job, None
+        engine.submit_job, engine.fault_hook = submit_job, None
     assert [e["token"]["id"] for e in events] == [e["token"]["id"] for e in alone]
     assert len(answer["attention"]["maps"]) == 36
     first, last = order.index("job"), len(order) - order[::-1].index("job")
