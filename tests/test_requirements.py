@@ -60,7 +60,8 @@ def test_missing_data_and_compiler_skip_with_the_reason(tmp_path: Path) -> None:
            "FOLIO_KERNEL_DIR": str(tmp_path / "kernels")}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-         "tests/model/test_tokenizer.py::test_bpe_is_gpt2s", "tests/model/test_kernels.py::test_disabled_restores"],
+         "tests/model/test_tokenizer.py::test_bpe_is_gpt2s",
+         "tests/model/kernels/test_kernels.py::test_disabled_restores"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "2 skipped" in result.stdout, result.stdout + result.stderr
     assert f"not found in {tmp_path / 'data' / 'gpt2-bpe'}" in result.stdout, result.stdout

@@ -16,7 +16,7 @@ bench/results/kernels.md.
 
 Use: `load()` builds (once per machine, `build.py`) and loads the library; `install(model)` swaps the model's
 modules (`modules.py`); `status()` says whether the kernels are in use or why not. Where they cannot be used,
-torch's ops serve with the same results up to float summation order (tests/model/test_kernels.py).
+torch's ops serve with the same results up to float summation order (tests/model/kernels/test_kernels.py).
 """
 
 from model.kernels.build import FUSED_MAX_TOKENS, MAX_ROWS, PACKED_MIN_ROWS, VARIANTS, Variant

@@ -1,1 +1,1 @@
-"""Tests of the model package: the GPT, checkpoints, converters, tokenizers, the CPU kernels."""
+"""Tests of the model package: the GPT, checkpoints, converters, tokenizers, the registry, the CPU kernels."""
