@@ -1,6 +1,8 @@
 """Tiny checkpoints for tests and benchmarks, written with `save_checkpoint` (shared by `tests/` and `bench/`, as
 `torch.testing` is by torch's own tests; `app/testing.py` holds the server-side aids).
 
+- `random_gpt`: the one tiny-model factory under all of them: a seeded random GPT in eval mode, the same weights
+  for the same arguments, its matrices optionally scaled up from GPT-2's init so that logits are spread out.
 - `make_char_checkpoint`: a seeded random GPT (block_size 64, 2 layers, n_embd 32) over a character tokenizer of
   printable ASCII plus newline (or the characters given). Weights are scaled up from GPT-2's init so that logits
   are spread out: greedy output must not hang on a near tie that the KV-cache path and the naive loop could break
@@ -13,6 +15,9 @@
 - `make_gpt2_shaped_checkpoint`: a seeded random GPT over GPT-2's BPE with GPT-2's vocabulary (50304), GPT-2
   small's shape by default (smaller for tests), its matrices scaled up like the char model's so that attention is
   peaked rather than uniform.
+- `tiny_checkpoint`: the engine tests' model, in memory: a seeded random GPT over 65 characters (letters,
+  punctuation, CJK) whose vocabulary is padded to 72, like GPT-2's 50257 -> 50304, with the padded rows of the
+  LM head scaled so that only masking keeps them out; optionally one character doubles as EOS.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import save_checkpoint
+from model.checkpoint import Checkpoint, save_checkpoint
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, CharTokenizer
@@ -29,19 +34,30 @@ from model.tokenizer import BPETokenizer, CharTokenizer
 CHARS = sorted({chr(c) for c in range(32, 127)} | {"\n"})  # 96 characters
 TRAINING = {"note": "random weights for the app tests", "iters": 0, "seed": 1234, "dataset": "none"}
 EMOJI_CJK = "😀中"
+# the engine tests' 65 characters: letters, punctuation and CJK, so that text is not all ASCII
+ENGINE_CHARS = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(" .,;!?\n") + [chr(0x4E00 + i) for i in range(32)]
+ENGINE_VOCAB_SIZE = 72  # padded past the tokenizer, like GPT-2's 50257 -> 50304: ids 65..71 must never come out
+
+
+def random_gpt(config: GPTConfig, *, seed: int, scale: float = 1.0) -> GPT:
+    """A GPT initialised from `torch.manual_seed(seed)`, in eval mode, every matrix (not the biases and LayerNorm
+    gains) multiplied by `scale`."""
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.mul_(scale)
+    return model
 
 
 def make_char_checkpoint(directory: Path, *, seed: int = 1234, chars: list[str] = CHARS, n_layer: int = 2,
                          n_embd: int = 32) -> Path:
     """The seeded random character-level checkpoint, written to `directory` (returned); larger with more layers
     or a wider embedding (memory tests)."""
-    torch.manual_seed(seed)
     config = GPTConfig(block_size=64, vocab_size=len(chars), n_layer=n_layer, n_head=2, n_embd=n_embd)
-    model = GPT(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
+    model = random_gpt(config, seed=seed, scale=4.0)
     return save_checkpoint(directory, model, CharTokenizer(chars), training=TRAINING)
 
 
@@ -84,12 +100,23 @@ def make_bpe_checkpoint(directory: Path, tok: BPETokenizer) -> Path:
 def make_gpt2_shaped_checkpoint(directory: Path, tok: BPETokenizer, *, n_layer: int = 12, n_head: int = 12,
                                 head_size: int = 64, block_size: int = 1024, scale: float = 4.0, seed: int = 0) -> Path:
     """A random GPT with GPT-2's vocabulary (GPT-2 small's shape by default), written to `directory`."""
-    torch.manual_seed(seed)
     config = GPTConfig(block_size=block_size, vocab_size=50304, n_layer=n_layer, n_head=n_head,
                        n_embd=head_size * n_head)
-    model = GPT(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(scale)
+    model = random_gpt(config, seed=seed, scale=scale)
     return save_checkpoint(directory, model, tok, training={"note": "random weights, GPT-2's shapes"})
+
+
+def tiny_checkpoint(block_size: int = 32, *, seed: int = 1, eos_id: int | None = None) -> Checkpoint:
+    """The engine tests' random GPT in memory, the same weights for the same arguments.
+
+    Weights are scaled up from GPT-2's init so that logits are spread out (near ties would make greedy parity
+    depend on the last bit), and the padded rows of the tied LM head are scaled further so that a padded id is
+    the largest logit nearly every step: only masking keeps them out.
+    """
+    config = GPTConfig(block_size=block_size, vocab_size=ENGINE_VOCAB_SIZE, n_layer=2, n_head=2, n_embd=32)
+    model = random_gpt(config, seed=seed, scale=8.0)
+    with torch.no_grad():
+        model.lm_head.weight[len(ENGINE_CHARS):] *= 4.0
+    tokenizer = CharTokenizer(ENGINE_CHARS)
+    tokenizer.eos_id = eos_id  # a character that doubles as end-of-text, for EOS tests
+    return Checkpoint(path=None, config=config, tokenizer=tokenizer, model=model)  # type: ignore[arg-type]

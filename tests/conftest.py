@@ -11,6 +11,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.testing import random_gpt
 from model.tokenizer import BPETokenizer, gpt2_tokenizer
 from tests import REPO
 
@@ -55,8 +56,7 @@ def tiny_config() -> GPTConfig:
 @pytest.fixture
 def tiny_model(tiny_config: GPTConfig) -> GPT:
     """A randomly initialised GPT in eval mode, the same weights every time (seeded)."""
-    torch.manual_seed(1234)
-    return GPT(tiny_config).eval()
+    return random_gpt(tiny_config, seed=1234)
 
 
 @pytest.fixture
