@@ -32,7 +32,6 @@ from pydantic_settings import SettingsError
 from uvicorn.lifespan.on import LifespanOn
 
 from app.main import create_app
-from app.models import model_paths
 from app.protocol import protocol_class
 from app.requestlog import configure_logging
 from app.settings import Settings, check_environment, env_name
@@ -113,14 +112,11 @@ class DrainingServer(uvicorn.Server):
         self.drain_started: float | None = None
 
     def handle_exit(self, sig: int, frame) -> None:  # noqa: ANN001
-        service = getattr(self.folio_app.state, "service", None)
-        if service is None or self.drain_started is not None:  # still loading, or the second signal
+        models = self.folio_app.state.models
+        if not models.ready or self.drain_started is not None:  # still loading, or the second signal
             super().handle_exit(sig, frame)
             return
-        models = getattr(self.folio_app.state, "models", None)
-        if models is not None:
-            models.set_draining()
-        service.draining = True
+        models.set_draining()
         self.drain_started = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
@@ -132,8 +128,7 @@ class DrainingServer(uvicorn.Server):
             if service.in_flight == 0:
                 self.should_exit = True
             elif time.monotonic() - self.drain_started >= self.drain_timeout:
-                models = self.folio_app.state.models
-                await asyncio.to_thread(service.engine.stop if models is None else models.registry.stop)
+                await asyncio.to_thread(self.folio_app.state.models.registry.stop)
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -186,12 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     try:
-        if settings.several_models:  # the registry loads them; the default one is checked here first
-            model_paths(settings)
-            load_checkpoint(settings.checkpoint)
-            app = create_app(settings)
-        else:  # the engine is built in the lifespan, while the port is open (`BackgroundLifespan`)
-            app = create_app(settings, checkpoint=load_checkpoint(settings.checkpoint))
+        # the default checkpoint is loaded here (a broken one: one line, exit 2); its engine is built in the
+        # lifespan, while the port is open (`BackgroundLifespan`), the other models' on first use
+        app = create_app(settings, checkpoint=load_checkpoint(settings.checkpoint))
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2

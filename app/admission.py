@@ -32,7 +32,7 @@ from app.errors import Unavailable, client_gone_response, error_response
 from model.engine import Engine, Overloaded
 
 RESERVATION = "reservation"  # the key of the request's state that holds its slot
-MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it, with the registry (app/models.py)
+MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it (app/models.py)
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
                             "/inspect"})
 BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it
@@ -60,10 +60,8 @@ class AdmissionMiddleware:
         app = self.get_app()
         service = app.state.service
         try:
-            if service is None:
-                raise Unavailable("the model is still loading")
             service.check_ready()
-            engine = admitting_engine(app, scope)
+            engine = admitting_engine(app.state.models, scope)
             if engine is not None:
                 engine.check_capacity()
             body = await read_body(receive)
@@ -86,17 +84,14 @@ class AdmissionMiddleware:
                 reservation.release()  # a no-op once the request was submitted
 
 
-def admitting_engine(app: Any, scope: Scope) -> Engine | None:
-    """The engine a request's slot is held in: the one model's; with the model registry (app/models.py), the
-    engine of the model its `X-Folio-Model` header names (else the default model's) if loaded. None where that is
-    not known yet, or not loaded: the route holds its slot once it has the model's engine, before tokenising
-    (`GenerationService.start_many`). An OpenAI request without the header is such a request, since its body's
-    `model` may name another model: a full model must not refuse requests to the others."""
-    models = app.state.models
-    if models is None:
-        return app.state.service.engine
+def admitting_engine(models: Any, scope: Scope) -> Engine | None:
+    """The engine a request's slot is held in (app/models.py): that of the model its `X-Folio-Model` header names
+    (else the default model's) if loaded. None where that is not known yet, or not loaded: the route holds its slot
+    once it has the model's engine, before tokenising (`GenerationService.start_many`). An OpenAI request without
+    the header is such a request when other models are served, since its body's `model` may name another: a full
+    model must not refuse requests to the others."""
     name = dict(scope.get("headers") or []).get(MODEL_HEADER.encode(), b"").decode("latin-1") or None
-    if name is None and scope["path"] in BODY_NAMES_MODEL:
+    if name is None and scope["path"] in BODY_NAMES_MODEL and len(models.registry.names) > 1:
         return None
     loaded = {n: e for n, e, _ in models.registry.loaded()}
     return loaded.get(name if name is not None else models.registry.default)

@@ -12,20 +12,14 @@ from app.errors import Unavailable
 from app.requestlog import RequestRecord, request_record
 from app.service import GenerationService
 from model.engine import Reservation
-from model.registry import ModelNotFound
 
 
 async def service_for(request: Request, model: str | None = None) -> GenerationService:
-    """The service. With the model registry (app/models.py): the request's copy of the service of the model
-    `model` names (OpenAI's field), else its `X-Folio-Model` header, else the default model's, that model loaded
-    first if it is not."""
-    service = getattr(request.app.state, "service", None)
-    if service is None:
-        raise Unavailable("the model is still loading")
-    models = getattr(request.app.state, "models", None)
-    if models is not None:
-        return await models.service(model or request.headers.get(MODEL_HEADER))
-    return service
+    """The request's copy of the service of the model `model` names (OpenAI's field), else its `X-Folio-Model`
+    header, else the default model's (app/models.py), that model loaded first if it is not. 503 while the server
+    loads or drains."""
+    request.app.state.service.check_ready()
+    return await request.app.state.models.service(model or request.headers.get(MODEL_HEADER))
 
 
 async def get_service(request: Request) -> GenerationService:
@@ -34,15 +28,11 @@ async def get_service(request: Request) -> GenerationService:
 
 async def described_service(request: Request, name: str | None = None) -> tuple[str, GenerationService | None]:
     """For the open routes, which never load a model (app/auth.py): the name of the model `name` names (else the
-    `X-Folio-Model` header, with the model registry), and its service if it is loaded now, else None. Without
-    the registry, the one model (a 404 for another `name`; 503 while it loads)."""
-    models = getattr(request.app.state, "models", None)
-    if models is not None:
-        return models.if_loaded(name or request.headers.get(MODEL_HEADER))
-    service = await get_service(request)
-    if name is not None and name != service.model_id:
-        raise ModelNotFound(name, [service.model_id])
-    return service.model_id, service
+    `X-Folio-Model` header), and its service if it is loaded now, else None. 503 until the default model is."""
+    models = request.app.state.models
+    if not models.ready:
+        raise Unavailable("the model is still loading")
+    return models.if_loaded(name or request.headers.get(MODEL_HEADER))
 
 
 def get_reservation(request: Request) -> Reservation | None:

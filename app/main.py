@@ -1,5 +1,5 @@
-"""The app factory: `create_app(settings)` builds the FastAPI app; the lifespan loads the checkpoint,
-starts the engine and warms it up. Nothing heavy happens at import time."""
+"""The app factory: `create_app(settings)` builds the FastAPI app and its model registry (app/models.py); the
+lifespan loads the default checkpoint, starts its engine and warms it up. Nothing heavy happens at import time."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ from app.models import CurrentEngine, ServedModels
 from app.requestlog import RequestLogMiddleware
 from app.responses import StrictJSONResponse
 from app.schemas import CompletionRequest, GenerateParameters
-from app.service import GenerationService
 from app.settings import Settings
-from model.checkpoint import Checkpoint, load_checkpoint
+from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.quantize import quantize
 
@@ -56,11 +55,9 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        serving = _serve_models(app, settings) if settings.several_models else \
-            _serve_one(app, settings, checkpoint, engine)
         async with AsyncExitStack() as stack:
             try:
-                await stack.enter_async_context(serving)
+                await stack.enter_async_context(_serve(app))
             except Exception as e:  # the model cannot be served: `python -m app` says why and exits 2
                 app.state.startup_error = e
                 raise
@@ -77,8 +74,10 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
-    app.state.service = None
-    app.state.models = None
+    # the registry serves every model, one checkpoint too: a registry of one
+    models = ServedModels(settings, app.state.metrics, build_engine, checkpoint=checkpoint, engine=engine)
+    app.state.models = models
+    app.state.service = models.default  # the default model's service: ready once the lifespan has loaded it
     app.state.startup_error = None  # why the lifespan could not start serving, if it could not
     install_error_handlers(app, RANGED)
     _install_routes(app)
@@ -112,48 +111,31 @@ def _install_middleware(app: FastAPI, settings: Settings) -> None:
 
 
 @asynccontextmanager
-async def _serve_one(app: FastAPI, settings: Settings, checkpoint: Checkpoint | None,
-                     engine: Engine | None) -> AsyncIterator[None]:
-    """The lifespan with one model: loaded (unless given), its engine built (unless given), started and warmed up
-    before the server is ready."""
-    ck = checkpoint
-    if ck is None:
-        ck = await run_in_threadpool(load_checkpoint, settings.checkpoint)
-    eng = engine or await run_in_threadpool(build_engine, settings, ck)
-    eng.start()
+async def _serve(app: FastAPI) -> AsyncIterator[None]:
+    """The lifespan's serving: the default model loaded and warmed up before the server is ready, the others (with
+    --models, --models-dir) on first use."""
     metrics: Metrics = app.state.metrics
-    metrics.bind(eng)
-    service = GenerationService(eng, ck, settings, metrics)
-    app.state.service = service
-    await run_in_threadpool(eng.warmup)
-    metrics.vllm.bind(eng, service.model_id)  # after the warm-up, which vLLM's token counters leave out
-    service.ready = True
-    dtype, kv = (str(t).removeprefix("torch.") for t in (eng.config.dtype, eng.runner.kv_dtype))
-    log.info("serving %s on %s (%s weights, computed in %s, %s KV cache)", service.model_id, eng.config.device,
-             dtype if service.quantization == "none" else service.quantization, dtype, kv)
-    try:
-        yield
-    finally:
-        service.draining = True
-        await run_in_threadpool(eng.stop)
-
-
-@asynccontextmanager
-async def _serve_models(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
-    """The lifespan with the model registry (app/models.py): the default model loaded and warmed up before the
-    server is ready, the others on first use."""
-    metrics: Metrics = app.state.metrics
-    models = ServedModels(settings, metrics, build_engine)
+    models: ServedModels = app.state.models
     await run_in_threadpool(models.start)
     service = models.default
-    app.state.models, app.state.service = models, service
     current = CurrentEngine(service)  # the metrics read whichever engine serves the default model now
     metrics.bind(current)  # type: ignore[arg-type]
     metrics.vllm.bind(current, service.model_id)  # type: ignore[arg-type]
-    log.info("serving %s (default %s)", ", ".join(models.registry.names), service.model_id)
+    _log_serving(models)
     try:
         yield
     finally:
         models.set_draining()
         await run_in_threadpool(models.registry.stop)
 
+
+
+def _log_serving(models: ServedModels) -> None:
+    """The models served, and where and how the default one runs (no reference to its engine outlives this: the
+    registry frees an engine a reload retires)."""
+    service = models.default
+    engine = service.engine
+    dtype, kv = (str(t).removeprefix("torch.") for t in (engine.config.dtype, engine.runner.kv_dtype))
+    log.info("serving %s (default %s on %s: %s weights, computed in %s, %s KV cache)", ", ".join(models.registry.names),
+             service.model_id, engine.config.device, dtype if service.quantization == "none" else service.quantization,
+             dtype, kv)

@@ -1,6 +1,6 @@
 """Several checkpoints in one server, and hot reload, over HTTP: the model registry (model/registry.py) behind the
-routes. On when `--checkpoint` is given several times, `--models` or `--models-dir` names more, or `--watch` is set;
-the single-checkpoint server without them is unchanged (no registry).
+routes. Every server runs it: one checkpoint is a registry of one entry; `--models` and `--models-dir` name more,
+`--watch` reloads changed checkpoints (and serves those put into `--models-dir`).
 
 - Names: a checkpoint's directory name, or NAME=DIR. OpenAI's `model` field picks the model; TGI's routes (which
   have no such field) read the `X-Folio-Model` header; without either, the first model (`--checkpoint`) serves.
@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -84,17 +84,25 @@ def checkpoint_dirs(directory: Path, served: dict[str, Path]) -> list[Path]:
 class ServedModels:
     """The registry and one `GenerationService` per model name."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, build: Callable[[Settings, Checkpoint], Engine]) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, build: Callable[[Settings, Checkpoint], Engine], *,
+                 checkpoint: Checkpoint | None = None, engine: Engine | None = None) -> None:
+        """`checkpoint` (or a ready `engine` with it) serve the default model's first load instead of its files
+        (tests inject them; a reload reads the files)."""
         self.settings, self.metrics = settings, metrics
         self._skipped: set[Path] = set()  # directories `discover` found under a name already taken (logged once)
+        self.ready = False  # the default model loaded and warmed up (`start`)
+        injected = [(checkpoint, engine)] if checkpoint is not None or engine is not None else []
 
         def load(path: Path) -> tuple[Checkpoint, Engine]:
-            checkpoint = load_checkpoint(path)
-            engine = build(settings, checkpoint).start()
-            engine.warmup()
-            return checkpoint, engine
+            given_checkpoint, given_engine = injected.pop() if injected and path == default_path else (None, None)
+            loaded = given_checkpoint or load_checkpoint(path)
+            built = (given_engine or build(settings, loaded)).start()
+            built.warmup()
+            return loaded, built
 
-        self.registry = ModelRegistry(model_paths(settings), load, max_loaded=settings.max_loaded,
+        paths = model_paths(settings)
+        default_path = next(iter(paths.values()))
+        self.registry = ModelRegistry(paths, load, max_loaded=settings.max_loaded,
                                       load_wait=settings.load_wait, memory=lambda path: engine_memory(settings, path))
         self.services: dict[str, GenerationService] = {}
         metrics.registry.register(ReloadCollector(self.registry))
@@ -103,8 +111,8 @@ class ServedModels:
         """Model `name`'s service, made on first use (`--watch` adds the models put into --models-dir)."""
         service = self.services.get(name)
         if service is None:
-            service = GenerationService(None, None, self.settings, self.metrics, registry=self.registry, name=name)
-            service.ready = True
+            service = GenerationService(self.registry, name, self.settings, self.metrics)
+            service.ready = self.ready
             service = self.services.setdefault(name, service)
         return service
 
@@ -149,6 +157,9 @@ class ServedModels:
     def start(self) -> None:
         """Load the default model now (a broken one fails the start-up) and start watching if asked."""
         self.registry.load_now(self.registry.default)
+        self.ready = True
+        for service in self.services.values():
+            service.ready = True
         if self.settings.watch:
             self.registry.watch(self.settings.watch, self.discover)
 
@@ -212,19 +223,16 @@ class ReloadRequest(BaseModel):
     model: str | None = Field(None, description="the model to reload (default: every loaded one)")
 
 
-def served_models(request: Request) -> ServedModels | None:
-    return getattr(request.app.state, "models", None)
+def served_models(request: Request) -> ServedModels:
+    return request.app.state.models
 
 
-@router.post("/admin/reload", responses=error_docs(401, 404, 409, 422))
+@router.post("/admin/reload", responses=error_docs(401, 404, 422))
 async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     """Swap in a checkpoint whose files changed (its config.json's hash tells), as `--watch` does: running requests
     finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
-    reason in the answer and in /info). Behind the API key (app/auth.py); needs the registry (see app/models.py)."""
+    reason in the answer and in /info). Behind the API key (app/auth.py)."""
     models = served_models(request)
-    if models is None:  # a conflict with how the server was started, not a fault of the server
-        raise HTTPException(409, "reloading needs the model registry: start the server with --watch, --models or "
-                                 "--models-dir")
     names = [models.registry.slot_for(body.model)] if body.model else [n for n, _, _ in models.registry.loaded()]
     started = time.perf_counter()
     reloaded = {name: await run_in_threadpool(models.registry.reload, name) for name in names}
@@ -264,7 +272,7 @@ async def training(name: str, request: Request) -> dict[str, Any]:
     if service is not None:
         path, training, fingerprint = service.checkpoint.path, service.checkpoint.training, service.fingerprint
     else:
-        path = served_models(request).registry.paths()[name]  # type: ignore[union-attr]
+        path = served_models(request).registry.paths()[name]
         training, fingerprint = await run_in_threadpool(_stored_training, path), None
     rows = await run_in_threadpool(_metrics_tail, path / METRICS_FILE) if path else []
     return {"model": name, "fingerprint": fingerprint, "training": without_paths(training), "metrics": rows}

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.completions import FINISH, Scored, best, choice_logprobs, logprobs_block, sample_params, usage
-from app.deps import ReservationDep, get_service, service_for
+from app.deps import ReservationDep, service_for
 from app.errors import exception_body
 from app.fields import OPENAI
 from app.limits import ThreadedBodyRoute
@@ -24,7 +24,6 @@ from app.schemas import CompletionRequest, OpenAIError
 from app.service import GenerationService, cancel_all
 from app.sse import SSE_HEADERS, SSE_OR_JSON_DOC, sse
 from model.engine import EngineError, Finished, GenerationStream, TokenEvent
-from model.registry import ModelNotFound
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
 ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
@@ -32,15 +31,9 @@ ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429
 
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
-    """The models served: one, or with the registry every model and its state (app/models.py; loads none)."""
-    served = served_models(request)
-    if served is not None:
-        return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
-                                            "owned_by": "folio", **m} for m in served.describe()]}
-    service = await get_service(request)
-    created = int(service.checkpoint.path.stat().st_mtime) if service.checkpoint.path else 0
-    return {"object": "list",
-            "data": [{"id": service.model_id, "object": "model", "created": created, "owned_by": "folio"}]}
+    """The models served, each with its state (app/models.py; loads none)."""
+    return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
+                                        "owned_by": "folio", **m} for m in served_models(request).describe()]}
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
@@ -49,9 +42,6 @@ async def completions(body: CompletionRequest, request: Request, reservation: Re
     of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt.
     `model` picks one of the models served (app/models.py)."""
     service = await service_for(request, body.model)
-    service.check_ready()
-    if served_models(request) is None and body.model is not None and body.model != service.model_id:
-        raise ModelNotFound(body.model, [service.model_id])
     params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]

@@ -33,27 +33,22 @@ RESULT_WAKE_S = 0.25
 
 
 class GenerationService:
-    """One model's service. Its engine and checkpoint are fixed, or, with the model registry (app/models.py),
-    whichever the registry serves the model `name` with now. A request works with a `pinned` copy: the engine
-    and checkpoint the registry gave it, whatever a reload or an unload does meanwhile, so that its tokenizer,
-    its engine and the checkpoint its answer names (`fingerprint`) are one model's."""
+    """One model's service: whichever engine and checkpoint the model registry (app/models.py) serves the model
+    `name` with now. A request works with a `pinned` copy: the engine and checkpoint the registry gave it, whatever
+    a reload or an unload does meanwhile, so that its tokenizer, its engine and the checkpoint its answer names
+    (`fingerprint`) are one model's."""
 
-    def __init__(self, engine: Engine | None, checkpoint: Checkpoint | None, settings: Settings, metrics: Metrics,
-                 *, registry: ModelRegistry | None = None, name: str | None = None) -> None:
-        self._engine, self._checkpoint = engine, checkpoint
+    def __init__(self, registry: ModelRegistry, name: str, settings: Settings, metrics: Metrics) -> None:
+        self._engine: Engine | None = None
+        self._checkpoint: Checkpoint | None = None
         self._tokenizer: Tokenizer | None = None
-        self.registry, self.name = registry, name
+        self.registry, self.name, self.model_id = registry, name, name
         self.settings = settings
         self.metrics = metrics
         self.ready = False
         self.draining = False
         self.in_flight = 0  # admitted requests whose response has not ended yet (app/admission.py)
         self._origin: GenerationService | None = None  # the model's shared service, for a pinned copy
-        if name is not None:
-            self.model_id = name
-        else:
-            assert checkpoint is not None
-            self.model_id = settings.model_id or checkpoint.path.name
 
     def pinned(self, engine: Engine, checkpoint: Checkpoint) -> GenerationService:
         """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it)."""
@@ -62,9 +57,8 @@ class GenerationService:
         return view
 
     def _current(self) -> tuple[Engine, Checkpoint]:
-        if self._engine is not None and self._checkpoint is not None:  # one model, or a request's pinned copy
+        if self._engine is not None and self._checkpoint is not None:  # a request's pinned copy
             return self._engine, self._checkpoint
-        assert self.registry is not None
         for name, engine, checkpoint in self.registry.loaded():
             if name == self.name:
                 return engine, checkpoint
@@ -121,7 +115,7 @@ class GenerationService:
     # -- submitting -----------------------------------------------------------------------------------
     def own_slot(self, reservation: Reservation | None) -> Reservation | None:
         """`reservation` if its slot is in this request's engine; else None, a slot in another engine given back
-        (with the model registry, admission reserves before the body names the model, or before a reload)."""
+        (admission reserves before the body names the model, or before a reload)."""
         if reservation is not None and reservation.owner is not self.engine:
             reservation.release()
             return None
@@ -153,7 +147,7 @@ class GenerationService:
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
         own = None
         reservation = self.own_slot(reservation)
-        if self.registry is not None and reservation is None:  # hold one here before tokenising (429 at once)
+        if reservation is None:  # hold one here before tokenising (429 at once)
             reservation = own = engine.reserve()
         try:
             prompt = await self.encode(text, api) if isinstance(text, str) else text
@@ -162,10 +156,9 @@ class GenerationService:
                 with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once
                     return self._submit(engine, prompt, params, truncate, reservation)
             except EngineStopped:
-                if self.registry is None or self._origin is None or self._origin.draining:
+                if self._origin is None or self._origin.draining:
                     raise
             # a reload retired the engine between the checks and the submission: the new one takes the request
-            assert self.name is not None
             _, engine, checkpoint = await self.registry.acquire(self.name)
             self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
             with api.naming_fields():

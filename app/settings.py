@@ -164,11 +164,6 @@ class Settings(BaseSettings):
             kv_cache_dtype=self.kv_cache_dtype,
         )
 
-    @property
-    def several_models(self) -> bool:
-        """Whether the model registry serves (several checkpoints, a models directory, or hot reload)."""
-        return bool(self.models or self.models_dir or self.watch)
-
     @field_validator("cors_origins", mode="before")
     @classmethod
     def _split_origins(cls, value: Any) -> Any:

@@ -9,9 +9,9 @@ The probes (what each answers is what the kubelet acts on; deploy/kubernetes/ us
   restarts the container, and a draining server must be left to finish);
 - `/health/ready`: send it new traffic: loaded, not draining, and not full (requests in flight below the
   capacity, `max_batch_size + max_waiting`: the engine's own figures, the ones /metrics exports);
-- `/health/live`: the engine thread is alive and no step has run longer than `--liveness-stall-seconds` (with
-  several models: every loaded model's); while the model loads, 200 "loading" (the kubelet asks only once the
-  startup probe has passed; anything else that asks learns that the process is alive).
+- `/health/live`: every loaded model's engine thread is alive and no step has run longer than
+  `--liveness-stall-seconds` (the reason names the model); while the model loads, 200 "loading" (the kubelet
+  asks only once the startup probe has passed; anything else that asks learns that the process is alive).
 A 503 says why in its body: `{"status": ..., "reason": ...}`. None of them touches the engine's lock, so a
 wedged engine cannot hang the probes too.
 """
@@ -52,8 +52,8 @@ def without_paths(value: Any) -> Any:
 @router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
 async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
-    service = getattr(request.app.state, "service", None)
-    if service is None or not service.ready:
+    service = request.app.state.service
+    if not service.ready:
         return _unavailable("loading", LOADING, request)
     if service.draining:
         return StrictJSONResponse({"status": "draining"}, status_code=503)
@@ -62,8 +62,8 @@ async def health(request: Request) -> StrictJSONResponse:
 
 def _loaded(request: Request) -> GenerationService | None:
     """The service once the model is loaded and warmed up, else None."""
-    service = getattr(request.app.state, "service", None)
-    return service if service is not None and service.ready else None
+    service = request.app.state.service
+    return service if service.ready else None
 
 
 def _unavailable(status: str, reason: str, request: Request | None = None) -> StrictJSONResponse:
@@ -111,13 +111,11 @@ async def health_live(request: Request) -> StrictJSONResponse:
     service = _loaded(request)
     if service is None:  # the process is alive; the startup probe tells whether it is ready
         return StrictJSONResponse({"status": "loading"})
-    models = request.app.state.models  # with the registry (app/models.py): every model loaded now
-    engines = [(None, service.engine)] if models is None else [(n, e) for n, e, _ in models.registry.loaded()]
     states = []
-    for name, engine in engines:
+    for name, engine, _ in request.app.state.models.registry.loaded():  # every model loaded now (app/models.py)
         alive, why = engine.liveness(service.settings.liveness_stall_seconds)
         if not alive:
-            return _unavailable("unhealthy", why if name is None else f"model {name!r}: {why}")
+            return _unavailable("unhealthy", f"model {name!r}: {why}")
         states.append(why)
     return StrictJSONResponse({"status": "stepping" if "stepping" in states else "idle"})
 
@@ -129,9 +127,8 @@ async def info(request: Request) -> dict[str, Any]:
     With several models (the `X-Folio-Model` header picks one), a model not loaded is not loaded for this: its
     name, state and the list of models only."""
     name, service = await described_service(request)
-    served = getattr(request.app.state, "models", None)
     if service is None:
-        models = served.describe()
+        models = request.app.state.models.describe()
         return {"model_id": name, "state": next(m["state"] for m in models if m["name"] == name), "models": models,
                 "version": VERSION, "router": "folio"}
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
@@ -164,7 +161,7 @@ async def info(request: Request) -> dict[str, Any]:
         "window_shift": limits.window_shift,
         "max_new_tokens_limit": service.settings.max_new_tokens_limit,
         "training": ck.training,
-        "models": served.describe() if served else None,
+        "models": request.app.state.models.describe(),
         "version": VERSION,
         "router": "folio",
     })

@@ -282,3 +282,16 @@ def test_without_the_key_no_model_is_loaded_and_the_open_routes_load_none(dirs: 
         assert info["model_id"] == "b" and info["parameters"] > 0
         assert c.get("/inspect/limits", headers={"X-Folio-Model": "b"}).json()["model"]["n_vocab"] == 96
         assert c.get("/models/b/training").json()["fingerprint"] == r.json()["system_fingerprint"]
+
+
+def test_a_server_of_one_checkpoint_reloads_it(tmp_path: Path, alone: dict[str, str]) -> None:
+    """One checkpoint, no --watch, --models or --models-dir: POST /admin/reload swaps in its changed weights as for
+    any server (a server of one checkpoint ran without the registry and answered 409)."""
+    path = make_char_checkpoint(tmp_path / "one", seed=1)
+    with client(checkpoint=path) as c:
+        assert greedy(c)["choices"][0]["text"] == alone["a"]
+        assert c.post("/admin/reload", json={}).json()["reloaded"] == {"one": False}  # its files unchanged
+        make_char_checkpoint(path, seed=2)  # new weights (those of model b), written atomically
+        r = c.post("/admin/reload", json={})
+        assert r.status_code == 200 and r.json()["reloaded"] == {"one": True}, r.text
+        assert greedy(c)["choices"][0]["text"] == alone["b"]

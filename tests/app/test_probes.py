@@ -98,7 +98,7 @@ def test_live_fails_while_an_engine_step_hangs_and_recovers(probed: tuple[str, l
             status, answer = wait_for(lambda: (s := probe(client, "/health/live")) != REFUSED and s[0] == 503 and s,
                                       "live failing while the step hangs")
             assert answer["status"] == "unhealthy", answer
-            assert answer["reason"].startswith("the engine's current step began"), answer
+            assert answer["reason"].startswith("model 'tiny-char': the engine's current step began"), answer
             assert answer["reason"].endswith("s ago (limit 1 s)"), answer
             assert probe(client, "/health/startup")[0] == 200  # it is still started: only liveness restarts it
         # the client hung up: the request is cancelled, the step ends, the engine steps (and idles) again

@@ -234,7 +234,8 @@ def test_a_model_that_cannot_be_built_after_the_port_opened_exits_2(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2 and last == f"error: cannot serve {char_checkpoint}: no memory for the KV cache", last
+    want = f"error: cannot serve {char_checkpoint}: model 'tiny-char' could not be loaded: no memory for the KV cache"
+    assert code == 2 and last == want, last
 
 
 def test_a_signal_while_the_model_loads_ends_the_server_without_waiting_for_the_load(

@@ -63,7 +63,8 @@ def test_live_fails_once_the_engine_thread_has_stopped(make_client: Callable[...
     assert client.get("/health/live").status_code == 200
     engine_of(client).stop()
     r = client.get("/health/live")
-    assert (r.status_code, r.json()) == (503, {"status": "unhealthy", "reason": "the engine thread is not running"})
+    reason = "model 'tiny-char': the engine thread is not running"
+    assert (r.status_code, r.json()) == (503, {"status": "unhealthy", "reason": reason})
 
 
 def test_info_describes_model_engine_and_training(client: TestClient, char_checkpoint: Path) -> None:
