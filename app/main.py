@@ -129,13 +129,13 @@ async def _serve(app: FastAPI) -> AsyncIterator[None]:
         await run_in_threadpool(models.registry.stop)
 
 
-
 def _log_serving(models: ServedModels) -> None:
-    """The models served, and where and how the default one runs (no reference to its engine outlives this: the
-    registry frees an engine a reload retires)."""
+    """Where and how the default model runs, and the other models served (no reference to its engine outlives
+    this: the registry frees an engine a reload retires)."""
     service = models.default
     engine = service.engine
     dtype, kv = (str(t).removeprefix("torch.") for t in (engine.config.dtype, engine.runner.kv_dtype))
-    log.info("serving %s (default %s on %s: %s weights, computed in %s, %s KV cache)", ", ".join(models.registry.names),
-             service.model_id, engine.config.device, dtype if service.quantization == "none" else service.quantization,
-             dtype, kv)
+    others = [name for name in models.registry.names if name != service.model_id]
+    log.info("serving %s on %s (%s weights, computed in %s, %s KV cache)%s", service.model_id, engine.config.device,
+             dtype if service.quantization == "none" else service.quantization, dtype, kv,
+             f"; also {', '.join(others)} (loaded on first use)" if others else "")
