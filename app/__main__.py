@@ -31,9 +31,9 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 from uvicorn.lifespan.on import LifespanOn
 
+from app.http.connection import protocol_class
+from app.http.requestlog import configure_logging
 from app.main import create_app
-from app.protocol import protocol_class
-from app.requestlog import configure_logging
 from app.settings import Settings, check_environment, env_name
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser
@@ -203,10 +203,10 @@ def make_server(settings: Settings, app: FastAPI) -> DrainingServer:
     """The uvicorn server for `app`, configured by `settings`, its lifespan started in the background."""
     # httptools and uvloop (dependencies), not h11 and asyncio's loop: the event loop's cost per request and per
     # streamed event is what HTTP adds to the engine, and what a burst of refusals costs (bench/reliability/);
-    # the httptools protocol with deadlines and size bounds on each request's head and body (app/protocol.py)
+    # the httptools protocol with deadlines and size bounds on each request's head and body (app/http/connection.py)
     closed = app.state.metrics.connections_closed
     # log_config=None: uvicorn's lines go through the handler configure_logging set (the log format, request IDs);
-    # access_log=False: the access log is Folio's own (app/requestlog.py), with tokens and timings
+    # access_log=False: the access log is Folio's own (app/http/requestlog.py), with tokens and timings
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None, timeout_graceful_shutdown=FINAL_WRITES_S, access_log=False,
                             limit_concurrency=settings.max_connections,

@@ -1,4 +1,4 @@
-"""The app factory: `create_app(settings)` builds the FastAPI app and its model registry (app/models.py); the
+"""The app factory: `create_app(settings)` builds the FastAPI app and its model registry (app/serving/models.py); the
 lifespan loads the default checkpoint, starts its engine and warms it up. Nothing heavy happens at import time."""
 
 from __future__ import annotations
@@ -13,27 +13,35 @@ from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
-from app import inspect_api, openai_api, system, tgi, tokenizer_api
-from app import models as models_api
-from app.admission import AdmissionMiddleware
-from app.auth import ApiKeyMiddleware
-from app.errors import install_error_handlers
+from app.api.inspect.protocol import InspectRequest
+from app.api.inspect.router import router as inspect_routes
+from app.api.models.router import router as models_routes
+from app.api.openai.completions.protocol import CompletionRequest
+from app.api.openai.completions.router import router as completions_routes
+from app.api.system.router import PLAYGROUND, VERSION
+from app.api.system.router import router as system_routes
+from app.api.tgi.protocol import GenerateParameters
+from app.api.tgi.router import router as tgi_routes
+from app.api.tokenizer.protocol import TokenizeRequest
+from app.api.tokenizer.router import router as tokenizer_routes
 from app.faults import FAULT_DECODE, FAULT_PREFILL, FAULT_STALL, fault_hook
-from app.limits import BodyLimitMiddleware
-from app.metrics import Metrics, RequestMetricsMiddleware
-from app.models import CurrentEngine, ServedModels
-from app.requestlog import RequestLogMiddleware
-from app.responses import StrictJSONResponse
-from app.schemas import CompletionRequest, GenerateParameters
+from app.http.admission import AdmissionMiddleware
+from app.http.auth import ApiKeyMiddleware
+from app.http.errors import install_error_handlers
+from app.http.limits import BodyLimitMiddleware
+from app.http.metrics import Metrics, RequestMetricsMiddleware
+from app.http.requestlog import RequestLogMiddleware
+from app.http.responses import StrictJSONResponse
+from app.serving.models import CurrentEngine, ServedModels
 from app.settings import Settings
 from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
-# the request models whose fields' ranges a validation error names (app/errors.py), with their fields' prefixes
-RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", tokenizer_api.TokenizeRequest),
-          ("", inspect_api.InspectRequest))
+ROUTERS = (system_routes, tgi_routes, completions_routes, tokenizer_routes, models_routes, inspect_routes)
+# the request models whose fields' ranges a validation error names (app/http/errors.py), with their fields' prefixes
+RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest), ("", InspectRequest))
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
@@ -67,7 +75,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     # /static-offline-docs), not from a CDN: they work on a machine without internet access
     app = FastAPIOffline(
         title="Folio",
-        version=system.VERSION,
+        version=VERSION,
         summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
         lifespan=lifespan,
         default_response_class=StrictJSONResponse,
@@ -86,13 +94,9 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
 
 
 def _install_routes(app: FastAPI) -> None:
-    app.include_router(system.router)
-    app.include_router(tgi.router)
-    app.include_router(openai_api.router)
-    app.include_router(tokenizer_api.router)
-    app.include_router(models_api.router)
-    app.include_router(inspect_api.router)
-    app.mount("/static", StaticFiles(directory=system.PLAYGROUND.parent), name="static")  # the playground's files
+    for router in ROUTERS:
+        app.include_router(router)
+    app.mount("/static", StaticFiles(directory=PLAYGROUND.parent), name="static")  # the playground's files
 
 
 def _install_middleware(app: FastAPI, settings: Settings) -> None:

@@ -15,8 +15,8 @@ import torch
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.auth import PROTECTED_DOC
-from app.schemas import MAX_SEQUENCES
+from app.api.protocol import MAX_SEQUENCES
+from app.http.auth import PROTECTED_DOC
 from model.cli import DEFAULT_CHECKPOINT, check_threads
 from model.devices import resolve_device
 from model.engine import EngineConfig
@@ -51,7 +51,7 @@ class Settings(BaseSettings):
 
     checkpoint: Path = Field(DEFAULT_CHECKPOINT, description="checkpoint directory to serve")
     model_id: str | None = Field(None, description="name reported by /info and /v1/models (default: dir name)")
-    # several models in one server (app/models.py): any of these turns the model registry on
+    # several models in one server (app/serving/models.py): any of these turns the model registry on
     models: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="more checkpoints to serve beside --checkpoint, each DIR or NAME=DIR "
         "(comma-separated or a JSON list; --checkpoint given several times fills it too); OpenAI's `model` field or "
@@ -109,7 +109,7 @@ class Settings(BaseSettings):
     retry_after: int = Field(1, ge=0, description="Retry-After seconds on 429")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     log_format: Literal["text", "json"] = Field("text", description="text: a readable line per event; json: one "
-                                                "JSON object per line, for log collectors (app/requestlog.py)")
+                                                "JSON object per line, for log collectors (app/http/requestlog.py)")
     quantize: Literal["none", "int8", "bf16"] = Field(
         "none", description="weights of the blocks' products and the LM head stored as int8 (a scale per output "
         "row; a quarter of fp32's bytes) or bf16 (half), quantized at load; activations stay fp32 "

@@ -27,7 +27,8 @@ from typing import Any
 
 import httpx
 
-from app.inspect_api import InspectRequest, estimated_bytes
+from app.api.inspect.protocol import InspectRequest
+from app.api.inspect.router import estimated_bytes
 from app.testing import serving
 from bench import REPO, RESULTS, SHARED_DATA
 from bench.models import gpt2_124m

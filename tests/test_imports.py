@@ -123,7 +123,7 @@ def describe(component: list[str], edges: dict[str, set[str]]) -> str:
 def test_no_import_circles() -> None:
     known = modules(REPO)
     edges = graph(known)
-    assert "app.errors" in edges["app.main"] and "model.gpt" in edges["model.checkpoint"]  # the graph is read
+    assert "app.http.errors" in edges["app.main"] and "model.gpt" in edges["model.checkpoint"]  # the graph is read
     found = circles(edges)
     assert found == [], "import circles: " + " | ".join(describe(c, edges) for c in found)
 

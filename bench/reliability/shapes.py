@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.schemas import ErrorBody, GenerateResponse, OpenAIError, StreamResponse
+from app.api.openai.protocol import OpenAIError
+from app.api.protocol import ErrorBody
+from app.api.tgi.protocol import GenerateResponse, StreamResponse
+from app.api.tokenizer.router import DetokenizeResponse, SimpleToken, TokenizeResponse
 from app.testing import parse_sse
-from app.tokenizer_api import DetokenizeResponse, SimpleToken, TokenizeResponse
 
 
 def _fits(model: Any, obj: Any) -> bool:

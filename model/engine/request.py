@@ -38,7 +38,7 @@ class Request:
     scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
     submitted_at: float = field(default_factory=time.perf_counter)
     # the submitter's context (made where the request is made): log lines about the request are written in it, so
-    # they carry what the caller keeps there, such as the server's request ID (app/requestlog.py)
+    # they carry what the caller keeps there, such as the server's request ID (app/http/requestlog.py)
     caller: contextvars.Context = field(default_factory=contextvars.copy_context)
 
     @property

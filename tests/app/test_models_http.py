@@ -1,4 +1,5 @@
-"""Several checkpoints in one server and hot reload, over HTTP (app/models.py): each model's answers equal a server
+"""Several checkpoints in one server and hot reload
+(app/serving/models.py): each model's answers equal a server
 with that model alone, LRU unloading under --max-loaded (the default model loading again for requests that name
 none), a model at capacity refusing nothing to the others, a 503 with Retry-After while a model loads, a broken
 checkpoint refused while the others serve, and a reload that lets a running stream finish on the old weights

@@ -1,4 +1,5 @@
-"""Models that change while the server runs (app/models.py, model/registry.py): checkpoints put into --models-dir
+"""Models that change while the server runs (app/serving/models.py, model/registry.py):
+checkpoints put into --models-dir
 are served with --watch, a broken one is refused (and not loaded again until its files change) while the others
 serve, an answer names the checkpoint that made it even when a reload swaps the weights meanwhile, and the
 weights a reload or an unload retires leave memory (an engine object, and a real server's RSS under load); a plain
@@ -25,7 +26,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-import app.models
+import app.serving.models
 import model.devices
 from app.testing import serving
 from bench.reliability.reload import StreamingClients, rss_mb
@@ -56,8 +57,9 @@ def answers(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
 def test_checkpoints_put_into_the_models_dir_are_served_and_a_broken_one_refused(
         tmp_path: Path, answers: dict[int, str], monkeypatch: pytest.MonkeyPatch) -> None:
     loads: list[str] = []
-    load = app.models.load_checkpoint
-    monkeypatch.setattr(app.models, "load_checkpoint", lambda path: (loads.append(Path(path).name), load(path))[1])
+    load = app.serving.models.load_checkpoint
+    monkeypatch.setattr(app.serving.models, "load_checkpoint",
+                        lambda path: (loads.append(Path(path).name), load(path))[1])
     root = tmp_path / "models"
     a = make_char_checkpoint(root / "a", seed=1)
     with client(checkpoint=a, models_dir=root, watch=0.05, max_loaded=2) as c:
@@ -249,7 +251,7 @@ def test_max_loaded_holds_for_concurrent_requests_naming_five_models(tmp_path: P
     answer, and no moment holds more than two models in memory (loaded, or loading); all five stayed loaded."""
     dirs = {name: make_char_checkpoint(tmp_path / name, seed=seed) for name, seed in zip("abcde", SEEDS)}
     in_memory, loading, lock = [], [0], threading.Lock()
-    load = app.models.load_checkpoint
+    load = app.serving.models.load_checkpoint
 
     def counted(path: Path) -> Any:
         with lock:
@@ -262,7 +264,7 @@ def test_max_loaded_holds_for_concurrent_requests_naming_five_models(tmp_path: P
             with lock:
                 loading[0] -= 1
 
-    monkeypatch.setattr(app.models, "load_checkpoint", counted)
+    monkeypatch.setattr(app.serving.models, "load_checkpoint", counted)
     c = client(checkpoint=dirs["a"], models=[str(dirs[n]) for n in "bcde"], max_loaded=2)
     with c:
         got: dict[str, str] = {}

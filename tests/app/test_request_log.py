@@ -1,4 +1,5 @@
-"""Request IDs and the access log (app/requestlog.py), against real `python -m app` processes whose stderr the tests
+"""Request IDs and the access log (app/http/requestlog.py), against
+real `python -m app` processes whose stderr the tests
 read: the ID a client sends (if sane) or a new one, in the response header, the error body and every log line
 about the request; one access line per request with its tokens and times; `--log-format json` (here through
 FOLIO_LOG_FORMAT) making every line a JSON object; and never the prompt or the API key, even at trace level."""

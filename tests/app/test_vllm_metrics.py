@@ -1,4 +1,4 @@
-"""vLLM's and TGI's metric names on /metrics (app/vllm_metrics.py), scraped from a real `python -m app` after
+"""vLLM's and TGI's metric names on /metrics (app/http/vllm_metrics.py), scraped from a real `python -m app` after
 generating: the token counters equal the tokens sent and generated (the warm-up left out), each histogram counts
 a request once (inter-token latency: once per token after the first), the gauges follow a running request, and
 the names carry vLLM's labels."""
@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.http.vllm_metrics import ENGINE_INDEX
 from app.testing import metric, serving
-from app.vllm_metrics import ENGINE_INDEX
 from model.engine import Engine
 
 MODEL = "tiny-char"  # the served model id: the checkpoint's directory name (tests/app/conftest.py)

@@ -76,7 +76,7 @@ def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., Tes
 
 
 def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callable[..., TestClient]) -> None:
-    """The admission fast path (app/admission.py): while the engine is full even a malformed request gets its 429,
+    """The admission fast path (app/http/admission.py): while the engine is full even a malformed request gets its 429,
     counted under its route; once there is room the same request is a 422 again."""
     client = make_client(max_batch_size=1, max_waiting=0)
     malformed = {"inputs": PROMPT, "parameters": {"max_new_tokens": -1}}

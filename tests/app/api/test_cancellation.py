@@ -1,6 +1,6 @@
 """A request's streams live and die together (`GenerationService.results`): when one sample of a multi-sample request
 fails, the others are cancelled at once rather than run to their end; and a client that hangs up before its body
-has arrived gets 499 (`app.errors.client_gone_response`) without ever holding a slot."""
+has arrived gets 499 (`app.http.errors.client_gone_response`) without ever holding a slot."""
 
 from __future__ import annotations
 

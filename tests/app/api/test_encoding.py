@@ -45,7 +45,7 @@ def test_non_finite_numbers_are_written_as_null(nan_client: TestClient) -> None:
     d = post("/generate", {"inputs": PROMPT, "parameters": {**greedy, "details": True, "top_n_tokens": 2}})["details"]
     assert [t["logprob"] for t in d["tokens"]] == [None] * 4
     assert [a["logprob"] for top in d["top_tokens"] for a in top] == [None] * 8
-    for top_n in (0, 2):  # without alternatives the events are formatted straight to bytes (app.tgi._token_sse)
+    for top_n in (0, 2):  # without alternatives the events are formatted straight to bytes (app.api.tgi's token_sse)
         events = post("/generate_stream", {"inputs": PROMPT, "parameters": {**greedy, "top_n_tokens": top_n}})
         assert [e["token"]["logprob"] for e in events] == [None] * 4
         assert [a["logprob"] for e in events for a in e["top_tokens"]] == [None] * 4 * top_n
@@ -71,8 +71,8 @@ def test_non_finite_numbers_are_written_as_null(nan_client: TestClient) -> None:
 
 
 def test_the_json_encoder_writes_null_for_every_non_finite_float() -> None:
-    from app.responses import StrictJSONResponse, dumps
-    from app.sse import sse
+    from app.http.responses import StrictJSONResponse, dumps
+    from app.http.sse import sse
 
     data = {"a": [1.5, float("nan"), {"b": (float("inf"), -float("inf"))}], "c": "NaN", "d": -0.0}
     assert dumps(data) == '{"a":[1.5,null,{"b":[null,null]}],"c":"NaN","d":-0.0}'

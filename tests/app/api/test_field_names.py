@@ -1,4 +1,4 @@
-"""Each API names `model/`'s neutral fields its own way, in one place (`app.fields.Api`): the engine's and the
+"""Each API names `model/`'s neutral fields its own way, in one place (`app.api.fields.Api`): the engine's and the
 inspector's errors (`prompt`, `text`, `max_new_tokens`, ...) come back under TGI's, OpenAI's and /inspect's names,
 with the truncation hint only where the API has a way to truncate and the prompt is over the model's context."""
 
@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from app.fields import INSPECT, OPENAI, TGI, Api
+from app.api.inspect.protocol import INSPECT
+from app.api.openai.completions.protocol import OPENAI
+from app.api.protocol import Api
+from app.api.tgi.protocol import TGI
 from app.testing import assert_openai_error, assert_tgi_error
 from model.inspection import InspectError, InspectTooLarge
 from model.sampling_params import ValidationError

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 
-from app.schemas import StreamResponse
+from app.api.tgi.protocol import StreamResponse
 from app.testing import parse_sse
 from model.testing import CHARS
 from tests.app.api.calls import PROMPT, generate, stream
@@ -126,7 +126,7 @@ def test_stream_events_are_exactly_the_documented_schema(client: TestClient) -> 
 
 
 def test_plain_token_events_are_exactly_the_documented_schema(client: TestClient) -> None:
-    """Without alternatives every token but the last is formatted straight to bytes (app.tgi._token_sse)."""
+    """Without alternatives every token but the last is formatted straight to bytes (app.api.tgi.serving.token_sse)."""
     events = stream(client, max_new_tokens=6, seed=3, do_sample=True)
     assert len(events) == 6 and all(e["top_tokens"] == [] for e in events)
     for e in events:
@@ -137,13 +137,13 @@ def test_plain_token_events_are_exactly_the_documented_schema(client: TestClient
 @pytest.mark.parametrize("text", ["a", "", '"', "\\", "\n\t", "é€😀", "\u2028</script>", "\x00\x1f"])
 @pytest.mark.parametrize("logprob", [-0.0, -1.5e-08, -12.345678901234567, float("-inf")])
 def test_fast_token_event_bytes_equal_the_dict_path(text: str, logprob: float) -> None:
-    from app.sse import sse
-    from app.tgi import _stream_event, _token_sse
+    from app.api.tgi.serving import stream_event, token_sse
+    from app.http.sse import sse
     from model.engine import TokenEvent
 
     for special in (False, True):
         ev = TokenEvent(id=7, text=text, logprob=logprob, special=special, index=3)
-        assert _token_sse(ev, "prefix") == sse(_stream_event(ev, "prefix"))
+        assert token_sse(ev, "prefix") == sse(stream_event(ev, "prefix"))
 
 
 def test_root_route_streams_or_answers_a_one_element_list(client: TestClient) -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app import inspect_api
-from app.inspect_api import InspectRequest, InspectResponse, estimated_bytes
+from app.api.inspect import router as inspect_api
+from app.api.inspect.protocol import InspectRequest, InspectResponse
+from app.api.inspect.router import estimated_bytes
 from app.testing import assert_tgi_error, parse_sse, strict_json
 from model import inspection as model_inspect
 from model.checkpoint import load_checkpoint

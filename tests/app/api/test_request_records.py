@@ -1,5 +1,5 @@
-"""Every generation route keeps its request's record (app/requestlog.py) up to date: the record reaches the service
-through the request's state (`request_record`, `app.deps.RecordDep`), not a context variable, so the routes that
+"""Every generation route keeps its request's record (app/http/requestlog.py) up to date: the record reaches the service
+through the request's state (`request_record`, `app.serving.deps.RecordDep`), not a context variable, so the routes that
 pass it on by hand (TGI's root route streaming, OpenAI's whole answers, /inspect's generation) are checked here
 through the access line each request ends with."""
 

@@ -12,9 +12,9 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.api.system.router import VERSION
 from app.main import create_app
 from app.settings import Settings
-from app.system import VERSION
 from app.testing import metric
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint

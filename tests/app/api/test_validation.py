@@ -56,7 +56,7 @@ def test_tgi_bad_parameter_is_422_naming_field_bound_and_value(
     assert_tgi_error(r, 422, "validation", f"{field}:", *needles)
 
 
-RANGED = [  # a bound the request model checks: the message names the whole range the field allows (app/errors.py)
+RANGED = [  # a bound the request model checks: the message names the whole range the field allows (app/http/errors.py)
     ("/generate", {"inputs": PROMPT, "parameters": {"temperature": -1}},
      "parameters.temperature: Input should be greater than or equal to 0 (allowed: [0, 100]), got -1"),
     ("/generate", {"inputs": PROMPT, "parameters": {"top_p": 0}},
@@ -204,11 +204,11 @@ def test_a_large_json_body_is_parsed_and_validated_off_the_event_loop(make_clien
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Bodies over INLINE_PARSE_BYTES (here padded with JSON's whitespace) are parsed and validated in a worker
     thread, their errors as FastAPI's own; a small one on the event loop (less work than the hand-off)."""
-    import app.limits
+    import app.http.limits
 
     client = make_client(max_body_bytes=2**20)
     seen: list[bool] = []
-    parse = app.limits._parse_and_validate
+    parse = app.http.limits._parse_and_validate
 
     def recording(field: Any, body: bytes) -> Any:
         try:
@@ -219,10 +219,10 @@ def test_a_large_json_body_is_parsed_and_validated_off_the_event_loop(make_clien
         return parse(field, body)
 
     def post(route: str, body: bytes) -> Any:
-        padded = body + b" " * app.limits.INLINE_PARSE_BYTES
+        padded = body + b" " * app.http.limits.INLINE_PARSE_BYTES
         return client.post(route, content=padded, headers={"content-type": "application/json"})
 
-    monkeypatch.setattr(app.limits, "_parse_and_validate", recording)
+    monkeypatch.setattr(app.http.limits, "_parse_and_validate", recording)
     r = post("/generate", json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}).encode())
     assert r.status_code == 200 and len(r.json()["generated_text"]) == 2
     assert_tgi_error(post("/generate", b'{"inputs": "ab", "nope": 1}'), 422, "validation", "nope: unknown field")

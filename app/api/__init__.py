@@ -1,0 +1,1 @@
+"""API families, one package each: routes (`router.py`), wire models (`protocol.py`), serving (`serving.py`)."""

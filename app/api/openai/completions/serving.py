@@ -1,0 +1,178 @@
+"""OpenAI completions' answers: the engine's results and events written as a completion's JSON and its stream's
+chunks: a choice's `logprobs` block (prompt tokens first when echoed: the first has no context, so its logprob and
+alternatives are null, as OpenAI and vLLM write them), the `n` best of `best_of`, usage. The route (router.py beside
+it) submits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from app.api.openai.completions.protocol import CompletionRequest
+from app.http.errors import exception_body
+from app.http.requestlog import RequestRecord
+from app.http.sse import sse
+from app.serving.samples import ranked
+from app.serving.service import GenerationService, cancel_all
+from model.engine import EngineError, Finished, GenerationStream, Result, TokenEvent
+from model.scoring import PromptToken
+
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+@dataclass
+class Scored:
+    """A token as the logprobs block shows it: generated (a `TokenEvent`) or echoed (a `PromptToken`)."""
+
+    id: int
+    logprob: float | None
+    top: dict[str, float] | None
+
+    @classmethod
+    def of(cls, t: TokenEvent | PromptToken) -> Scored:
+        top = t.top_tokens
+        if isinstance(t, PromptToken) and t.logprob is None:
+            return cls(t.id, None, None)
+        return cls(t.id, t.logprob, {a.text: a.logprob for a in top})
+
+
+def logprobs_block(tokens: Sequence[Scored], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
+    """`{tokens, token_logprobs, top_logprobs, text_offset}` with offsets counted from `offset` characters."""
+    texts = [text_of(t.id) for t in tokens]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [t.top for t in tokens], "text_offset": offsets}
+
+
+def choice_logprobs(result: Result, echoed: bool, text_of: Callable[[int], str]) -> dict[str, Any]:
+    """A whole choice's logprobs: the prompt's tokens (if echoed), then the generated ones."""
+    prompt = [Scored.of(t) for t in result.prompt_logprobs or ()] if echoed else []
+    return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], text_of, 0)
+
+
+def best(results: list[Result], n: int) -> list[Result]:
+    """OpenAI's choices: the n best (`ranked`), or all of them in their order when there are only n."""
+    return results if len(results) == n else ranked(results)[:n]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def complete(request: Request, service: GenerationService, body: CompletionRequest,
+                    streams: list[list[GenerationStream]], echoes: list[str], cid: str, created: int,
+                    ) -> dict[str, Any]:
+    results = await service.results(request, [s for group in streams for s in group])
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for k, echo in enumerate(echoes):
+        mine = results[k * len(streams[0]):(k + 1) * len(streams[0])]
+        prompt_tokens += mine[0].finished.prompt_tokens
+        completion_tokens += sum(r.finished.generated_tokens for r in mine)
+        for result in best(mine, body.n):
+            lp = choice_logprobs(result, body.echo, service.token_text) if body.logprobs is not None else None
+            choices.append({"text": echo + result.text, "index": len(choices), "logprobs": lp,
+                            "finish_reason": _finish(result.finished)})
+    return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
+            "system_fingerprint": service.fingerprint, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _finish(fin: Finished) -> str:
+    return FINISH.get(fin.finish_reason, "length")  # max_tokens 0: the prompt is scored, nothing generated
+
+
+def _prompt_scores(ev: TokenEvent | Finished) -> list[Scored] | None:
+    scores = ev.prompt_logprobs
+    return None if scores is None else [Scored.of(t) for t in scores]
+
+
+@dataclass
+class ChunkWriter:
+    """The server-sent chunks of one streamed completion."""
+
+    cid: str
+    created: int
+    model: str
+    include_usage: bool
+    fingerprint: str
+
+    def chunk(self, index: int, text: str, finish: str | None, lp: dict[str, Any] | None = None) -> bytes:
+        out = {"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
+               "system_fingerprint": self.fingerprint,
+               "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish}]}
+        if self.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse({"id": self.cid, "object": "text_completion", "created": self.created, "model": self.model,
+                    "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def _pump(service: GenerationService, stream: GenerationStream, index: int, record: RequestRecord | None,
+                out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
+    try:
+        async for batch in service.event_batches(stream, record):
+            await out.put((index, batch))
+    except EngineError as e:
+        await out.put(e)
+    finally:
+        await out.put(None)
+
+
+async def stream_choices(service: GenerationService, streams: list[list[GenerationStream]], echoes: list[str],
+                  chunks: ChunkWriter, logprobs: bool, record: RequestRecord | None) -> AsyncIterator[bytes]:
+    """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
+    flat = [s for group in streams for s in group]
+    per_prompt = len(streams[0])
+    queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(service, s, i, record, queue)) for i, s in enumerate(flat)]
+    offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
+    prompt_tokens = sum(group[0].prompt_tokens for group in streams)
+    completion_tokens, running = 0, len(flat)
+    echoed = [False] * len(flat)
+    try:
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(exception_body("/v1/completions", item)[1])
+                break
+            index, batch = item
+            out = []
+            if not echoed[index]:  # the echo goes first, with the prompt's logprobs (they come with the first event)
+                echoed[index] = True
+                if offsets[index]:
+                    scored = _prompt_scores(batch[0]) if logprobs else None
+                    lp = logprobs_block(scored, service.token_text, 0) if scored is not None else None
+                    out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
+            for ev in batch:
+                if isinstance(ev, Finished):  # max_tokens 0: the echo was all, and the end is the only event
+                    out.append(chunks.chunk(index, "", _finish(ev)))
+                    break
+                finish = _finish(ev.finished) if ev.finished else None
+                if ev.text or finish or logprobs:
+                    lp = logprobs_block([Scored.of(ev)], service.token_text, offsets[index]) if logprobs else None
+                    out.append(chunks.chunk(index, ev.text, finish, lp))
+                offsets[index] += len(ev.text)
+                completion_tokens += 1
+            if out:
+                yield b"".join(out)
+        else:
+            if chunks.include_usage:
+                yield chunks.usage(prompt_tokens, completion_tokens)
+        yield sse("[DONE]")
+    finally:
+        cancel_all(flat)
+        for p in pumps:
+            p.cancel()

@@ -1,0 +1,204 @@
+"""Domain errors to HTTP: one table, one body shape per API family.
+
+TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
+`{"error": {"message", "type", "param", "code"}}`. Both carry the request's ID as `request_id` (app/http/requestlog.py;
+null for an answer of the HTTP layer, app/http/connection.py, to a request that never reached the app).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import annotated_types as at
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.http.requestlog import HEADER, current_request_id
+from app.http.responses import StrictJSONResponse
+from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
+from model.inspection import InspectError, InspectTooLarge
+from model.registry import ModelFailed, ModelLoading, ModelNotFound
+from model.sampling_params import ValidationError, preview
+from model.tokenizer import TokenizerError
+
+
+class Unavailable(Exception):
+    """The model is not loaded yet, or the server is draining."""
+
+
+class Unauthorized(Exception):
+    """Missing or wrong API key."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its generation was cancelled (answered 499, a status
+    nobody reads: nginx's 'client closed request', for the logs and metrics)."""
+
+
+# exception type -> (HTTP status, TGI error_type, OpenAI error type)
+ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
+    ValidationError: (422, "validation", "invalid_request_error"),
+    InspectTooLarge: (413, "payload_too_large", "invalid_request_error"),  # before its base class, InspectError
+    InspectError: (422, "validation", "invalid_request_error"),
+    TokenizerError: (422, "validation", "invalid_request_error"),
+    Overloaded: (429, "overloaded", "rate_limit_error"),
+    GenerationError: (424, "generation", "server_error"),
+    EngineStopped: (503, "unavailable", "server_error"),
+    Unavailable: (503, "unavailable", "server_error"),
+    Unauthorized: (401, "authentication", "authentication_error"),
+    ModelNotFound: (404, "not_found", "invalid_request_error"),
+    ModelLoading: (503, "unavailable", "server_error"),
+    ModelFailed: (503, "unavailable", "server_error"),
+}
+
+
+def error_kind(exc: Exception) -> tuple[int, str, str] | None:
+    """(HTTP status, TGI error_type, OpenAI error type) of a domain error; None for any other exception."""
+    return next((v for cls, v in ERROR_TABLE.items() if isinstance(exc, cls)), None)
+
+
+def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
+    """The error body of the API family `path` belongs to (OpenAI's under /v1/, TGI's elsewhere)."""
+    if path.startswith("/v1/"):
+        error = {"message": message, "type": oa_type, "param": param, "code": status}
+        return {"error": error, "request_id": current_request_id()}
+    return {"error": message, "error_type": kind, "request_id": current_request_id()}
+
+
+def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, body) for a domain error: a response's, or the last event of a stream that failed."""
+    found = error_kind(exc)
+    if found is None:
+        raise exc
+    status, kind, oa_type = found
+    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None))
+
+
+def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
+    status, body = exception_body(request.url.path, exc)
+    retry_after = getattr(exc, "retry_after", retry_after)  # a model still loading says how long it may take
+    headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return StrictJSONResponse(body, status_code=status, headers=headers)
+
+
+def client_gone_response() -> Response:
+    """The answer to a client that went away (`ClientGone`, or a body cut short before admission): 499."""
+    return Response(status_code=499)
+
+
+def allowed_ranges(models: Iterable[tuple[str, type[BaseModel]]]) -> dict[str, str]:
+    """'parameters.temperature' -> '[0, 100]', from the Field constraints of request models, each given with the
+    prefix of its fields' names in an error's location (`("parameters.", GenerateParameters)`)."""
+    out: dict[str, str] = {}
+    for prefix, model in models:
+        for name, f in model.model_fields.items():
+            lo = hi = None
+            lo_b, hi_b = "[", "]"
+            for m in f.metadata:
+                if isinstance(m, at.Ge):
+                    lo = m.ge
+                elif isinstance(m, at.Gt):
+                    lo, lo_b = m.gt, "("
+                elif isinstance(m, at.Le):
+                    hi = m.le
+                elif isinstance(m, at.Lt):
+                    hi, hi_b = m.lt, ")"
+            if lo is not None or hi is not None:
+                out[prefix + name] = f"{lo_b}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{hi_b}"
+    return out
+
+
+MAX_ERRORS_SHOWN = 3  # of a request's validation errors (a list of a million wrong items has a million)
+MAX_NAME_CHARS = 40  # of a field name echoed back (an unknown key can be any string)
+
+
+def _name(part: object) -> str:
+    """One part of a field's location, as echoed back: short, and valid Unicode (a lone surrogate escaped)."""
+    name = str(part)
+    if len(name) > MAX_NAME_CHARS:
+        name = name[: MAX_NAME_CHARS - 3] + "..."
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _describe(err: dict[str, Any], ranges: dict[str, str]) -> tuple[str, str]:
+    loc = [_name(p) for p in err.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    msg = err.get("msg", "invalid value")
+    ctx = err.get("ctx") or {}
+    if err.get("type") == "json_invalid":
+        return "body", f"body is not valid JSON: {ctx.get('error', msg)}"
+    if err.get("type") == "extra_forbidden":
+        return field, f"{field}: unknown field"
+    if err.get("type") == "too_many_fields":  # the message counts them; a preview would sort them all
+        return field, f"{field}: {msg}"
+    shown = preview(err.get("input"))
+    allowed = ranges.get(field)
+    where = f" (allowed: {allowed})" if allowed and err.get("type", "").endswith(("than", "than_equal")) else ""
+    return field, f"{field}: {msg}{where}, got {shown}"
+
+
+def _unparseable(cause: BaseException) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"it is not UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "it nests arrays or objects too deeply"
+    return str(cause).split(";")[0]  # e.g. "Exceeds the limit (4300 digits) for integer string conversion: ..."
+
+
+def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[str, type[BaseModel]]]) -> None:
+    """One handler per kind of error. A validation error of a field of the request models `ranged` (with their
+    fields' prefixes, as `allowed_ranges` takes them) names the range the field allows."""
+    ranges = allowed_ranges(ranged)
+    retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
+
+    async def domain(request: Request, exc: Exception) -> StrictJSONResponse:
+        return error_response(request, exc, retry_after(request))
+
+    for cls in (ValidationError, InspectError, TokenizerError, EngineError, Unavailable, Unauthorized, ModelNotFound,
+                ModelLoading, ModelFailed):
+        app.add_exception_handler(cls, domain)
+
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return client_gone_response()
+
+    app.add_exception_handler(ClientGone, client_gone)
+
+    async def validation(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
+        errors = exc.errors()
+        described = [_describe(e, ranges) for e in errors[:MAX_ERRORS_SHOWN]]
+        message = "; ".join(m for _, m in described)
+        if len(errors) > MAX_ERRORS_SHOWN:
+            message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"
+        param = described[0][0] if described else None
+        body = error_body(request.url.path, 422, "validation", "invalid_request_error", message, param)
+        return StrictJSONResponse(body, status_code=422)
+
+    app.add_exception_handler(RequestValidationError, validation)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> StrictJSONResponse:
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
+            # FastAPI answers 400 "There was an error parsing the body" when json.loads fails other than with a
+            # JSONDecodeError: bytes that are not UTF-8, an integer over Python's 4300-digit limit, nesting
+            # deeper than the recursion limit. That is malformed JSON like any other: 422, saying why.
+            message = f"body is not valid JSON: {_unparseable(exc.__cause__)}"
+            return StrictJSONResponse(error_body(request.url.path, 422, "validation", "invalid_request_error", message,
+                                           "body"), status_code=422)
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http")
+        body = error_body(request.url.path, exc.status_code, kind, "invalid_request_error", str(exc.detail), None)
+        return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+
+    async def internal(request: Request, exc: Exception) -> StrictJSONResponse:
+        """An error nothing expected (a bug): 500, and the ID under which the log shows its traceback."""
+        request_id = current_request_id()
+        message = f"internal server error; the server's log has its traceback under request_id {request_id}"
+        body = error_body(request.url.path, 500, "internal", "server_error", message, None)
+        return StrictJSONResponse(body, status_code=500, headers={HEADER: request_id} if request_id else None)
+
+    app.add_exception_handler(Exception, internal)

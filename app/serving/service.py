@@ -1,0 +1,249 @@
+"""Between HTTP and the engine: tokenisation (off the event loop when long), checks against the model, submission
+into the slot admission reserved, and the engine's events with their latency metrics. The request models turn
+themselves into `SamplingParams` (app/api/protocol.py). No tensors here; the engine owns those."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from app.api.protocol import Api, ServerDefaults
+from app.http.errors import ClientGone, Unavailable
+from app.http.metrics import Metrics
+from app.http.requestlog import RequestRecord, request_record
+from app.settings import Settings
+from model.checkpoint import Checkpoint
+from model.engine import Engine, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.registry import ModelRegistry
+from model.sampling_params import SamplingParams, ValidationError
+from model.tokenizer import Tokenizer
+
+T = TypeVar("T")
+INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event loop
+# a non-streaming request's handler is woken for its tokens at most this often, not per token: under 32 concurrent
+# requests the per-token wake-ups took ~1 ms of the event loop per engine step, on the cores the step runs on
+RESULT_WAKE_S = 0.25
+
+
+class GenerationService:
+    """One model's service: whichever engine and checkpoint the model registry (app/serving/models.py) serves the model
+    `name` with now. A request works with a `pinned` copy: the engine and checkpoint the registry gave it, whatever
+    a reload or an unload does meanwhile, so that its tokenizer, its engine and the checkpoint its answer names
+    (`fingerprint`) are one model's."""
+
+    def __init__(self, registry: ModelRegistry, name: str, settings: Settings, metrics: Metrics) -> None:
+        self._engine: Engine | None = None
+        self._checkpoint: Checkpoint | None = None
+        self._tokenizer: Tokenizer | None = None
+        self.registry, self.name, self.model_id = registry, name, name
+        self.settings = settings
+        self.metrics = metrics
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0  # admitted requests whose response has not ended yet (app/http/admission.py)
+        self._origin: GenerationService | None = None  # the model's shared service, for a pinned copy
+
+    def pinned(self, engine: Engine, checkpoint: Checkpoint) -> GenerationService:
+        """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it)."""
+        view = copy.copy(self)
+        view._engine, view._checkpoint, view._origin = engine, checkpoint, self._origin or self
+        return view
+
+    def _current(self) -> tuple[Engine, Checkpoint]:
+        if self._engine is not None and self._checkpoint is not None:  # a request's pinned copy
+            return self._engine, self._checkpoint
+        for name, engine, checkpoint in self.registry.loaded():
+            if name == self.name:
+                return engine, checkpoint
+        raise Unavailable(f"the model {self.name!r} is not loaded (it was unloaded to make room); try again")
+
+    @property
+    def loaded_engine(self) -> Engine | None:
+        """The engine serving the model now, or None while it is not loaded (health and metrics: never loads)."""
+        try:
+            return self._current()[0]
+        except Unavailable:
+            return None
+
+    @property
+    def engine(self) -> Engine:
+        return self._current()[0]
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._current()[1]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer or self.checkpoint.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:  # a stand-in (tests gate it); None: the model's own
+        self._tokenizer = tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`)."""
+        return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
+
+    @property
+    def quantization(self) -> str:
+        """How the served weights are quantized: as the checkpoint stores them, or as --quantize did at load."""
+        return self.checkpoint.meta.get("quantization") or self.settings.quantize
+
+    def check_ready(self) -> None:
+        if self._origin is not None:  # a request's copy: the shared service knows whether the server drains
+            self._origin.check_ready()
+            return
+        if self.draining:
+            raise Unavailable("the server is shutting down and admits no new requests")
+        if not self.ready:
+            raise Unavailable("the model is still loading")
+
+    @property
+    def defaults(self) -> ServerDefaults:
+        return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit,
+                              self.settings.sequences_per_request)
+
+    # -- submitting -----------------------------------------------------------------------------------
+    def own_slot(self, reservation: Reservation | None) -> Reservation | None:
+        """`reservation` if its slot is in this request's engine; else None, a slot in another engine given back
+        (admission reserves before the body names the model, or before a reload)."""
+        if reservation is not None and reservation.owner is not self.engine:
+            reservation.release()
+            return None
+        return reservation
+
+    async def encode(self, text: str, api: Api) -> list[int]:
+        """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
+        millisecond, less than the hand-off to a worker thread and back costs). Errors name `api`'s prompt field."""
+        try:
+            if len(text) <= INLINE_ENCODE_CHARS:
+                return self.tokenizer.encode(text)
+            return await run_in_threadpool(self.tokenizer.encode, text)
+        except ValueError as e:
+            raise ValidationError(api.field("prompt"), str(e)) from None
+
+    async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None, api: Api,
+                    reservation: Reservation | None) -> GenerationStream:
+        """Tokenise (or take token ids as they are) and check the prompt against the model (its context, its
+        vocabulary), then submit it into the slot the admission middleware reserved for this request (if it did).
+        Errors name `api`'s fields."""
+        return (await self.start_many(text, [params], truncate, api, reservation))[0]
+
+    async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None, api: Api,
+                         reservation: Reservation | None) -> list[GenerationStream]:
+        """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
+        share the prompt's prefill (the prefix cache). If one cannot be submitted (429, or 422 from the engine's
+        checks of the prompt and the parameters), none runs."""
+        self.check_ready()
+        engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
+        own = None
+        reservation = self.own_slot(reservation)
+        if reservation is None:  # hold one here before tokenising (429 at once)
+            reservation = own = engine.reserve()
+        try:
+            prompt = await self.encode(text, api) if isinstance(text, str) else text
+            self.check_ready()
+            try:
+                with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once
+                    return self._submit(engine, prompt, params, truncate, reservation)
+            except EngineStopped:
+                if self._origin is None or self._origin.draining:
+                    raise
+            # a reload retired the engine between the checks and the submission: the new one takes the request
+            _, engine, checkpoint = await self.registry.acquire(self.name)
+            self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
+            with api.naming_fields():
+                return self._submit(engine, prompt, params, truncate, None)
+        finally:
+            if own is not None:
+                own.release()  # a no-op once submitted
+
+    @staticmethod
+    def _submit(engine: Engine, prompt: list[int], params: list[SamplingParams], truncate: int | None,
+                reservation: Reservation | None) -> list[GenerationStream]:
+        streams: list[GenerationStream] = []
+        try:
+            for i, p in enumerate(params):
+                streams.append(engine.submit(prompt, p, truncate=truncate,
+                                             reservation=reservation if i == 0 else None))
+        except BaseException:
+            cancel_all(streams)
+            raise
+        return streams
+
+    # -- running --------------------------------------------------------------------------------------
+    async def event_batches(self, stream: GenerationStream, record: RequestRecord | None,
+                            ) -> AsyncIterator[list[TokenEvent | Finished]]:
+        """The stream's events as they arrive, several at a time when they queued up (`GenerationStream.batches`),
+        with time to first token and inter-token latency recorded from when the engine made each token, and the
+        request's `record` (app/http/requestlog.py) kept up to date."""
+        if record is not None:
+            record.prompt_tokens = stream.prompt_tokens
+        last = time.perf_counter()
+        first = True
+        try:
+            async for batch in stream.batches():
+                for ev in batch:
+                    if isinstance(ev, TokenEvent):
+                        gap = max(0.0, ev.created - last)
+                        (self.metrics.ttft if first else self.metrics.itl).observe(gap)
+                        if not first:
+                            self.metrics.vllm.token_gap(gap)
+                        first = False
+                        last = ev.created
+                if record is not None:
+                    record.saw(batch)
+                yield batch
+        except Exception:  # the engine's GenerationError or EngineStopped
+            if record is not None:
+                record.finish_reason = "error"
+            raise
+
+    async def result(self, request: Request, stream: GenerationStream) -> Result:
+        """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499). Woken
+        for its tokens only every RESULT_WAKE_S (its record and latency metrics catch up then), not per token."""
+        stream.quiet(RESULT_WAKE_S)
+        batches = self.event_batches(stream, request_record(request))
+        return await until_done(request, stream.collect(batches), stream.cancel)
+
+    async def results(self, request: Request, streams: list[GenerationStream]) -> list[Result]:
+        """`result` of each of a request's streams (its samples, its prompts), in order. When one fails or the
+        client disconnects, the others are cancelled too (a no-op for those already finished)."""
+        try:
+            return list(await asyncio.gather(*(self.result(request, s) for s in streams)))
+        finally:
+            cancel_all(streams)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+
+def cancel_all(streams: list[GenerationStream]) -> None:
+    """Cancel every stream of a request: a no-op for those finished, the others stop and free their slots."""
+    for s in streams:
+        s.cancel()
+
+
+async def until_done(request: Request, work: Awaitable[T], cancel: Callable[[], None]) -> T:
+    """Await `work` (engine work for this request), calling `cancel` and raising `ClientGone` (499) if the client
+    disconnects meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                cancel()
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
