@@ -98,7 +98,7 @@ class BackgroundLifespan(LifespanOn):
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, with a drain. On the first SIGTERM or SIGINT the listener stays open: requests to the
     generation routes and /tokenize get 503 with `Retry-After` (and `Connection: close`), /health 503 "draining",
-    while the requests already admitted run on. As soon as none is left (`GenerationService.in_flight`: their
+    while the requests already admitted run on. As soon as none is left (`Lifecycle.in_flight`: their
     responses have ended), or after `drain_timeout` seconds (then the engine stops, which ends each stream still
     running with a final error event), uvicorn's shutdown follows: the listener closes, responses being written
     are finished (for up to `FINAL_WRITES_S`), the process exits. A second signal skips what is left of the
@@ -124,8 +124,7 @@ class DrainingServer(uvicorn.Server):
         if self.lifespan.should_exit:  # the model could not be loaded (`BackgroundLifespan`)
             self.should_exit = True
         if self.drain_started is not None and not self.should_exit:
-            service = self.folio_app.state.service
-            if service.in_flight == 0:
+            if self.folio_app.state.models.lifecycle.in_flight == 0:
                 self.should_exit = True
             elif time.monotonic() - self.drain_started >= self.drain_timeout:
                 await asyncio.to_thread(self.folio_app.state.models.registry.stop)

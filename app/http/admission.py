@@ -4,24 +4,26 @@ has arrived, before it is parsed, validated or tokenised; or it gets its 429 (or
 
 In order, for each such request:
 1. while the server is loading or draining: 503 with `Retry-After` and `Connection: close`; while it is full: 429
-   with `Retry-After`. Nothing about the request is looked at, and its body is not read.
+   with `Retry-After`. Nothing about the request is looked at, and its body is not read. This is the request's
+   one readiness check: a drain that starts while its body arrives waits for it (it counts in `in_flight`).
 2. the body is read whole (bounded in size by `BodyLimitMiddleware` outside, in time by the connection's
    `body_timeout`, app/http/connection.py). A slow body holds a connection, never a slot: were the slot taken first, a
    few dozen clients sending half a body each would hold every slot and every other client would get 429.
 3. the slot is reserved (`Engine.reserve`, or 429 if the server filled up meanwhile), and the body is replayed to
    the app.
 
-The slot is held from there until the route submits the request (the request's state holds it for
-`app.serving.deps.ReservationDep`) or the response ends, whichever is first; a /tokenize request never submits, so it
+The slot is held from there until the route submits the request (the request's state holds it, in `Admitted`, for
+`app.serving.deps.request_service`) or the response ends, whichever is first; a /tokenize request never submits, so it
 holds its slot until it has answered. Holding it matters under a burst: a check that only looked at the engine
 would let every request of the burst through, since none of them has been submitted yet, and each would be parsed
-and tokenised before being refused. The request also counts in `GenerationService.in_flight` until its response
-has ended: what a drain waits for (app/__main__.py).
+and tokenised before being refused. The request also counts in `Lifecycle.in_flight` (app/serving/service.py) until its
+response has ended: what a drain waits for (app/__main__.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,13 +31,31 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import Unavailable, client_gone_response, error_response
-from model.engine import Engine, Overloaded
+from model.engine import Engine, Overloaded, Reservation
 
-RESERVATION = "reservation"  # the key of the request's state that holds its slot
+ADMITTED = "admitted"  # the key of the request's state that holds what admission decided (`Admitted`)
 MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it (app/serving/models.py)
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
                             "/inspect"})
 BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it
+
+
+@dataclass
+class Admitted:
+    """What admission did for a request: the slot it reserved, if it knew the model's engine before the body."""
+
+    reservation: Reservation | None = None
+
+    def slot_in(self, engine: Engine) -> Reservation:
+        """The request's slot in `engine`, the engine of the model that serves it: the one reserved here, or (where
+        admission could not know that engine, or reserved in another: a body naming another model, a reload
+        meanwhile) one reserved now, 429 if it is full."""
+        if self.reservation is not None and self.reservation.owner is not engine:
+            self.reservation.release()
+            self.reservation = None
+        if self.reservation is None:
+            self.reservation = engine.reserve()
+        return self.reservation
 
 
 class AdmissionMiddleware:
@@ -58,42 +78,45 @@ class AdmissionMiddleware:
         # routes have no path parameters
         scope["route"] = SimpleNamespace(path=scope["path"])
         app = self.get_app()
-        service = app.state.service
+        lifecycle = app.state.models.lifecycle
         try:
-            service.check_ready()
+            lifecycle.check_ready()
             engine = admitting_engine(app.state.models, scope)
             if engine is not None:
                 engine.check_capacity()
+        except (Unavailable, Overloaded) as e:
+            await self._refuse(scope, receive, send, e, app.state.settings.retry_after)
+            return
+        admitted = Admitted()
+        lifecycle.in_flight += 1
+        try:
             body = await read_body(receive)
             if body is None:  # the client went away (or its body timed out) before the whole body arrived
                 await client_gone_response()(scope, receive, send)
                 return
-            service.check_ready()
-            reservation = engine.reserve() if engine is not None else None
-        except (Unavailable, Overloaded) as e:
-            await self._refuse(scope, receive, send, e, app.state.settings.retry_after)
-            return
-        # the route finds the slot in its request's state (`app.serving.deps.ReservationDep`)
-        scope.setdefault("state", {})[RESERVATION] = reservation
-        service.in_flight += 1
-        try:
+            if engine is not None:
+                try:
+                    admitted.reservation = engine.reserve()
+                except Overloaded as e:  # the server filled up while the body arrived
+                    await self._refuse(scope, receive, send, e, app.state.settings.retry_after)
+                    return
+            scope.setdefault("state", {})[ADMITTED] = admitted  # for `app.serving.deps.request_service`
             await self.app(scope, replay(body, receive), send)
         finally:
-            service.in_flight -= 1
-            if reservation is not None:
-                reservation.release()  # a no-op once the request was submitted
+            lifecycle.in_flight -= 1
+            if admitted.reservation is not None:
+                admitted.reservation.release()  # a no-op once the request was submitted
 
 
 def admitting_engine(models: Any, scope: Scope) -> Engine | None:
-    """The engine a request's slot is held in (app/serving/models.py):
-    that of the model its `X-Folio-Model` header names
-    (else the default model's) if loaded. None where that is not known yet, or not loaded: the route holds its slot
-    once it has the model's engine, before tokenising (`GenerationService.start_many`). An OpenAI request without
-    the header is such a request when other models are served, since its body's `model` may name another: a full
-    model must not refuse requests to the others."""
-    name = dict(scope.get("headers") or []).get(MODEL_HEADER.encode(), b"").decode("latin-1") or None
-    if name is None and scope["path"] in BODY_NAMES_MODEL and len(models.registry.names) > 1:
+    """The engine a request's slot is held in (app/serving/models.py): that of the model its `X-Folio-Model` header
+    names (else the default model's) if loaded. None where that is not known yet, or not loaded: the route's
+    dependency holds the slot once it has the model's engine, before tokenising (`Admitted.slot_in`). An OpenAI
+    request is such a request when other models are served, whatever its header says, since its body's `model` may
+    name another: a full model must not refuse requests to the others, and a slot is reserved once."""
+    if scope["path"] in BODY_NAMES_MODEL and len(models.registry.names) > 1:
         return None
+    name = dict(scope.get("headers") or []).get(MODEL_HEADER.encode(), b"").decode("latin-1") or None
     loaded = {n: e for n, e, _ in models.registry.loaded()}
     return loaded.get(name if name is not None else models.registry.default)
 

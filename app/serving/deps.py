@@ -1,5 +1,11 @@
-"""FastAPI dependencies as `Annotated` aliases: the service, the engine slot admission reserved for the request,
-and the request's record (app/http/requestlog.py). The API key is checked before any of them (app/http/auth.py)."""
+"""FastAPI dependencies as `Annotated` aliases: the request's service, with its engine slot, and its record
+(app/http/requestlog.py). The API key is checked before any of them (app/http/auth.py).
+
+Each request's readiness, model and slot are decided once: readiness by admission (app/http/admission.py), or,
+on a route admission does not hold, by `request_service`; the model by `request_service`, from OpenAI's `model`
+field, else the `X-Folio-Model` header, else the default; the slot by admission in the engine it already knew, or
+by `request_service` in the model's engine once it is known (before tokenising: a full engine refuses at once).
+"""
 
 from __future__ import annotations
 
@@ -7,39 +13,39 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.http.admission import MODEL_HEADER, RESERVATION
+from app.http.admission import ADMITTED, MODEL_HEADER, Admitted
 from app.http.errors import Unavailable
 from app.http.requestlog import RequestRecord, request_record
 from app.serving.service import GenerationService
-from model.engine import Reservation
 
 
-async def service_for(request: Request, model: str | None = None) -> GenerationService:
+async def request_service(request: Request, model: str | None = None) -> GenerationService:
     """The request's copy of the service of the model `model` names (OpenAI's field), else its `X-Folio-Model`
-    header, else the default model's (app/serving/models.py), that model loaded first if it is not. 503 while the server
-    loads or drains."""
-    request.app.state.service.check_ready()
-    return await request.app.state.models.service(model or request.headers.get(MODEL_HEADER))
+    header, else the default model's (app/serving/models.py), that model loaded first if it is not, pinned to the
+    engine and checkpoint that serve it now and holding the request's slot in that engine (a route admission holds).
+    Called once per request: by `ServiceDep`, or by a route whose body names the model."""
+    models = request.app.state.models
+    admitted: Admitted | None = getattr(request.state, ADMITTED, None)
+    if admitted is None:
+        models.lifecycle.check_ready()
+    name, engine, checkpoint = await models.registry.acquire(model or request.headers.get(MODEL_HEADER))
+    if admitted is None:
+        return models.shared(name).pinned(engine, checkpoint)
+    return models.shared(name).pinned(engine, checkpoint, admitted.slot_in(engine))
 
 
 async def get_service(request: Request) -> GenerationService:
-    return await service_for(request)
+    return await request_service(request)
 
 
 async def described_service(request: Request, name: str | None = None) -> tuple[str, GenerationService | None]:
-    """For the open routes, which never load a model (app/http/auth.py): the name of the model `name` names (else the
-    `X-Folio-Model` header), and its service if it is loaded now, else None. 503 until the default model is."""
+    """For the open routes, which never load a model (app/http/auth.py): the name of the model `name` names (else
+    the `X-Folio-Model` header), and its service if it is loaded now, else None. 503 until the default model is."""
     models = request.app.state.models
     if not models.ready:
         raise Unavailable("the model is still loading")
     return models.if_loaded(name or request.headers.get(MODEL_HEADER))
 
 
-def get_reservation(request: Request) -> Reservation | None:
-    """The slot `AdmissionMiddleware` reserved for this request (None on a route it does not admit)."""
-    return getattr(request.state, RESERVATION, None)
-
-
 ServiceDep = Annotated[GenerationService, Depends(get_service)]
-ReservationDep = Annotated[Reservation | None, Depends(get_reservation)]
 RecordDep = Annotated[RequestRecord | None, Depends(request_record)]

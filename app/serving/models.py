@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from app.http.metrics import Metrics
-from app.serving.service import GenerationService
+from app.serving.service import GenerationService, Lifecycle
 from app.settings import Settings
 from model import devices
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
@@ -81,7 +81,7 @@ class ServedModels:
         (tests inject them; a reload reads the files)."""
         self.settings, self.metrics = settings, metrics
         self._skipped: set[Path] = set()  # directories `discover` found under a name already taken (logged once)
-        self.ready = False  # the default model loaded and warmed up (`start`)
+        self.lifecycle = Lifecycle()  # ready once the default model is loaded and warm (`start`)
         injected = [(checkpoint, engine)] if checkpoint is not None or engine is not None else []
 
         def load(path: Path) -> tuple[Checkpoint, Engine]:
@@ -102,20 +102,17 @@ class ServedModels:
         """Model `name`'s service, made on first use (`--watch` adds the models put into --models-dir)."""
         service = self.services.get(name)
         if service is None:
-            service = GenerationService(self.registry, name, self.settings, self.metrics)
-            service.ready = self.ready
-            service = self.services.setdefault(name, service)
+            service = self.services.setdefault(
+                name, GenerationService(self.registry, name, self.settings, self.metrics, self.lifecycle))
         return service
 
     @property
     def default(self) -> GenerationService:
         return self.shared(self.registry.default)
 
-    async def service(self, name: str | None) -> GenerationService:
-        """A request's copy of model `name`'s service (the default's if None), pinned to the engine and checkpoint
-        that serve it now, loading it first if needed (or the registry's error: 404, 503)."""
-        name, engine, checkpoint = await self.registry.acquire(name)
-        return self.shared(name).pinned(engine, checkpoint)
+    @property
+    def ready(self) -> bool:
+        return self.lifecycle.ready
 
     def if_loaded(self, name: str | None) -> tuple[str, GenerationService | None]:
         """Model `name`'s name (the default's if None) and a request's copy of its service if it is loaded now,
@@ -142,15 +139,12 @@ class ServedModels:
         return {p.name: p for p in found if p.name not in taken}
 
     def set_draining(self) -> None:
-        for service in self.services.values():
-            service.draining = True
+        self.lifecycle.draining = True
 
     def start(self) -> None:
         """Load the default model now (a broken one fails the start-up) and start watching if asked."""
         self.registry.load_now(self.registry.default)
-        self.ready = True
-        for service in self.services.values():
-            service.ready = True
+        self.lifecycle.ready = True
         if self.settings.watch:
             self.registry.watch(self.settings.watch, self.discover)
 

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -31,29 +32,54 @@ INLINE_ENCODE_CHARS = 1024  # prompts up to this long are tokenised on the event
 RESULT_WAKE_S = 0.25
 
 
+@dataclass
+class Lifecycle:
+    """The server's state, one for all its models: loading until the default model is loaded and warm (`ready`),
+    then serving, then `draining` after SIGTERM (app/__main__.py). `in_flight` counts the admitted requests whose
+    response has not ended (app/http/admission.py): what a drain waits for."""
+
+    ready: bool = False
+    draining: bool = False
+    in_flight: int = 0
+
+    def check_ready(self) -> None:
+        """503 (`Unavailable`) while loading or draining: asked once per request, by admission (or, on a route
+        admission does not hold, by the dependency that gives the route its service, app/serving/deps.py)."""
+        if self.draining:
+            raise Unavailable("the server is shutting down and admits no new requests")
+        if not self.ready:
+            raise Unavailable("the model is still loading")
+
+
 class GenerationService:
     """One model's service: whichever engine and checkpoint the model registry (app/serving/models.py) serves the model
     `name` with now. A request works with a `pinned` copy: the engine and checkpoint the registry gave it, whatever
     a reload or an unload does meanwhile, so that its tokenizer, its engine and the checkpoint its answer names
     (`fingerprint`) are one model's."""
 
-    def __init__(self, registry: ModelRegistry, name: str, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, registry: ModelRegistry, name: str, settings: Settings, metrics: Metrics,
+                 lifecycle: Lifecycle) -> None:
         self._engine: Engine | None = None
         self._checkpoint: Checkpoint | None = None
         self._tokenizer: Tokenizer | None = None
         self.registry, self.name, self.model_id = registry, name, name
         self.settings = settings
         self.metrics = metrics
-        self.ready = False
-        self.draining = False
-        self.in_flight = 0  # admitted requests whose response has not ended yet (app/http/admission.py)
-        self._origin: GenerationService | None = None  # the model's shared service, for a pinned copy
+        self.lifecycle = lifecycle
+        self.slot: Reservation | None = None  # a request's copy: the engine slot its first submission takes
 
-    def pinned(self, engine: Engine, checkpoint: Checkpoint) -> GenerationService:
-        """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it)."""
+    def pinned(self, engine: Engine, checkpoint: Checkpoint, slot: Reservation | None = None) -> GenerationService:
+        """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it), and
+        the slot held for it in `engine` (app/serving/deps.py), if the route takes one."""
         view = copy.copy(self)
-        view._engine, view._checkpoint, view._origin = engine, checkpoint, self._origin or self
+        view._engine, view._checkpoint, view.slot = engine, checkpoint, slot
         return view
+
+    def take_slot(self) -> Reservation | None:
+        """The request's slot, for its first submission (the others, `n` samples or a batch of prompts, are
+        submitted without one: the engine checks its capacity for each)."""
+        slot, self.slot = self.slot, None
+        return slot
 
     def _current(self) -> tuple[Engine, Checkpoint]:
         if self._engine is not None and self._checkpoint is not None:  # a request's pinned copy
@@ -97,29 +123,12 @@ class GenerationService:
         """How the served weights are quantized: as the checkpoint stores them, or as --quantize did at load."""
         return self.checkpoint.meta.get("quantization") or self.settings.quantize
 
-    def check_ready(self) -> None:
-        if self._origin is not None:  # a request's copy: the shared service knows whether the server drains
-            self._origin.check_ready()
-            return
-        if self.draining:
-            raise Unavailable("the server is shutting down and admits no new requests")
-        if not self.ready:
-            raise Unavailable("the model is still loading")
-
     @property
     def defaults(self) -> ServerDefaults:
         return ServerDefaults(self.settings.max_new_tokens_default, self.settings.max_new_tokens_limit,
                               self.settings.sequences_per_request)
 
     # -- submitting -----------------------------------------------------------------------------------
-    def own_slot(self, reservation: Reservation | None) -> Reservation | None:
-        """`reservation` if its slot is in this request's engine; else None, a slot in another engine given back
-        (admission reserves before the body names the model, or before a reload)."""
-        if reservation is not None and reservation.owner is not self.engine:
-            reservation.release()
-            return None
-        return reservation
-
     async def encode(self, text: str, api: Api) -> list[int]:
         """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
         millisecond, less than the hand-off to a worker thread and back costs). Errors name `api`'s prompt field."""
@@ -130,41 +139,32 @@ class GenerationService:
         except ValueError as e:
             raise ValidationError(api.field("prompt"), str(e)) from None
 
-    async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None, api: Api,
-                    reservation: Reservation | None) -> GenerationStream:
-        """Tokenise (or take token ids as they are) and check the prompt against the model (its context, its
-        vocabulary), then submit it into the slot the admission middleware reserved for this request (if it did).
+    async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None,
+                    api: Api) -> GenerationStream:
+        """Tokenise (or take token ids as they are), then submit into the request's slot (`take_slot`): the engine
+        checks the prompt against the model (its context, its vocabulary) and the parameters as it takes it.
         Errors name `api`'s fields."""
-        return (await self.start_many(text, [params], truncate, api, reservation))[0]
+        return (await self.start_many(text, [params], truncate, api))[0]
 
-    async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None, api: Api,
-                         reservation: Reservation | None) -> list[GenerationStream]:
+    async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None,
+                         api: Api) -> list[GenerationStream]:
         """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
         share the prompt's prefill (the prefix cache). If one cannot be submitted (429, or 422 from the engine's
         checks of the prompt and the parameters), none runs."""
-        self.check_ready()
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
-        own = None
-        reservation = self.own_slot(reservation)
-        if reservation is None:  # hold one here before tokenising (429 at once)
-            reservation = own = engine.reserve()
+        prompt = await self.encode(text, api) if isinstance(text, str) else text
+        reservation = self.take_slot()
         try:
-            prompt = await self.encode(text, api) if isinstance(text, str) else text
-            self.check_ready()
-            try:
-                with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once
-                    return self._submit(engine, prompt, params, truncate, reservation)
-            except EngineStopped:
-                if self._origin is None or self._origin.draining:
-                    raise
-            # a reload retired the engine between the checks and the submission: the new one takes the request
-            _, engine, checkpoint = await self.registry.acquire(self.name)
-            self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
-            with api.naming_fields():
-                return self._submit(engine, prompt, params, truncate, None)
-        finally:
-            if own is not None:
-                own.release()  # a no-op once submitted
+            with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once
+                return self._submit(engine, prompt, params, truncate, reservation)
+        except EngineStopped:
+            if self.lifecycle.draining:
+                raise
+        # a reload retired the engine between the slot and the submission: the new one takes the request
+        _, engine, checkpoint = await self.registry.acquire(self.name)
+        self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
+        with api.naming_fields():
+            return self._submit(engine, prompt, params, truncate, None)
 
     @staticmethod
     def _submit(engine: Engine, prompt: list[int], params: list[SamplingParams], truncate: int | None,

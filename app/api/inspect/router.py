@@ -25,7 +25,7 @@ from app.api.protocol import error_docs
 from app.api.tgi.protocol import TGI
 from app.http.limits import ThreadedBodyRoute
 from app.http.responses import dumps
-from app.serving.deps import ReservationDep, ServiceDep, described_service
+from app.serving.deps import ServiceDep, described_service
 from app.serving.service import GenerationService, until_done
 from model.config import GPTConfig
 from model.engine import Reservation
@@ -79,11 +79,9 @@ def check_request(service: GenerationService, options: InspectOptions, n: int) -
 
 
 @router.post("/inspect", response_model=InspectResponse, responses=ERRORS)
-async def inspect(body: InspectRequest, request: Request, service: ServiceDep, reservation: ReservationDep) -> Response:
+async def inspect(body: InspectRequest, request: Request, service: ServiceDep) -> Response:
     """Look inside the model for a text: its tokens, attention maps, logit lens, and each token's probability and
     alternatives (with `parameters`: generate first, then inspect the prompt and its generated tokens)."""
-    service.check_ready()
-    reservation = service.own_slot(reservation)
     limit = service.settings.max_tokenize_chars
     if len(body.inputs) > limit:
         raise InspectTooLarge("inputs", f"must be at most {limit} characters (the server's --max-tokenize-chars), "
@@ -93,8 +91,9 @@ async def inspect(body: InspectRequest, request: Request, service: ServiceDep, r
     generated = None
     if body.parameters is None:
         check_request(service, options, min(len(ids), body.truncate or len(ids)))
+        reservation = service.take_slot()
     else:
-        ids, generated, reservation = await _generate(request, service, body, ids, options, reservation)
+        ids, generated, reservation = await _generate(request, service, body, ids, options)
     ids = ids[-(body.truncate or len(ids)) :]
     handle = service.engine.inspect(ids, options, reservation=reservation)
     inspection = await until_done(request, handle.result(), handle.cancel)
@@ -103,7 +102,7 @@ async def inspect(body: InspectRequest, request: Request, service: ServiceDep, r
 
 
 async def _generate(request: Request, service: GenerationService, body: InspectRequest, ids: list[int],
-                    options: InspectOptions, reservation: Reservation | None,
+                    options: InspectOptions,
                     ) -> tuple[list[int], Generated, Reservation]:
     """Generate from the prompt in the admission's slot, holding another for the inspection: (the prompt's and
     the generated tokens, what was generated, the inspection's slot)."""
@@ -123,7 +122,7 @@ async def _generate(request: Request, service: GenerationService, body: InspectR
     check_request(service, options, min(total, body.truncate or total))
     slot = service.engine.reserve()  # 429 now if the server is full, before the generation runs
     try:
-        stream = await service.start(body.inputs, params, body.parameters.truncate, TGI, reservation)
+        stream = await service.start(body.inputs, params, body.parameters.truncate, TGI)
         result = await service.result(request, stream)
     except BaseException:
         slot.release()

@@ -36,18 +36,17 @@ VERSION = "0.1.0"
 @router.get("/health", responses={503: {"description": "still loading, or draining after SIGTERM"}})
 async def health(request: Request) -> StrictJSONResponse:
     """200 once the model is loaded and warmed up; 503 before that and while shutting down."""
-    service = request.app.state.service
-    if not service.ready:
+    lifecycle = request.app.state.models.lifecycle
+    if not lifecycle.ready:
         return _unavailable("loading", LOADING, request)
-    if service.draining:
+    if lifecycle.draining:
         return StrictJSONResponse({"status": "draining"}, status_code=503)
     return StrictJSONResponse({"status": "ok"})
 
 
 def _loaded(request: Request) -> GenerationService | None:
     """The service once the model is loaded and warmed up, else None."""
-    service = request.app.state.service
-    return service if service.ready else None
+    return request.app.state.service if request.app.state.models.ready else None
 
 
 def _unavailable(status: str, reason: str, request: Request | None = None) -> StrictJSONResponse:
@@ -74,7 +73,7 @@ async def health_ready(request: Request) -> StrictJSONResponse:
     service = _loaded(request)
     if service is None:
         return _unavailable("loading", LOADING, request)
-    if service.draining:
+    if request.app.state.models.lifecycle.draining:
         return _unavailable("draining", "the server is shutting down and admits no new requests")
     engine = service.loaded_engine
     if engine is None:  # the default model was unloaded to make room (app/serving/models.py): the next request loads it

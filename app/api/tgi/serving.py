@@ -16,23 +16,20 @@ from app.http.responses import json_number
 from app.http.sse import sse
 from app.serving.samples import ranked, sample_params
 from app.serving.service import GenerationService
-from model.engine import EngineError, GenerationStream, Reservation, Result, TokenEvent
+from model.engine import EngineError, GenerationStream, Result, TokenEvent
 from model.engine.events import TokenAttention as EngineAttention
 
 
-async def start(service: GenerationService, body: GenerateRequest, reservation: Reservation | None,
+async def start(service: GenerationService, body: GenerateRequest,
                  stream: bool = False) -> list[GenerationStream]:
     """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
-    service.check_ready()
     params = body.parameters.to_sampling_params(service.defaults)
     samples = body.parameters.samples(params, stream, service.defaults)
-    return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI,
-                                    reservation)
+    return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI)
 
 
-async def generate_response(service: GenerationService, body: GenerateRequest, request: Request,
-                    reservation: Reservation | None) -> GenerateResponse:
-    results = await service.results(request, await start(service, body, reservation))
+async def generate_response(service: GenerationService, body: GenerateRequest, request: Request) -> GenerateResponse:
+    results = await service.results(request, await start(service, body))
     ordered = ranked(results)  # best_of: the best answers, the others follow
     return response(service, body, ordered[0], ordered[1:] if len(ordered) > 1 else None)
 

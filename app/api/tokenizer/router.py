@@ -32,7 +32,6 @@ ERRORS = error_docs(401, 413, 422, 429, 503)
 async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
     """The text's tokens: with `inputs` (TGI), each token's id, text and character offsets; with `prompt` (vLLM),
     `{count, max_model_len, tokens}`."""
-    service.check_ready()
     limit, text = service.settings.max_tokenize_chars, body.text
     if len(text) > limit:
         raise ValidationError(body.field, f"must be at most {limit} characters (the server's --max-tokenize-chars), "
@@ -49,7 +48,6 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> DetokenizeResponse:
     """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number)."""
-    service.check_ready()
     limit, vocab = service.settings.max_tokenize_chars, service.engine.n_vocab
     if len(body.tokens) > limit:
         raise ValidationError("tokens", f"must hold at most {limit} ids (the server's --max-tokenize-chars), "

@@ -4,17 +4,23 @@ holds its slot while it is validated, and tokenizing takes a slot and runs off t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from app.serving.service import Lifecycle
 from app.testing import assert_openai_error, assert_tgi_error, metric
+from model.engine import Engine
+from model.registry import ModelRegistry
 from model.testing import CHARS
 from tests.app.api.calls import BODY_LIMIT, PROMPT, engine_of
 
@@ -173,3 +179,47 @@ def test_tokenize_works_off_the_event_loop(client: TestClient) -> None:
         for gate in gated.gates.values():
             gate.set()
         service.tokenizer = gated.inner
+
+
+def test_readiness_model_and_slot_are_each_decided_once_per_request(
+        make_client: Callable[..., TestClient], char_checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the route, the number of prompts and samples, and whether a header or the body names the model:
+    one readiness check, one registry lookup (the model and its engine) and one slot reservation per request."""
+    c = make_client(models=[f"other={char_checkpoint}"])
+    default = c.get("/v1/models").json()["data"][0]["id"]
+    counts: Counter[str] = Counter()
+
+    def count(owner: type, name: str) -> None:
+        original = getattr(owner, name)
+        if inspect.iscoroutinefunction(original):
+            async def counted(*args: Any, **kwargs: Any) -> Any:
+                counts[name] += 1
+                return await original(*args, **kwargs)
+        else:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                counts[name] += 1
+                return original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+    for owner, name in ((Lifecycle, "check_ready"), (ModelRegistry, "acquire"), (Engine, "reserve")):
+        count(owner, name)
+    tgi = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2}}
+    cases = [
+        ("/generate", tgi, {}),
+        ("/generate", tgi, {"X-Folio-Model": "other"}),
+        ("/generate_stream", tgi, {}),
+        ("/", {**tgi, "stream": True}, {"X-Folio-Model": "other"}),
+        ("/tokenize", {"inputs": PROMPT}, {}),
+        ("/inspect", {"inputs": PROMPT}, {}),
+        ("/v1/completions", {"prompt": [PROMPT, PROMPT], "n": 2, "max_tokens": 2}, {}),
+        ("/v1/completions", {"model": "other", "prompt": PROMPT, "max_tokens": 2}, {"X-Folio-Model": default}),
+        ("/v1/completions", {"model": "other", "prompt": PROMPT, "max_tokens": 2, "stream": True}, {}),
+    ]
+    for route, body, headers in cases:
+        counts.clear()
+        r = c.post(route, json=body, headers=headers)
+        assert r.status_code == 200, (route, r.text)
+        assert counts == {"check_ready": 1, "acquire": 1, "reserve": 1}, (route, body, headers, counts)
+    counts.clear()  # a route admission does not hold: the dependency checks readiness, and holds no slot
+    assert c.get("/tokenizer_info").status_code == 200
+    assert counts == {"check_ready": 1, "acquire": 1}, counts

@@ -74,9 +74,9 @@ async def _cut_short(app: object, path: str) -> int:
 @pytest.mark.parametrize("path", ["/generate", "/tokenize"])
 def test_a_body_cut_short_is_499_and_holds_no_slot(client: TestClient, path: str) -> None:
     engine = engine_of(client)
-    service = client.app.state.service
+    lifecycle = client.app.state.models.lifecycle
     cancelled = engine.stats.cancelled_total
     status = client.portal.call(lambda: _cut_short(client.app, path))
     assert status == 499
-    assert (engine.reserved, engine.busy, service.in_flight) == (0, 0, 0)
+    assert (engine.reserved, engine.busy, lifecycle.in_flight) == (0, 0, 0)
     assert engine.stats.cancelled_total == cancelled  # nothing was submitted, so nothing was cancelled

@@ -56,8 +56,8 @@ def test_generation_failure_is_424_while_other_requests_succeed(client: TestClie
 
 
 def test_draining_answers_503(client: TestClient) -> None:
-    service = client.app.state.service
-    service.draining = True
+    lifecycle = client.app.state.models.lifecycle
+    lifecycle.draining = True
     try:
         r = client.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "draining"})
@@ -74,7 +74,7 @@ def test_draining_answers_503(client: TestClient) -> None:
         assert r.headers["retry-after"] == "1"
         assert client.get("/metrics").status_code == 200
     finally:
-        service.draining = False
+        lifecycle.draining = False
     assert client.get("/health").status_code == 200
     assert client.get("/health/ready").status_code == 200
 

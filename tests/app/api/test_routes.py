@@ -47,15 +47,15 @@ def test_probes_after_startup_and_during_warmup(client: TestClient) -> None:
     assert (r.status_code, r.json()) == (200, {"status": "ok", "in_flight": 0, "capacity": 4 + 8})
     r = client.get("/health/live")
     assert r.status_code == 200 and r.json()["status"] in ("idle", "stepping"), r.text
-    service = client.app.state.service
-    service.ready = False  # the state between the engine's start and the end of its warmup
+    lifecycle = client.app.state.models.lifecycle
+    lifecycle.ready = False  # the state between the engine's start and the end of its warmup
     try:
         for route in ("/health/startup", "/health/ready"):
             r = client.get(route)
             assert (r.status_code, r.json()["status"]) == (503, "loading"), (route, r.text)
         assert client.get("/health/live").status_code == 200  # the engine thread runs the warmup
     finally:
-        service.ready = True
+        lifecycle.ready = True
 
 
 def test_live_fails_once_the_engine_thread_has_stopped(make_client: Callable[..., TestClient]) -> None:

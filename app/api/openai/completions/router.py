@@ -15,7 +15,7 @@ from app.http.limits import ThreadedBodyRoute
 from app.http.requestlog import request_record
 from app.http.responses import StrictJSONResponse
 from app.http.sse import SSE_HEADERS, SSE_OR_JSON_DOC
-from app.serving.deps import ReservationDep, service_for
+from app.serving.deps import request_service
 from app.serving.samples import sample_params
 from app.serving.service import cancel_all
 from model.engine import GenerationStream
@@ -25,19 +25,18 @@ ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
-async def completions(body: CompletionRequest, request: Request, reservation: ReservationDep) -> Response:
+async def completions(body: CompletionRequest, request: Request) -> Response:
     """OpenAI's legacy completions: one prompt or a batch, `n` choices each (`best_of` to rank more), logprobs
     of the generated and (with `echo`) the prompt's tokens; `max_tokens: 0` with `echo` scores a prompt.
     `model` picks one of the models served (app/serving/models.py)."""
-    service = await service_for(request, body.model)
+    service = await request_service(request, body.model)
     params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     streams: list[list[GenerationStream]] = []
     try:
-        for k, prompt in enumerate(prompts):
-            streams.append(await service.start_many(prompt, sample_params(params, samples), None, OPENAI,
-                                                    reservation if k == 0 else None))
+        for prompt in prompts:
+            streams.append(await service.start_many(prompt, sample_params(params, samples), None, OPENAI))
     except BaseException:
         cancel_all([s for group in streams for s in group])
         raise
