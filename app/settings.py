@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.api.protocol import MAX_SEQUENCES
 from app.http.auth import PROTECTED_DOC
+from model.chat_template import load_chat_template
 from model.cli import DEFAULT_CHECKPOINT, check_threads
 from model.devices import resolve_device
 from model.engine import EngineConfig
@@ -67,6 +68,9 @@ class Settings(BaseSettings):
     watch: float = Field(0.0, ge=0, description="check every loaded checkpoint's config.json this often (seconds) "
                          "and swap in changed weights without dropping a request (0: off; POST /admin/reload "
                          "works whenever the registry is on)")
+    chat_template: str | None = Field(
+        None, description="the chat template (Jinja2) for checkpoints that carry none: a file, or the template's "
+        "text (vLLM's flag); without it, such models get Folio's default template (model/chat_template.py)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
@@ -126,6 +130,12 @@ class Settings(BaseSettings):
     @classmethod
     def _threads(cls, value: int) -> int:
         return check_threads(value)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_loads(cls, value: str | None) -> str | None:
+        load_chat_template(value)  # a file that cannot be read or a template that does not compile stops the start
+        return value
 
     @field_validator("api_key")
     @classmethod

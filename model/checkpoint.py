@@ -1,7 +1,8 @@
 """Self-describing checkpoints: a directory of `model.safetensors` plus `config.json`.
 
 `config.json` holds the model config under nanoGPT's `GPTConfig` names, the tokenizer (kind plus what it
-needs; a BPE tokenizer's ranks sit beside it in `tokenizer.tiktoken`) and training provenance. Resume state
+needs; a BPE tokenizer's ranks sit beside it in `tokenizer.tiktoken`; the model's chat template, if it has one, as
+`tokenizer.chat_template`) and training provenance. Resume state
 (optimizer, RNG, step) is a separate `resume.pt` written by the trainer. Loading validates everything, never
 unpickles, and reads the weights into memory once, hashing the very bytes it builds tensors from: a served model
 never depends on its file staying unchanged (`load_weights`).
@@ -57,6 +58,11 @@ class Checkpoint:
     @property
     def training(self) -> dict[str, Any]:
         return self.meta.get("training", {})
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja2 chat template the checkpoint carries (with its tokenizer), if any (model/chat_template.py)."""
+        return self.tokenizer.chat_template
 
 
 def save_checkpoint(

@@ -6,7 +6,9 @@
 `hf` reads a directory written by `transformers`' `GPT2LMHeadModel.save_pretrained` (`config.json` plus
 `model.safetensors`) with `safetensors` alone: `transformers` is not needed at runtime, and
 `pytorch_model.bin` (a pickle) is refused. GPT-2's `Conv1D` stores weights as (in, out); they are transposed
-to `nn.Linear`'s (out, in). HF configs Folio cannot represent are refused, naming the setting.
+to `nn.Linear`'s (out, in). HF configs Folio cannot represent are refused, naming the setting. The repo's chat
+template is kept in the checkpoint (`hf_chat_template`: `chat_template.jinja`, as transformers saves it now, else
+`tokenizer_config.json`'s `chat_template`, a string or a list of named templates, of which "default" is taken).
 
 `nanogpt` reads nanoGPT's `ckpt.pt` with `torch.load(weights_only=True)` (tensors and plain containers, no
 code) and, for a character-level model, its `meta.pkl` through an unpickler that refuses every global, which
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from model.chat_template import CHECKPOINT, ChatTemplate
 from model.checkpoint import CheckpointError, save_checkpoint
 from model.cli import ArgumentParser
 from model.config import GPTConfig
@@ -40,6 +43,8 @@ from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, gpt2_to
 
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+HF_CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # HF GPT-2 keeps these Linear-like layers as Conv1D, weight (in, out); nn.Linear wants (out, in)
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # causal-mask buffers some GPT-2 and nanoGPT versions save with the weights; not parameters
@@ -156,17 +161,52 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def hf_chat_template(src_dir: str | os.PathLike[str]) -> str | None:
+    """The chat template of a Hugging Face repo directory, or None: `chat_template.jinja` (transformers' file), else
+    `tokenizer_config.json`'s `chat_template`, a string or a list of `{"name", "template"}` of which "default" is
+    the one transformers uses without being told. Refuses one that does not compile, naming the file."""
+    src = Path(src_dir)
+    jinja_path, config_path = src / HF_CHAT_TEMPLATE_FILE, src / HF_TOKENIZER_CONFIG_FILE
+    if jinja_path.is_file():
+        source = str(jinja_path)
+        try:
+            template = jinja_path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConvertError(f"{jinja_path} is not UTF-8 text: {e}") from None
+    elif config_path.is_file():
+        source = f"{config_path}'s chat_template"
+        try:
+            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ConvertError(f"{config_path} is not a JSON object: {e}") from None
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:
+                raise ConvertError(f"{source} lists named templates ({', '.join(map(repr, named))}) and none is "
+                                   "named 'default', the one a chat without a template name uses")
+            template = named["default"]
+        if template is not None and not isinstance(template, str):
+            raise ConvertError(f"{source} is a {type(template).__name__}, not a template's text")
+    else:
+        return None
+    if template is not None and (problem := ChatTemplate(template, CHECKPOINT).problem) is not None:
+        raise ConvertError(f"{source} does not compile as a Jinja2 chat template: {problem}")
+    return template
+
+
 def convert_hf(
     src_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     bpe_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Convert a Hugging Face GPT-2 directory into a Folio checkpoint with GPT-2's BPE tokenizer."""
+    """Convert a Hugging Face GPT-2 directory into a Folio checkpoint with GPT-2's BPE tokenizer and the
+    directory's chat template, if it has one."""
     src, out = Path(src_dir), Path(out_dir)
     _refuse_same_dir(src, out)
     model = load_hf_gpt2(src)
     tokenizer = _gpt2_bpe(bpe_dir)
+    tokenizer.chat_template = hf_chat_template(src)
     if tokenizer.n_vocab > model.config.vocab_size:
         raise ConvertError(
             f"{src / HF_CONFIG_FILE}: vocab_size {model.config.vocab_size} is smaller than GPT-2's BPE "

@@ -16,6 +16,9 @@ at most `max_loaded` at once, and swapped without dropping a request when its fi
   files change (`files_stamp`), or at the next look if memory was short.
 - One model failing to load affects no other; it is not tried again until its files change (a request to it is a
   fast `ModelFailed`, and evicts nothing to make room).
+- Chat templates: `chat_template(checkpoint)` is the template a request to a model renders its conversation with,
+  resolved from the checkpoint the request got (so a reload brings its template): the checkpoint's own, else the
+  server's `--chat-template` (`chat_template=` here), else the default (model/chat_template.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from model.chat_template import ChatTemplate, resolve_chat_template
 from model.checkpoint import CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, Checkpoint
 from model.config import si
 from model.engine import Engine
@@ -129,7 +133,8 @@ def _known_broken(slot: _Slot) -> bool:
 
 class ModelRegistry:
     def __init__(self, models: dict[str, Path], load: Loader, *, max_loaded: int | None = None,
-                 load_wait: float = 30.0, memory: Memory | None = None) -> None:
+                 load_wait: float = 30.0, memory: Memory | None = None,
+                 chat_template: ChatTemplate | None = None) -> None:
         if not models:
             raise ValueError("a registry needs at least one model")
         self._slots = {name: _Slot(ModelInfo(name, Path(path))) for name, path in models.items()}
@@ -138,6 +143,7 @@ class ModelRegistry:
         self._memory = memory
         self.max_loaded = max_loaded
         self.load_wait = load_wait
+        self.fallback_chat_template = chat_template  # --chat-template: for checkpoints that carry none
         self._lock = threading.RLock()  # guards the slots' dict and the places
         self._room = threading.Condition(self._lock)  # a place given back
         self._places: set[str] = set()  # the models loaded or loading, at most max_loaded
@@ -168,6 +174,11 @@ class ModelRegistry:
 
     def loaded(self) -> list[tuple[str, Engine, Checkpoint]]:
         return [(n, s.engine, s.checkpoint) for n, s in self._slots.items() if s.engine and s.checkpoint]
+
+    def chat_template(self, checkpoint: Checkpoint) -> ChatTemplate:
+        """The chat template for a request served from `checkpoint`: the one it carries, else --chat-template, else
+        the default."""
+        return resolve_chat_template(checkpoint.chat_template, self.fallback_chat_template)
 
     def slot_for(self, name: str | None) -> str:
         name = self.default if name is None else name

@@ -3,7 +3,9 @@
 Both map text to token ids and back, and expose `decode_bytes` so a streamer can hold back bytes until
 they form whole UTF-8 characters (byte-level BPE can split a character across tokens). A checkpoint carries
 its tokenizer: the character list inline in `config.json`, the BPE ranks in a `tokenizer.tiktoken` file
-beside it, so loading never touches the network.
+beside it, so loading never touches the network. A tokenizer also carries its model's chat template, if it has one
+(`chat_template`, the Jinja2 text Hugging Face keeps in `tokenizer_config.json`; rendered by model/chat_template.py),
+stored with the rest of its config.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class TokenizerError(ValueError):
 class Tokenizer(Protocol):
     n_vocab: int
     eos_id: int | None
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -48,7 +51,7 @@ class CharTokenizer:
     kind = "char"
     eos_id: int | None = None
 
-    def __init__(self, chars: list[str]) -> None:
+    def __init__(self, chars: list[str], *, chat_template: str | None = None) -> None:
         if not chars or any(not isinstance(c, str) or len(c) != 1 for c in chars):
             raise TokenizerError("char tokenizer needs a non-empty list of single characters")
         if len(set(chars)) != len(chars):
@@ -56,6 +59,7 @@ class CharTokenizer:
         self.chars = list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.n_vocab = len(self.chars)
+        self.chat_template = _check_chat_template(chat_template)
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -84,7 +88,7 @@ class CharTokenizer:
         return i
 
     def to_config(self) -> dict[str, Any]:
-        return {"kind": self.kind, "chars": self.chars}
+        return _with_chat_template({"kind": self.kind, "chars": self.chars}, self.chat_template)
 
     def save(self, directory: Path) -> None:
         """Nothing beside config.json: the characters live in it."""
@@ -103,6 +107,7 @@ class BPETokenizer:
         pat_str: str = GPT2_PAT_STR,
         special_tokens: dict[str, int] | None = None,
         eos_token: str | None = GPT2_EOT,
+        chat_template: str | None = None,
     ) -> None:
         special_tokens = {GPT2_EOT: 50256} if special_tokens is None else dict(special_tokens)
         self.name = name
@@ -115,6 +120,13 @@ class BPETokenizer:
         self.n_vocab = self.enc.n_vocab
         self.eos_token = eos_token
         self.eos_id = special_tokens.get(eos_token) if eos_token else None
+        self.chat_template = _check_chat_template(chat_template)
+
+    @property
+    def bos_token(self) -> str | None:
+        """GPT-2 marks where a text begins with the token that ends one: Hugging Face's GPT-2 tokenizer names
+        `<|endoftext|>` as both, and chat templates read `bos_token`."""
+        return self.eos_token
 
     def encode(self, text: str) -> list[int]:
         # special-token text in a prompt is ordinary text, never a control token
@@ -133,7 +145,7 @@ class BPETokenizer:
         return i in self.special_tokens.values()
 
     def to_config(self) -> dict[str, Any]:
-        return {
+        return _with_chat_template({
             "kind": self.kind,
             "name": self.name,
             "file": BPE_FILE,
@@ -142,10 +154,20 @@ class BPETokenizer:
             "special_tokens": self.special_tokens,
             "eos_token": self.eos_token,
             "n_vocab": self.n_vocab,
-        }
+        }, self.chat_template)
 
     def save(self, directory: Path) -> None:
         atomic_write_bytes(Path(directory) / BPE_FILE, _dump_ranks(self.mergeable_ranks))
+
+
+def _check_chat_template(template: object) -> str | None:
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"a chat template must be a string (Jinja2 text), got a {type(template).__name__}")
+    return template
+
+
+def _with_chat_template(config: dict[str, Any], template: str | None) -> dict[str, Any]:
+    return config if template is None else {**config, "chat_template": template}
 
 
 def token_spans(tokenizer: Tokenizer, ids: list[int]) -> list[tuple[str, int, int]]:
@@ -222,7 +244,7 @@ def tokenizer_from_config(cfg: dict[str, Any], directory: Path) -> CharTokenizer
         chars = cfg.get("chars")
         if not isinstance(chars, list):
             raise TokenizerError("char tokenizer config needs 'chars', a list of characters")
-        return CharTokenizer(chars)
+        return CharTokenizer(chars, chat_template=cfg.get("chat_template"))
     if kind == "bpe":
         path = Path(directory) / cfg.get("file", BPE_FILE)
         if not path.is_file():
@@ -237,6 +259,7 @@ def tokenizer_from_config(cfg: dict[str, Any], directory: Path) -> CharTokenizer
             pat_str=cfg.get("pat_str", GPT2_PAT_STR),
             special_tokens=cfg.get("special_tokens"),
             eos_token=cfg.get("eos_token"),
+            chat_template=cfg.get("chat_template"),
         )
         if "n_vocab" in cfg and tok.n_vocab != cfg["n_vocab"]:
             raise TokenizerError(f"{path} gives {tok.n_vocab} tokens, config.json says {cfg['n_vocab']}")

@@ -35,6 +35,7 @@ from app.http.metrics import Metrics
 from app.serving.service import GenerationService, Lifecycle
 from app.settings import Settings
 from model import devices
+from model.chat_template import load_chat_template
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
 from model.engine import Engine, EngineConfig, EngineStats, memory_needed
@@ -94,7 +95,8 @@ class ServedModels:
         paths = model_paths(settings)
         default_path = next(iter(paths.values()))
         self.registry = ModelRegistry(paths, load, max_loaded=settings.max_loaded,
-                                      load_wait=settings.load_wait, memory=lambda path: engine_memory(settings, path))
+                                      load_wait=settings.load_wait, memory=lambda path: engine_memory(settings, path),
+                                      chat_template=load_chat_template(settings.chat_template))
         self.services: dict[str, GenerationService] = {}
         metrics.registry.register(ReloadCollector(self.registry))
 

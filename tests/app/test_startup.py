@@ -24,6 +24,7 @@ from app.__main__ import main, make_server, parse_args, startup_settings
 from app.main import create_app
 from app.settings import OTHER_VARIABLES, Settings
 from app.testing import REFUSED, assert_openai_error, assert_tgi_error, free_port, probe
+from model.chat_template import ChatTemplate
 from model.checkpoint import load_checkpoint
 from tests import REPO
 
@@ -73,6 +74,11 @@ BAD_STARTS = {
     "unknown flag": ({}, ["--max-batches", "4"], ["--max-batches", "python -m app --help"]),
     "bad bool variable": ({"FOLIO_FAULT_INJECTION": "maybe"}, [], ["FOLIO_FAULT_INJECTION"]),
     "bad --kv-cache-dtype": ({}, ["--kv-cache-dtype", "int4"], ["--kv-cache-dtype", "'fp16'", "got 'int4'"]),
+    "chat template that does not compile": ({}, ["--chat-template", "{% for m in messages %}"],
+                                            ["--chat-template (FOLIO_CHAT_TEMPLATE)", "does not compile",
+                                             "syntax error at line 1"]),
+    "chat template file that is not there": ({"FOLIO_CHAT_TEMPLATE": "templates/chat.jinja"}, [],
+                                             ["FOLIO_CHAT_TEMPLATE", "no file 'templates/chat.jinja' found"]),
     "bad FOLIO_KV_CACHE_DTYPE": ({"FOLIO_KV_CACHE_DTYPE": "bf16"}, [], ["FOLIO_KV_CACHE_DTYPE", "got 'bf16'"]),
 }
 
@@ -256,3 +262,19 @@ def test_a_signal_while_the_model_loads_ends_the_server_without_waiting_for_the_
     thread.join(45)  # the build is held for 60 s
     assert not thread.is_alive() and not held_build.is_set()
     assert server.started and app.state.startup_error is None  # stopped, not failed: exit code 0
+
+
+def test_chat_template_setting_reaches_the_registry(char_checkpoint: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """--chat-template FILE and FOLIO_CHAT_TEMPLATE with the text: the registry holds the template for checkpoints
+    that carry none (it is not loaded here: create_app loads in its lifespan)."""
+    text = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(text, encoding="utf-8")
+    registry = create_app(Settings(checkpoint=char_checkpoint, chat_template=str(path))).state.models.registry
+    assert registry.fallback_chat_template == ChatTemplate(text, f"--chat-template {path}")
+    monkeypatch.setenv("FOLIO_CHAT_TEMPLATE", text)
+    registry = create_app(Settings(checkpoint=char_checkpoint)).state.models.registry
+    assert registry.fallback_chat_template == ChatTemplate(text, "--chat-template")
+    monkeypatch.delenv("FOLIO_CHAT_TEMPLATE")
+    assert create_app(Settings(checkpoint=char_checkpoint)).state.models.registry.fallback_chat_template is None

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -15,9 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.chat_template import ChatTemplate, special_tokens
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
-from model.convert import ConvertError, convert_hf, convert_nanogpt, load_hf_gpt2, main, read_meta_pkl
+from model.convert import (
+    ConvertError,
+    convert_hf,
+    convert_nanogpt,
+    hf_chat_template,
+    load_hf_gpt2,
+    main,
+    read_meta_pkl,
+)
 from model.gpt import GPT
 from model.tokenizer import BPETokenizer, CharTokenizer
 
@@ -148,6 +158,63 @@ def test_hf_other_refusals(hf_gpt2, bpe_dir: Path, tmp_path: Path) -> None:
     (src / "config.json").unlink()
     with pytest.raises(ConvertError, match="config.json is missing"):
         convert_hf(src, tmp_path / "out", bpe_dir=bpe_dir)
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}{{ tools | tojson }}")
+
+
+def test_hf_keeps_the_repos_chat_template(hf_small, gpt2_tok: BPETokenizer, bpe: Path, tmp_path: Path) -> None:
+    """A repo whose tokenizer transformers saved with a chat template (chat_template.jinja): the checkpoint carries
+    it, and renders a conversation as transformers does from the repo."""
+    transformers = pytest.importorskip("transformers")
+    src, _ = hf_small
+    hf_tok = transformers.GPT2Tokenizer(str(bpe / "encoder.json"), str(bpe / "vocab.bpe"))
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(src)
+    assert (src / "chat_template.jinja").is_file()
+    ckpt = load_checkpoint(convert_hf(src, tmp_path / "out", bpe_dir=bpe))
+    assert ckpt.chat_template == CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Héllo <b>"}]
+    tools = [{"type": "function", "function": {"name": "f", "description": "<é>"}}]
+    want = transformers.AutoTokenizer.from_pretrained(src).apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    got = ChatTemplate(ckpt.chat_template, "checkpoint").render(messages, tools=tools,
+                                                                **special_tokens(ckpt.tokenizer))
+    assert got == want and got.startswith("<|endoftext|><|im_start|>system\nBe kind.")
+
+
+@pytest.mark.parametrize("stored", [
+    CHAT_TEMPLATE,
+    [{"name": "tool_use", "template": "{{ tools }}"}, {"name": "default", "template": CHAT_TEMPLATE}],
+], ids=["string", "named-list"])
+def test_hf_chat_template_from_tokenizer_config(tmp_path: Path, stored: object) -> None:
+    """Older transformers kept the template in tokenizer_config.json: a string, or named templates ('default')."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": stored}))
+    assert hf_chat_template(tmp_path) == CHAT_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text("{{ 'the file wins' }}")
+    assert hf_chat_template(tmp_path) == "{{ 'the file wins' }}"
+
+
+def test_hf_without_a_chat_template(tmp_path: Path) -> None:
+    assert hf_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert hf_chat_template(tmp_path) is None
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"tokenizer_config.json": json.dumps({"chat_template": [{"name": "rag", "template": "x"}]})},
+     "lists named templates ('rag') and none is named 'default'"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": 3})}, "chat_template is a int, not a template's text"),
+    ({"tokenizer_config.json": "{not json"}, "tokenizer_config.json is not a JSON object"),
+    ({"chat_template.jinja": "{% for m in messages %}"}, "chat_template.jinja does not compile as a Jinja2 chat "
+                                                         "template: syntax error at line 1"),
+])
+def test_hf_chat_template_refusals(tmp_path: Path, files: dict[str, str], message: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConvertError, match=re.escape(message)):
+        hf_chat_template(tmp_path)
 
 
 def test_cli_error_exits_two(repo: Path, tmp_path: Path) -> None:
