@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from app.api.inspect.protocol import InspectRequest
 from app.api.inspect.router import router as inspect_routes
 from app.api.models.router import router as models_routes
+from app.api.openai.chat.protocol import ChatCompletionRequest
+from app.api.openai.chat.router import router as chat_routes
 from app.api.openai.completions.protocol import CompletionRequest
 from app.api.openai.completions.router import router as completions_routes
 from app.api.system.router import PLAYGROUND, VERSION
@@ -39,9 +41,10 @@ from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
-ROUTERS = (system_routes, tgi_routes, completions_routes, tokenizer_routes, models_routes, inspect_routes)
+ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, tokenizer_routes, models_routes, inspect_routes)
 # the request models whose fields' ranges a validation error names (app/http/errors.py), with their fields' prefixes
-RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", TokenizeRequest), ("", InspectRequest))
+RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", ChatCompletionRequest),
+          ("", TokenizeRequest), ("", InspectRequest))
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:

@@ -35,9 +35,10 @@ from model.engine import Engine, Overloaded, Reservation
 
 ADMITTED = "admitted"  # the key of the request's state that holds what admission decided (`Admitted`)
 MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it (app/serving/models.py)
-ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/tokenize", "/detokenize",
-                            "/inspect"})
-BODY_NAMES_MODEL = frozenset({"/v1/completions"})  # OpenAI's `model` field: the body says which model serves it
+ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions",
+                            "/tokenize", "/detokenize", "/inspect"})
+# OpenAI's `model` field: the body says which model serves it
+BODY_NAMES_MODEL = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass

@@ -22,8 +22,8 @@ from app.http.errors import Unauthorized, error_response
 # (method, path) of every route behind the key; none has path parameters
 PROTECTED = frozenset({
     ("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"), ("POST", "/v1/completions"),
-    ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("POST", "/inspect"),
-    ("POST", "/admin/reload"),
+    ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+    ("POST", "/inspect"), ("POST", "/admin/reload"),
 })
 PROTECTED_DOC = ", ".join(f"{m} {p}" for m, p in sorted(PROTECTED, key=lambda r: (r[1], r[0])))
 

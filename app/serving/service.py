@@ -20,7 +20,7 @@ from app.http.metrics import Metrics
 from app.http.requestlog import RequestRecord, request_record
 from app.settings import Settings
 from model.checkpoint import Checkpoint
-from model.engine import Engine, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.engine import Engine, EngineError, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
 from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
 from model.tokenizer import Tokenizer
@@ -206,6 +206,18 @@ class GenerationService:
             if record is not None:
                 record.finish_reason = "error"
             raise
+
+    async def pump(self, stream: GenerationStream, index: int, record: RequestRecord | None,
+                   out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
+        """Put stream `index`'s event batches into `out` (a stream of several choices reads them interleaved), then
+        its error if it fails, then None."""
+        try:
+            async for batch in self.event_batches(stream, record):
+                await out.put((index, batch))
+        except EngineError as e:
+            await out.put(e)
+        finally:
+            await out.put(None)
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499). Woken

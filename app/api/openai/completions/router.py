@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api.openai.completions.protocol import OPENAI, CompletionRequest
 from app.api.openai.completions.serving import ChunkWriter, complete, stream_choices
-from app.api.openai.protocol import OpenAIError
+from app.api.openai.protocol import ERRORS
 from app.http.limits import ThreadedBodyRoute
 from app.http.requestlog import request_record
 from app.http.responses import StrictJSONResponse
@@ -21,7 +21,6 @@ from app.serving.service import cancel_all
 from model.engine import GenerationStream
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)
-ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}
 
 
 @router.post("/completions", responses={**ERRORS, 200: SSE_OR_JSON_DOC})

@@ -13,12 +13,13 @@ from typing import Any
 from fastapi import Request
 
 from app.api.openai.completions.protocol import CompletionRequest
+from app.api.openai.protocol import usage
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
 from app.serving.samples import ranked
 from app.serving.service import GenerationService, cancel_all
-from model.engine import EngineError, Finished, GenerationStream, Result, TokenEvent
+from model.engine import Finished, GenerationStream, Result, TokenEvent
 from model.scoring import PromptToken
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
@@ -60,11 +61,6 @@ def choice_logprobs(result: Result, echoed: bool, text_of: Callable[[int], str])
 def best(results: list[Result], n: int) -> list[Result]:
     """OpenAI's choices: the n best (`ranked`), or all of them in their order when there are only n."""
     return results if len(results) == n else ranked(results)[:n]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def complete(request: Request, service: GenerationService, body: CompletionRequest,
@@ -117,24 +113,13 @@ class ChunkWriter:
                     "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _pump(service: GenerationService, stream: GenerationStream, index: int, record: RequestRecord | None,
-                out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
-    try:
-        async for batch in service.event_batches(stream, record):
-            await out.put((index, batch))
-    except EngineError as e:
-        await out.put(e)
-    finally:
-        await out.put(None)
-
-
 async def stream_choices(service: GenerationService, streams: list[list[GenerationStream]], echoes: list[str],
                   chunks: ChunkWriter, logprobs: bool, record: RequestRecord | None) -> AsyncIterator[bytes]:
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
     queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
-    pumps = [asyncio.ensure_future(_pump(service, s, i, record, queue)) for i, s in enumerate(flat)]
+    pumps = [asyncio.ensure_future(service.pump(s, i, record, queue)) for i, s in enumerate(flat)]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
     completion_tokens, running = 0, len(flat)

@@ -1,0 +1,134 @@
+"""OpenAI chat completions' answers: the conversation rendered by the model's chat template, and the engine's
+results and events written as a `chat.completion` and its stream of `chat.completion.chunk`s (a first chunk with
+the assistant's role, then the content as it comes, each choice's `finish_reason`, the usage if asked, `[DONE]`),
+with `logprobs.content` in OpenAI's shape (token, logprob, bytes, top_logprobs)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from app.api.openai.chat.protocol import CHAT, ChatCompletionRequest
+from app.api.openai.protocol import usage
+from app.http.errors import exception_body
+from app.http.requestlog import RequestRecord
+from app.http.sse import sse
+from app.serving.service import GenerationService, cancel_all
+from model.chat_template import special_tokens
+from model.engine import Finished, GenerationStream, Result, TokenEvent
+
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+
+
+async def render(service: GenerationService, body: ChatCompletionRequest) -> str:
+    """The prompt: the conversation through the model's chat template, off the event loop (its work grows with the
+    conversation). A template that fails, or a conversation it cannot take, is a 422 naming `messages`."""
+    template = service.registry.chat_template(service.checkpoint)
+    tokens = special_tokens(service.tokenizer)
+    with CHAT.naming_fields():
+        return await run_in_threadpool(lambda: template.render(
+            body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
+            **tokens))
+
+
+def finish_reason(fin: Finished) -> str:
+    return FINISH.get(fin.finish_reason, "length")
+
+
+def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dict[str, Any]:
+    """One entry of `logprobs.content`: the token, its log-probability and UTF-8 bytes, and its alternatives."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        raw = service.tokenizer.decode_bytes([token_id])
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    out = entry(ev.id, ev.logprob)
+    out["top_logprobs"] = [entry(a.id, a.logprob) for a in ev.top_tokens] if top else []
+    return out
+
+
+def message(result: Result) -> dict[str, Any]:
+    return {"role": "assistant", "content": result.text}
+
+
+async def complete(request: Any, service: GenerationService, body: ChatCompletionRequest,
+                   streams: list[GenerationStream], cid: str, created: int) -> dict[str, Any]:
+    results = await service.results(request, streams)
+    choices = []
+    for i, result in enumerate(results):
+        lp = {"content": [token_logprobs(service, t, body.top_logprobs is not None) for t in result.tokens]} \
+            if body.logprobs else None
+        choices.append({"index": i, "message": message(result), "logprobs": lp,
+                        "finish_reason": finish_reason(result.finished)})
+    prompt_tokens = results[0].finished.prompt_tokens
+    return {"id": cid, "object": "chat.completion", "created": created, "model": service.model_id,
+            "system_fingerprint": service.fingerprint, "choices": choices,
+            "usage": usage(prompt_tokens, sum(r.finished.generated_tokens for r in results))}
+
+
+@dataclass
+class ChatChunks:
+    """The server-sent chunks of one streamed chat completion."""
+
+    cid: str
+    created: int
+    model: str
+    fingerprint: str
+    include_usage: bool
+
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        out: dict[str, Any] = {
+            "id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse({"id": self.cid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "system_fingerprint": self.fingerprint, "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens)})
+
+
+async def stream_chunks(service: GenerationService, body: ChatCompletionRequest, streams: list[GenerationStream],
+                        chunks: ChatChunks, record: RequestRecord | None) -> AsyncIterator[bytes]:
+    """Every choice's role, then its content as it comes, interleaved (each chunk names its `index`)."""
+    queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(service.pump(s, i, record, queue)) for i, s in enumerate(streams)]
+    top = body.top_logprobs is not None
+    completion_tokens, running = 0, len(streams)
+    try:
+        yield b"".join(chunks.chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(streams)))
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(exception_body("/v1/chat/completions", item)[1])
+                break
+            index, batch = item
+            out = []
+            for ev in batch:
+                if isinstance(ev, Finished):
+                    out.append(chunks.chunk(index, {}, finish_reason(ev)))
+                    break
+                finish = finish_reason(ev.finished) if ev.finished else None
+                lp = {"content": [token_logprobs(service, ev, top)]} if body.logprobs else None
+                out.append(chunks.chunk(index, {"content": ev.text} if ev.text else {}, finish, lp))
+                completion_tokens += 1
+            if out:
+                yield b"".join(out)
+        else:
+            if chunks.include_usage:
+                yield chunks.usage(streams[0].prompt_tokens, completion_tokens)
+        yield sse("[DONE]")
+    finally:
+        cancel_all(streams)
+        for p in pumps:
+            p.cancel()
