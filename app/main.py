@@ -42,9 +42,12 @@ from model.quantize import quantize
 
 log = logging.getLogger("folio")
 ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, tokenizer_routes, models_routes, inspect_routes)
-# the request models whose fields' ranges a validation error names (app/http/errors.py), with their fields' prefixes
-RANGED = (("parameters.", GenerateParameters), ("", CompletionRequest), ("", ChatCompletionRequest),
-          ("", TokenizeRequest), ("", InspectRequest))
+# the request models whose fields' ranges a validation error names (app/http/errors.py): their routes, and their
+# fields' prefixes
+TGI_ROUTES = ("/generate", "/generate_stream", "/", "/tokenize", "/inspect")
+RANGED = ((TGI_ROUTES, "parameters.", GenerateParameters), (("/v1/completions",), "", CompletionRequest),
+          (("/v1/chat/completions",), "", ChatCompletionRequest), (("/tokenize",), "", TokenizeRequest),
+          (("/inspect",), "", InspectRequest))
 
 
 def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:

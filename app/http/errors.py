@@ -91,11 +91,12 @@ def client_gone_response() -> Response:
     return Response(status_code=499)
 
 
-def allowed_ranges(models: Iterable[tuple[str, type[BaseModel]]]) -> dict[str, str]:
-    """'parameters.temperature' -> '[0, 100]', from the Field constraints of request models, each given with the
-    prefix of its fields' names in an error's location (`("parameters.", GenerateParameters)`)."""
-    out: dict[str, str] = {}
-    for prefix, model in models:
+def allowed_ranges(models: Iterable[tuple[Iterable[str], str, type[BaseModel]]]) -> dict[tuple[str, str], str]:
+    """(route, 'parameters.temperature') -> '[0, 100]', from the Field constraints of request models, each given
+    with the routes that take it and the prefix of its fields' names in an error's location (`(("/generate", ...),
+    "parameters.", GenerateParameters)`): two APIs may bound a field of one name differently (`max_tokens`)."""
+    out: dict[tuple[str, str], str] = {}
+    for paths, prefix, model in models:
         for name, f in model.model_fields.items():
             lo = hi = None
             lo_b, hi_b = "[", "]"
@@ -109,7 +110,9 @@ def allowed_ranges(models: Iterable[tuple[str, type[BaseModel]]]) -> dict[str, s
                 elif isinstance(m, at.Lt):
                     hi, hi_b = m.lt, ")"
             if lo is not None or hi is not None:
-                out[prefix + name] = f"{lo_b}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{hi_b}"
+                for path in paths:
+                    out[path, prefix + name] = f"{lo_b}{'-inf' if lo is None else lo}, " \
+                                               f"{'inf' if hi is None else hi}{hi_b}"
     return out
 
 
@@ -126,6 +129,7 @@ def _name(part: object) -> str:
 
 
 def _describe(err: dict[str, Any], ranges: dict[str, str]) -> tuple[str, str]:
+    """(the field, the message) of one validation error; `ranges`: the route's fields' ranges, by field."""
     loc = [_name(p) for p in err.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     msg = err.get("msg", "invalid value")
@@ -150,9 +154,9 @@ def _unparseable(cause: BaseException) -> str:
     return str(cause).split(";")[0]  # e.g. "Exceeds the limit (4300 digits) for integer string conversion: ..."
 
 
-def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[str, type[BaseModel]]]) -> None:
+def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[Iterable[str], str, type[BaseModel]]]) -> None:
     """One handler per kind of error. A validation error of a field of the request models `ranged` (with their
-    fields' prefixes, as `allowed_ranges` takes them) names the range the field allows."""
+    routes and fields' prefixes, as `allowed_ranges` takes them) names the range the field allows."""
     ranges = allowed_ranges(ranged)
     retry_after = lambda request: request.app.state.settings.retry_after  # noqa: E731
 
@@ -170,7 +174,9 @@ def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[str, type[BaseMo
 
     async def validation(request: Request, exc: RequestValidationError) -> StrictJSONResponse:
         errors = exc.errors()
-        described = [_describe(e, ranges) for e in errors[:MAX_ERRORS_SHOWN]]
+        path = request.url.path
+        mine = {field: allowed for (route, field), allowed in ranges.items() if route == path}
+        described = [_describe(e, mine) for e in errors[:MAX_ERRORS_SHOWN]]
         message = "; ".join(m for _, m in described)
         if len(errors) > MAX_ERRORS_SHOWN:
             message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"

@@ -9,7 +9,7 @@ import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
@@ -19,6 +19,7 @@ from app.http.errors import ClientGone, Unavailable
 from app.http.metrics import Metrics
 from app.http.requestlog import RequestRecord, request_record
 from app.settings import Settings
+from model.chat_template import special_tokens
 from model.checkpoint import Checkpoint
 from model.engine import Engine, EngineError, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
 from model.registry import ModelRegistry
@@ -138,6 +139,17 @@ class GenerationService:
             return await run_in_threadpool(self.tokenizer.encode, text)
         except ValueError as e:
             raise ValidationError(api.field("prompt"), str(e)) from None
+
+    async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          add_generation_prompt: bool, api: Api) -> str:
+        """A conversation as the prompt the model's chat template makes of it (the checkpoint's, else
+        --chat-template, else the default), rendered off the event loop: its work grows with the conversation. A
+        template that fails, or a conversation it cannot take, is a 422 naming `api`'s field for the messages."""
+        template = self.registry.chat_template(self.checkpoint)
+        tokens = special_tokens(self.tokenizer)
+        with api.naming_fields():
+            return await run_in_threadpool(lambda: template.render(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **tokens))
 
     async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None,
                     api: Api) -> GenerationStream:

@@ -20,6 +20,7 @@ import pytest
 from huggingface_hub import InferenceClient
 
 from app.testing import REFUSED, metric, parse_sse, probe, serving, spawn
+from model.chat_template import DEFAULT_TEMPLATE
 from model.checkpoint import WEIGHTS_FILE
 
 PROMPT = "Hello there"
@@ -81,6 +82,26 @@ def test_openai_sdk_matches_generate(server: str) -> None:
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature"
+
+
+def test_openai_sdk_chat_equals_a_completion_of_the_rendered_conversation(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    messages = [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]
+    prompt = DEFAULT_TEMPLATE.render(messages)
+    kwargs = dict(model="tiny-char", max_tokens=10, seed=5, temperature=0.8)
+    expected = client.completions.create(prompt=prompt, **kwargs).choices[0].text
+    whole = client.chat.completions.create(messages=messages, **kwargs)
+    assert (whole.choices[0].message.role, whole.choices[0].message.content) == ("assistant", expected)
+    assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 10
+    with client.chat.completions.stream(messages=messages, **kwargs) as stream:  # the SDK's stream helper
+        assert "".join(e.delta for e in stream if e.type == "content.delta") == expected
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    counted = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=30).json()
+    assert counted["count"] == whole.usage.prompt_tokens
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        client.chat.completions.create(model="tiny-char", messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["param"] == "messages[0].role"
 
 
 def test_chunked_body_over_the_limit_is_413(server: str) -> None:

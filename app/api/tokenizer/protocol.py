@@ -2,36 +2,40 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from app.api.protocol import StrictModel, TokenIds
+from app.api.openai.chat.protocol import MAX_MESSAGES, MAX_TOOLS
+from app.api.protocol import Api, StrictModel, TokenIds
 from app.api.tgi.protocol import GenerateParameters
 
 
 class TokenizeRequest(StrictModel):
-    """TGI's `{"inputs"}` (answered with a list of tokens and their offsets) or vLLM's `{"prompt"}` (answered with
-    `{count, max_model_len, tokens}`, what lm-evaluation-harness's remote tokenizer reads)."""
+    """TGI's `{"inputs"}` (answered with a list of tokens and their offsets) or vLLM's `{"prompt"}` or `{"messages"}`
+    (answered with `{count, max_model_len, tokens}`, what lm-evaluation-harness's remote tokenizer reads; a
+    conversation is counted as the chat template renders it, as /v1/chat/completions would send it)."""
 
     inputs: str | None = Field(None, description="TGI: the text")
     prompt: str | None = Field(None, description="vLLM: the text")
+    messages: list[dict[str, Any]] | None = Field(None, max_length=MAX_MESSAGES, description="vLLM: a conversation "
+                                                  "(as /v1/chat/completions takes it)")
+    add_generation_prompt: bool = Field(True, description="vLLM, with messages: end with the assistant's turn")
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS, description="vLLM, with messages")
     parameters: GenerateParameters | None = None
     add_special_tokens: bool | None = None
     model: str | None = None
 
     @model_validator(mode="after")
     def _one_text(self) -> TokenizeRequest:
-        if (self.inputs is None) == (self.prompt is None):
-            raise PydanticCustomError("one_text", "give the text as exactly one of inputs (TGI) or prompt (vLLM)")
+        if sum(x is not None for x in (self.inputs, self.prompt, self.messages)) != 1:
+            raise PydanticCustomError("one_text", "give exactly one of inputs (TGI), prompt or messages (vLLM)")
         return self
 
     @property
     def field(self) -> str:
-        return "inputs" if self.inputs is not None else "prompt"
-
-    @property
-    def text(self) -> str:
-        return self.inputs if self.inputs is not None else self.prompt  # type: ignore[return-value]
+        return "inputs" if self.inputs is not None else "prompt" if self.prompt is not None else "messages"
 
 
 class TokenizeResponse(BaseModel):
@@ -55,3 +59,6 @@ class SimpleToken(BaseModel):
     text: str
     start: int
     stop: int
+
+
+TOKENIZE = Api({"prompt": "messages"})  # /tokenize's conversation: what the chat template reports on

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.api.protocol import error_docs
 from app.api.tokenizer.protocol import (
+    TOKENIZE,
     DetokenizeRequest,
     DetokenizeResponse,
     SimpleToken,
@@ -30,14 +31,18 @@ ERRORS = error_docs(401, 413, 422, 429, 503)
 
 @router.post("/tokenize", response_model=list[SimpleToken] | TokenizeResponse, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
-    """The text's tokens: with `inputs` (TGI), each token's id, text and character offsets; with `prompt` (vLLM),
-    `{count, max_model_len, tokens}`."""
-    limit, text = service.settings.max_tokenize_chars, body.text
+    """The text's tokens: with `inputs` (TGI), each token's id, text and character offsets; with `prompt` or
+    `messages` (vLLM), `{count, max_model_len, tokens}`."""
+    limit = service.settings.max_tokenize_chars
+    if body.messages is not None:
+        text = await service.render_chat(body.messages, body.tools, body.add_generation_prompt, TOKENIZE)
+    else:
+        text = body.inputs if body.inputs is not None else body.prompt  # type: ignore[assignment]
     if len(text) > limit:
         raise ValidationError(body.field, f"must be at most {limit} characters (the server's --max-tokenize-chars), "
                                           f"got {len(text)}")
     if body.inputs is None:
-        ids = await run_in_threadpool(_encode, service.tokenizer, text, "prompt")
+        ids = await run_in_threadpool(_encode, service.tokenizer, text, body.field)
         answer = TokenizeResponse(count=len(ids), max_model_len=service.engine.block_size, tokens=ids)
         return Response(answer.model_dump_json(), media_type="application/json")
     # tokenising and writing the answer both take time proportional to the input: off the event loop

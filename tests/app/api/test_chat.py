@@ -107,7 +107,9 @@ def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient)
      "[1, 256]"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs",
      "20"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", "2"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", "allowed: [0, 2]"),
+    # chat's bound on max_tokens, not completions' (where 0 scores the prompt)
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", "allowed: [1, inf]"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n", "16"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 5}, "n", "--max-sequences-per-request"),
 ])
@@ -127,3 +129,17 @@ def test_a_template_that_fails_is_a_422_naming_the_template(make_client: Callabl
     assert "--chat-template" in r.json()["error"]["message"] and "strict.jinja" in r.json()["error"]["message"]
     r = c.post("/v1/chat/completions", json={"messages": CONVERSATION[1:], "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len("Hi\nyo\n")
+
+
+def test_tokenize_counts_a_conversation_as_chat_sends_it(client: TestClient) -> None:
+    r = client.post("/tokenize", json={"messages": CONVERSATION})
+    assert r.status_code == 200, r.text
+    prompt = DEFAULT_TEMPLATE.render(CONVERSATION)
+    assert r.json()["tokens"] == client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert r.json()["count"] == chat(client, max_tokens=1)["usage"]["prompt_tokens"]
+    bare = client.post("/tokenize", json={"messages": CONVERSATION, "add_generation_prompt": False}).json()
+    assert bare["count"] == len(DEFAULT_TEMPLATE.render(CONVERSATION, add_generation_prompt=False)) < r.json()["count"]
+    r = client.post("/tokenize", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 422 and "messages[0].role" in r.text
+    r = client.post("/tokenize", json={"messages": CONVERSATION, "prompt": "x"})
+    assert r.status_code == 422 and "exactly one of inputs (TGI), prompt or messages" in r.text

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from app.api.openai.chat.protocol import CHAT, ChatCompletionRequest
-from app.api.openai.chat.serving import ChatChunks, complete, render, stream_chunks
+from app.api.openai.chat.serving import ChatChunks, complete, stream_chunks
 from app.api.openai.protocol import ERRORS
 from app.http.limits import ThreadedBodyRoute
 from app.http.requestlog import request_record
@@ -29,7 +29,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     service = await request_service(request, body.model)
     params = body.to_sampling_params(service.defaults)
     samples = body.samples(service.defaults)
-    prompt = await render(service, body)
+    prompt = await service.render_chat(body.messages, body.tools, body.add_generation_prompt, CHAT)
     streams = await service.start_many(prompt, sample_params(params, samples), None, CHAT)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:

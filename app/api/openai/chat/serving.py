@@ -10,29 +10,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-
-from app.api.openai.chat.protocol import CHAT, ChatCompletionRequest
+from app.api.openai.chat.protocol import ChatCompletionRequest
 from app.api.openai.protocol import usage
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
 from app.serving.service import GenerationService, cancel_all
-from model.chat_template import special_tokens
 from model.engine import Finished, GenerationStream, Result, TokenEvent
 
 FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
-
-
-async def render(service: GenerationService, body: ChatCompletionRequest) -> str:
-    """The prompt: the conversation through the model's chat template, off the event loop (its work grows with the
-    conversation). A template that fails, or a conversation it cannot take, is a 422 naming `messages`."""
-    template = service.registry.chat_template(service.checkpoint)
-    tokens = special_tokens(service.tokenizer)
-    with CHAT.naming_fields():
-        return await run_in_threadpool(lambda: template.render(
-            body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-            **tokens))
 
 
 def finish_reason(fin: Finished) -> str:
