@@ -13,6 +13,8 @@ from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from starlette.concurrency import run_in_threadpool
 
+from app.api.anthropic.protocol import MessagesRequest
+from app.api.anthropic.router import router as anthropic_routes
 from app.api.inspect.protocol import InspectRequest
 from app.api.inspect.router import router as inspect_routes
 from app.api.models.router import router as models_routes
@@ -41,12 +43,14 @@ from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
-ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, tokenizer_routes, models_routes, inspect_routes)
+ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, anthropic_routes, tokenizer_routes,
+           models_routes, inspect_routes)
 # the request models whose fields' ranges a validation error names (app/http/errors.py): their routes, and their
 # fields' prefixes
 TGI_ROUTES = ("/generate", "/generate_stream", "/", "/tokenize", "/inspect")
 RANGED = ((TGI_ROUTES, "parameters.", GenerateParameters), (("/v1/completions",), "", CompletionRequest),
-          (("/v1/chat/completions",), "", ChatCompletionRequest), (("/tokenize",), "", TokenizeRequest),
+          (("/v1/chat/completions",), "", ChatCompletionRequest), (("/v1/messages",), "", MessagesRequest),
+          (("/tokenize",), "", TokenizeRequest),
           (("/inspect",), "", InspectRequest))
 
 

@@ -170,6 +170,18 @@ def parse_sse(body: str) -> list[Any]:
     return events
 
 
+def parse_sse_events(body: str) -> list[tuple[str, Any]]:
+    """(name, parsed JSON) of each event of a stream of named events (Anthropic's), checking the framing: every event
+    is exactly `event: <name>\ndata: <json>\n\n`."""
+    assert body.endswith("\n\n"), f"SSE body does not end an event: {body[-80:]!r}"
+    events = []
+    for chunk in body[:-2].split("\n\n"):
+        lines = chunk.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), chunk
+        events.append((lines[0].removeprefix("event: "), strict_json(lines[1].removeprefix("data: "))))
+    return events
+
+
 def metric(metrics_text: str, name: str, **labels: str) -> float:
     """One sample's value from a Prometheus exposition (sample name as exposed, e.g. `..._total`)."""
     for family in text_string_to_metric_families(metrics_text):
@@ -195,6 +207,18 @@ def assert_tgi_error(response: Any, status: int, error_type: str, *needles: str)
     for needle in needles:
         assert needle in body["error"], (needle, body["error"])
     return body["error"]
+
+
+def assert_anthropic_error(response: Any, status: int, error_type: str, *needles: str) -> str:
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"}, "request_id"}`."""
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"type", "error", "request_id"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == error_type, body
+    assert_request_id(response, body)
+    for needle in needles:
+        assert needle in body["error"]["message"], (needle, body["error"]["message"])
+    return body["error"]["message"]
 
 
 def assert_openai_error(response: Any, status: int, error_type: str, param: str | None, *needles: str) -> str:

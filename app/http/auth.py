@@ -23,19 +23,21 @@ from app.http.errors import Unauthorized, error_response
 PROTECTED = frozenset({
     ("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
-    ("POST", "/inspect"), ("POST", "/admin/reload"),
+    ("POST", "/inspect"), ("POST", "/admin/reload"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
 })
 PROTECTED_DOC = ", ".join(f"{m} {p}" for m, p in sorted(PROTECTED, key=lambda r: (r[1], r[0])))
 
 
-def check_api_key(key: str | None, authorization: str) -> None:
-    """Raise `Unauthorized` unless `authorization` (the header's value) is `Bearer <key>`; nothing if `key` is
-    None (no key set). Compared in constant time; whitespace around the token is ignored."""
+def check_api_key(key: str | None, authorization: str, x_api_key: str = "") -> None:
+    """Raise `Unauthorized` unless `authorization` (the header's value) is `Bearer <key>` or `x_api_key` (the
+    `x-api-key` header Anthropic's clients send) is the key; nothing if `key` is None (no key set). Compared in
+    constant time; whitespace around the token is ignored."""
     if key is None:
         return
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
+    bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    if not bearer and not hmac.compare_digest(x_api_key.strip().encode(), key.encode()):
+        raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
 
 
 class ApiKeyMiddleware:
@@ -53,7 +55,8 @@ class ApiKeyMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         try:
-            check_api_key(secret.get_secret_value(), headers.get(b"authorization", b"").decode("latin-1"))
+            check_api_key(secret.get_secret_value(), headers.get(b"authorization", b"").decode("latin-1"),
+                          headers.get(b"x-api-key", b"").decode("latin-1"))
         except Unauthorized as e:
             scope["route"] = SimpleNamespace(path=scope["path"])  # the request metrics' label (no router ran)
             await error_response(Request(scope), e)(scope, receive, send)

@@ -1,8 +1,10 @@
 """Domain errors to HTTP: one table, one body shape per API family.
 
 TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
-`{"error": {"message", "type", "param", "code"}}`. Both carry the request's ID as `request_id` (app/http/requestlog.py;
-null for an answer of the HTTP layer, app/http/connection.py, to a request that never reached the app).
+`{"error": {"message", "type", "param", "code"}}`; Anthropic's Messages routes (`/v1/messages*`) answer
+`{"type": "error", "error": {"type", "message"}}`, the type from the status as Anthropic names it. All carry
+the request's ID as `request_id` (app/http/requestlog.py; null for an answer of the HTTP layer,
+app/http/connection.py, to a request that never reached the app).
 """
 
 from __future__ import annotations
@@ -60,8 +62,20 @@ def error_kind(exc: Exception) -> tuple[int, str, str] | None:
     return next((v for cls, v in ERROR_TABLE.items() if isinstance(exc, cls)), None)
 
 
+# HTTP status -> Anthropic's error type (its API's errors page); any other status is an api_error
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+                   413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+                   503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"  # the prefix of Anthropic's routes
+
+
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
-    """The error body of the API family `path` belongs to (OpenAI's under /v1/, TGI's elsewhere)."""
+    """The error body of the API family `path` belongs to (Anthropic's under /v1/messages, OpenAI's under the
+    rest of /v1/, TGI's elsewhere)."""
+    if path.startswith(ANTHROPIC_PATHS):
+        error = {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}
+        return {"type": "error", "error": error, "request_id": current_request_id()}
     if path.startswith("/v1/"):
         error = {"message": message, "type": oa_type, "param": param, "code": status}
         return {"error": error, "request_id": current_request_id()}

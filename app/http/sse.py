@@ -13,6 +13,11 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def sse(data: Any) -> bytes:
     payload = data if isinstance(data, str) else dumps(data)
     return f"data: {payload}\n\n".encode()
+def sse_event(event: str, data: dict[str, Any]) -> bytes:
+    """A named event (`event: <name>` before its data), as Anthropic's streams are written."""
+    return f"event: {event}\ndata: {dumps(data)}\n\n".encode()
+
+
 SSE_DOC = {"description": "server-sent events, `data: <json>` per token", "content": {"text/event-stream": {}}}
 SSE_OR_JSON_DOC = {"description": "the result as JSON; with `\"stream\": true`, server-sent events instead",
                    "content": {"text/event-stream": {}}}

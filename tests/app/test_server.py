@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -102,6 +103,32 @@ def test_openai_sdk_chat_equals_a_completion_of_the_rendered_conversation(server
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny-char", messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
+
+
+def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
+    """A client written for Claude, pointed at Folio: create, stream (the SDK's event accumulator) and count."""
+    client = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=30)
+    chat = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = chat.chat.completions.create(model="tiny-char", max_tokens=12, temperature=0,
+                                            messages=[{"role": "system", "content": "Be"}, *messages])
+    # the SDK no longer has sampling arguments (Claude's newest models fix them); older clients send temperature
+    kwargs = dict(model="tiny-char", system="Be", messages=messages, max_tokens=12, extra_body={"temperature": 0})
+    got = client.messages.create(**kwargs)
+    assert [b.text for b in got.content] == [expected.choices[0].message.content]
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (expected.usage.prompt_tokens,
+                                                                 expected.usage.completion_tokens)
+    with client.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == expected.choices[0].message.content
+        final = stream.get_final_message()
+    assert final.stop_reason == got.stop_reason and final.usage.output_tokens == got.usage.output_tokens
+    counted = client.messages.count_tokens(model="tiny-char", system="Be", messages=messages)
+    assert counted.input_tokens == got.usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(**{**kwargs, "model": "claude-opus-4"})
+    with pytest.raises(anthropic.UnprocessableEntityError) as e:
+        client.messages.create(**{**kwargs, "extra_body": {"temperature": 2}})
+    assert e.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_chunked_body_over_the_limit_is_413(server: str) -> None:

@@ -1,0 +1,46 @@
+"""Anthropic's Messages API: POST /v1/messages (streaming and not) and POST /v1/messages/count_tokens, so that
+clients written for Claude (the anthropic SDK, agent frameworks) run against a Folio model. The conversation goes
+through the model's chat template, as /v1/chat/completions does; `x-api-key` is accepted like a bearer token."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from app.api.anthropic.protocol import MESSAGES, CountTokensRequest, MessagesRequest
+from app.api.anthropic.serving import message, stream_events
+from app.http.limits import ThreadedBodyRoute
+from app.http.requestlog import request_record
+from app.http.responses import StrictJSONResponse
+from app.http.sse import SSE_HEADERS, SSE_OR_JSON_DOC
+from app.serving.deps import request_service
+
+router = APIRouter(prefix="/v1", tags=["Anthropic"], route_class=ThreadedBodyRoute)
+ERRORS = {code: {"description": "Anthropic's error body: {type: error, error: {type, message}}"}
+          for code in (401, 404, 413, 422, 424, 429, 503)}
+
+
+@router.post("/messages", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    """The next assistant message of a conversation (`system`, `messages` of text blocks), with Anthropic's
+    `stop_reason` and usage; `stream` sends its event sequence. `model` picks one of the models served."""
+    service = await request_service(request, body.model)
+    params = body.to_sampling_params(service.defaults)
+    prompt = await service.render_chat(body.conversation(), None, True, MESSAGES)
+    stream = await service.start(prompt, params, None, MESSAGES)
+    mid = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        return StreamingResponse(stream_events(service, stream, mid, request_record(request)),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    [result] = await service.results(request, [stream])
+    return StrictJSONResponse(message(service, mid, result))
+
+
+@router.post("/messages/count_tokens", responses=ERRORS)
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
+    """The conversation's tokens, as /v1/messages would send it to the model."""
+    service = await request_service(request, body.model)
+    prompt = await service.render_chat(body.conversation(), None, True, MESSAGES)
+    return {"input_tokens": len(await service.encode(prompt, MESSAGES))}
