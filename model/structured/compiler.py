@@ -121,8 +121,9 @@ class Constraint:
         return self._start.deep_copy()
 
 
-def _fail(spec: ConstraintSpec, reason: str, message: str, value: object = None) -> ConstraintError:
-    return ConstraintError(spec.kind, reason, message, value)
+def _fail(spec: ConstraintSpec, reason: str, message: str, *value: object) -> ConstraintError:
+    """The refusal of `spec`, showing `value` (if given) cut short."""
+    return ConstraintError(spec.kind, reason, message, *value)
 
 
 def _check_schema(spec: ConstraintSpec, schema: Mapping[str, Any]) -> None:

@@ -27,6 +27,9 @@ MAX_SPEC_CHARS = 120_000
 MAX_SCHEMA_DEPTH = 64  # nesting of the schema's JSON itself (not of the output: a $ref may recurse)
 
 
+_NO_VALUE = object()
+
+
 class ConstraintError(ValidationError):
     """A constraint refused before anything is generated. `field` names the spec's kind (`json_schema`, `regex`,
     ...; the HTTP layer puts its own path in front), `reason` says why in one word, `preview` shows the value cut
@@ -38,9 +41,9 @@ class ConstraintError(ValidationError):
 
     REASONS = ("invalid", "too_large", "too_complex", "timeout", "unproducible")
 
-    def __init__(self, field: str, reason: str, message: str, value: object = None) -> None:
+    def __init__(self, field: str, reason: str, message: str, value: object = _NO_VALUE) -> None:
         self.reason = reason
-        self.preview = preview(value) if value is not None else ""
+        self.preview = "" if value is _NO_VALUE else preview(value)
         super().__init__(field, message + (f"; got {self.preview}" if self.preview else ""))
 
 
