@@ -11,16 +11,18 @@ Order of operations for one next-token choice (the same for every caller: all go
    positive logit is divided by the penalty and a negative one multiplied by it;
 5. presence and frequency penalties (OpenAI): for every id generated so far, `presence_penalty` once and
    `frequency_penalty` times its count are subtracted (the prompt does not count);
-6. greedy decoding (see `SamplingParams.is_greedy`) takes the argmax here, and stops;
-7. temperature divides the logits;
-8. top-k keeps the k largest logits (ties at the k-th value are kept);
-9. top-p keeps the smallest set of most likely tokens whose probability reaches p (at least one);
-10. min-p keeps the tokens at least `min_p` times as likely as the most likely one;
-11. softmax over what is left, one draw from the request's own `torch.Generator`.
+6. structured output: the ids the row's constraint does not allow next (`SampleRow.allowed`, from its grammar's
+   matcher: model/structured/) get -inf, last, so that no bias or penalty can bring one back;
+7. greedy decoding (see `SamplingParams.is_greedy`) takes the argmax here, and stops;
+8. temperature divides the logits;
+9. top-k keeps the k largest logits (ties at the k-th value are kept);
+10. top-p keeps the smallest set of most likely tokens whose probability reaches p (at least one);
+11. min-p keeps the tokens at least `min_p` times as likely as the most likely one;
+12. softmax over what is left, one draw from the request's own `torch.Generator`.
 
 Reported log-probabilities are the model's own: log-softmax of the logits after step 1 only, so they do
-not depend on the repetition penalty, temperature, top-k or top-p; a row's top-n alternatives are the n
-largest of them.
+not depend on the repetition penalty, the constraint, temperature, top-k or top-p; a row's top-n alternatives
+are the n largest of them.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def apply_presence_frequency(logits: torch.Tensor, output: Sequence[int], presen
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Step 8: keep logits >= the k-th largest; the rest become -inf."""
+    """Step 9: keep logits >= the k-th largest; the rest become -inf."""
     if not k or k >= logits.size(-1):
         return logits
     kth = torch.topk(logits, k).values[..., -1:]
@@ -78,7 +80,7 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Step 9: keep the smallest most-likely set whose probability mass reaches p (always >= 1 token)."""
+    """Step 10: keep the smallest most-likely set whose probability mass reaches p (always >= 1 token)."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
@@ -92,7 +94,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Step 10: keep the tokens whose probability is at least `p` times the largest (always >= 1 token)."""
+    """Step 11: keep the tokens whose probability is at least `p` times the largest (always >= 1 token)."""
     if not p:
         return logits
     probs = torch.softmax(logits, dim=-1)
@@ -100,7 +102,7 @@ def min_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Steps 7-11 up to the softmax: the exact distribution a sampled token is drawn from."""
+    """Steps 8-12 up to the softmax: the exact distribution a sampled token is drawn from."""
     temperature = params.temperature if params.temperature is not None else 1.0
     # shifted by the maximum first (softmax does that anyway), so that dividing by a tiny temperature takes
     # logits towards -inf, never to +inf (inf - inf would make the softmax NaN); a temperature below the dtype's
@@ -121,6 +123,7 @@ class SampleRow:
     generator: torch.Generator | None = None  # the request's own, for sampled rows
     history: Sequence[int] = ()  # every id seen so far (prompt and output), for the repetition penalty
     output: Sequence[int] = ()  # the ids generated so far, for min_tokens and the presence/frequency penalties
+    allowed: torch.Tensor | None = None  # structured output: which ids may come next (bool, the logits' width)
 
 
 @dataclass
@@ -186,13 +189,13 @@ class Sampler:
 
 def _adjusts(row: SampleRow, eos_id: int | None) -> bool:
     p = row.params
-    return bool(p.logit_bias or (p.repetition_penalty not in (None, 1.0) and row.history)
+    return bool(row.allowed is not None or p.logit_bias or (p.repetition_penalty not in (None, 1.0) and row.history)
                 or ((p.presence_penalty or p.frequency_penalty) and row.output)
                 or (eos_id is not None and len(row.output) < p.min_tokens))
 
 
 def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Tensor:
-    """Steps 2-5 for one row's masked logits (the same tensor when none applies)."""
+    """Steps 2-6 for one row's masked logits (the same tensor when none applies)."""
     if not _adjusts(row, eos_id):
         return logits
     p = row.params
@@ -205,11 +208,14 @@ def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Te
     if p.repetition_penalty not in (None, 1.0) and row.history:
         context = torch.tensor(list(row.history), device=logits.device)
         logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
-    return apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
+    logits = apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
+    if row.allowed is not None:
+        logits = logits.masked_fill(~row.allowed, float("-inf"))
+    return logits
 
 
 def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
-    """Steps 7-11 for one sampled row, from its logits after steps 1-5."""
+    """Steps 8-12 for one sampled row, from its logits after steps 1-6."""
     return int(torch.multinomial(sampling_distribution(logits, row.params), 1, generator=row.generator))
 
 
@@ -223,7 +229,7 @@ def choose_token(
     output: Sequence[int] = (),
     eos_id: int | None = None,
 ) -> int:
-    """The next token id from a 1-D logits vector (steps 1-11): `Sampler` for one row. `context` holds every id
+    """The next token id from a 1-D logits vector (steps 1-12): `Sampler` for one row. `context` holds every id
     seen so far (prompt and output), `output` the generated ones."""
     history = () if context is None else context.tolist()
     out = Sampler(n_vocab, eos_id)(logits[None], [SampleRow(params, generator, history, output)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
@@ -59,6 +60,17 @@ def check_stop_strings(stop: object) -> None:
             raise ValidationError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, got one of "
                                           f"{len(s)}: {preview(s)}")
 
+@runtime_checkable
+class CompiledConstraint(Protocol):
+    """A structured-output constraint compiled for the engine's tokenizer: `model.structured.Constraint` (made by
+    `model.structured.compile_constraint`, off the engine thread); `matcher()` gives a request its own matcher."""
+
+    tokenizer: Any  # the Folio tokenizer it was compiled for
+    ll_tokenizer: Any  # llguidance's view of it
+
+    def matcher(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """Which attention weights come with each generated token (`model.engine.attention`): those of these layers
@@ -91,6 +103,9 @@ class SamplingParams:
     min_p: float | None = None  # keep tokens at least min_p times as likely as the most likely one; 0 or None: off
     prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many alternatives
     attention: AttentionSpec | None = None  # send each token's attention weights
+    # structured output: the output must satisfy this compiled constraint (model/structured/); generation ends with
+    # reason "stop" once it is complete and the grammar allows nothing more, even before min_tokens
+    constraint: CompiledConstraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
@@ -122,6 +137,9 @@ class SamplingParams:
         check_stop_strings(self.stop)
         if self.attention is not None and not isinstance(self.attention, AttentionSpec):
             raise ValidationError("attention", f"must be an AttentionSpec, got {preview(self.attention)}")
+        if self.constraint is not None and not isinstance(self.constraint, CompiledConstraint):
+            raise ValidationError("constraint", f"must be a compiled Constraint (model.structured.compile_constraint), "
+                                                f"got {preview(self.constraint)}")
 
     def _check_logit_bias(self) -> None:
         if isinstance(self.logit_bias, dict):

@@ -32,6 +32,7 @@ class _Decodes(Protocol):
 LENGTH = "length"
 EOS_TOKEN = "eos_token"
 STOP_SEQUENCE = "stop_sequence"
+CONSTRAINT_DONE = "stop"  # structured output: the output satisfies its constraint, which allows nothing more
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
 
@@ -201,7 +202,9 @@ class StoppingCriteria:
                                  skip_ids=[eos_id] if eos_id is not None else [])
         self._stop = tuple(stop)
 
-    def __call__(self, token: int) -> StopCheck:
+    def __call__(self, token: int, *, complete: bool = False) -> StopCheck:
+        """`complete`: the request's constraint allows nothing after `token` (structured output), which ends it
+        unless EOS or a stop string does."""
         self.generated += 1
         if self.generated == self.min_tokens + 1 and self._stop and not self.stream.stop:
             self.stream.arm(self._stop)  # stop strings count from here on
@@ -210,6 +213,8 @@ class StoppingCriteria:
                                         self.min_tokens)
         if self.stream.stopped_by is not None:
             reason = STOP_SEQUENCE
+        elif complete and reason != EOS_TOKEN:
+            reason = CONSTRAINT_DONE
         elif not stop:
             return StopCheck(text)
         return StopCheck(text + self.stream.finish(), reason, self.stream.stopped_by)

@@ -142,8 +142,12 @@ class Engine:
         long prompt, a truncation outside the context or a token id outside the vocabulary, (field `logit_bias`) for
         a bias on an id outside it, (field `top_n_tokens` or `prompt_logprobs`) for more alternatives per token
         than the model's vocabulary holds, and (field `attention...`) for streamed attention the model cannot give
-        or the limits refuse (`model.engine.attention.check_spec`)."""
+        or the limits refuse (`model.engine.attention.check_spec`), and (field `constraint`) for a constraint compiled
+        for another tokenizer."""
         if params is not None:
+            if params.constraint is not None and params.constraint.tokenizer is not self.tokenizer:
+                raise ValidationError("constraint", "was compiled for another model's tokenizer; compile it with this "
+                                                    "engine's (Engine.tokenizer)")
             if params.attention is not None:
                 check_spec(params.attention, self.model_config, params.max_new_tokens)
             for name in ("top_n_tokens", "prompt_logprobs"):

@@ -1,7 +1,8 @@
 """The output processor (vLLM v1's `OutputProcessor`): what a step's logits become for each request. It chooses
-the next tokens (one `Sampler` pass for all rows), checks stopping, captures streamed attention, scores prompts,
-counts tokens, and makes the events: a `TokenEvent` per token, the last carrying the `Finished` that ends the
-generation (model/engine/events.py).
+the next tokens (one `Sampler` pass for all rows, the constrained ones under their grammar's mask, computed for
+all of them at once), advances each constrained row's matcher, checks stopping, captures streamed attention,
+scores prompts, counts tokens, and makes the events: a `TokenEvent` per token, the last carrying the `Finished`
+that ends the generation (model/engine/events.py).
 
 It decides nothing about slots, rows or queues (model/engine/scheduler.py): it hands each request's event back,
 and the scheduler lets a request that ended leave the batch before its event goes out.
@@ -20,6 +21,7 @@ from model.engine.runner import ModelRunner
 from model.sampler import Sampler, SamplerOutput, new_generator
 from model.scoring import PromptScorer
 from model.stopping import StoppingCriteria
+from model.structured.matcher import ConstraintViolation, RowMatcher, allowed_tokens
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("folio.engine")
@@ -34,6 +36,7 @@ class OutputProcessor:
     def begin(self, req: Request) -> None:
         """`req`'s sampling, stopping and prompt-scoring state, before its first prefill chunk."""
         req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
+        req.matcher = None if req.params.constraint is None else RowMatcher(req.params.constraint)
         if req.params.prompt_logprobs is not None:
             req.scorer = PromptScorer(req.prompt, req.params.prompt_logprobs, self.tokenizer.n_vocab, self._describe)
         req.stopping = StoppingCriteria(self.tokenizer, max_new_tokens=req.params.max_new_tokens, eos_id=self.eos_id,
@@ -51,11 +54,14 @@ class OutputProcessor:
     def process(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, TokenEvent | EngineError]]:
         """Choose every row's next token in one sampler pass: each request's `TokenEvent` (its `finished` set when
         it should stop), or the error it failed with alone."""
-        out = self.sampler(logits, [req.sample_row() for req in reqs])
+        allowed, stuck = self._masks(reqs, logits.size(-1))
+        out = self.sampler(logits, [req.sample_row(allowed.get(i)) for i, req in enumerate(reqs)])
         attention = watch(self.runner.model, self.runner.cache, reqs)
         events: list[tuple[Request, TokenEvent | EngineError]] = []
         for i, req in enumerate(reqs):
             try:
+                if i in stuck:
+                    raise ConstraintViolation("the constraint allows no token of this model's vocabulary here")
                 if i in out.errors:
                     raise out.errors[i]
                 if isinstance(seen := attention.get(req.id), Exception):
@@ -66,15 +72,31 @@ class OutputProcessor:
                 events.append((req, GenerationError(f"generation failed: {e}")))
         return events
 
+    def _masks(self, reqs: list[Request], width: int) -> tuple[dict[int, torch.Tensor], set[int]]:
+        """The ids each constrained row may choose next, by row; the rows whose constraint allows none."""
+        rows = [i for i, req in enumerate(reqs) if req.matcher is not None]
+        if not rows:
+            return {}, set()
+        masks = allowed_tokens([reqs[i].matcher for i in rows], width)
+        some = masks[:, : self.tokenizer.n_vocab].any(dim=1).tolist()
+        return dict(zip(rows, masks)), {i for i, ok in zip(rows, some) if not ok}
+
     def _token(self, req: Request, out: SamplerOutput, i: int, attention: TokenAttention | None) -> TokenEvent:
         token = out.tokens[i]
+        complete = False
+        if req.matcher is not None:
+            req.matcher.advance(token)
+            if token != self.eos_id and req.matcher.stuck:
+                raise ConstraintViolation("the constraint allows no token of this model's vocabulary after "
+                                          f"{self.tokenizer.decode(req.output + [token])[-40:]!r}")
+            complete = req.matcher.done
         top = tuple(self._describe(t, lp) for t, lp in out.top[i])
         req.output.append(token)
         req.context.append(token)
         req.pos += 1
         self.stats.generated_tokens_total += 1
         assert req.stopping is not None
-        check = req.stopping(token)
+        check = req.stopping(token, complete=complete)
         req.text.append(check.text)
         finished = None if check.reason is None else self.finished(req, check.reason, check.stop_sequence)
         scores = req.prompt_scores() if len(req.output) == 1 else None

@@ -15,6 +15,7 @@ from model.sampler import SampleRow
 from model.sampling_params import SamplingParams
 from model.scoring import PromptScorer
 from model.stopping import StoppingCriteria
+from model.structured.matcher import RowMatcher
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same request
@@ -36,6 +37,7 @@ class Request:
     generator: torch.Generator | None = None
     stopping: StoppingCriteria | None = None
     scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
+    matcher: RowMatcher | None = None  # with `params.constraint`: its output's state in the grammar
     submitted_at: float = field(default_factory=time.perf_counter)
     # the submitter's context (made where the request is made): log lines about the request are written in it, so
     # they carry what the caller keeps there, such as the server's request ID (app/http/requestlog.py)
@@ -53,8 +55,9 @@ class Request:
         """`log.warning(message, *args)` about this request, in its submitter's context."""
         self.caller.run(log.warning, message, *args)
 
-    def sample_row(self) -> SampleRow:
+    def sample_row(self, allowed: torch.Tensor | None = None) -> SampleRow:
+        """What the sampler needs of this request; `allowed`: the ids its constraint allows next."""
         p = self.params
         # the repetition penalty sees every id so far (prompt and output): `context` is only the window once slid
         history = self.prompt + self.output if p.repetition_penalty not in (None, 1.0) else ()
-        return SampleRow(p, self.generator, history, self.output if p.penalises_output else ())
+        return SampleRow(p, self.generator, history, self.output if p.penalises_output else (), allowed)
