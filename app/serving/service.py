@@ -8,13 +8,14 @@ import asyncio
 import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from app.api.protocol import Api, ServerDefaults
+from app.api.structured import Requested
 from app.http.errors import ClientGone, Unavailable
 from app.http.metrics import Metrics
 from app.http.requestlog import RequestRecord, request_record
@@ -24,6 +25,7 @@ from model.checkpoint import Checkpoint
 from model.engine import Engine, EngineError, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
 from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
+from model.structured import ConstraintError, compile_constraint_async
 from model.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -139,6 +141,18 @@ class GenerationService:
             return await run_in_threadpool(self.tokenizer.encode, text)
         except ValueError as e:
             raise ValidationError(api.field("prompt"), str(e)) from None
+
+    async def constrained(self, params: SamplingParams, requested: Requested | None) -> SamplingParams:
+        """`params` with the request's output constraint compiled for this model's tokenizer (off the event loop
+        and the engine thread, bounded in time, the same spec compiled once): a constraint the model's vocabulary
+        cannot produce, or one that is invalid or too big, is a 422 naming the field it came from."""
+        if requested is None:
+            return params
+        try:
+            constraint = await compile_constraint_async(requested.spec, self.engine.tokenizer)
+        except ConstraintError as e:
+            raise ValidationError(requested.field, e.message) from None
+        return replace(params, constraint=constraint)
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           add_generation_prompt: bool, api: Api) -> str:

@@ -8,14 +8,16 @@ from typing import Any
 
 from pydantic import Field
 
+from app.api import structured
 from app.api.openai.chat.protocol import MAX_MESSAGES, MAX_TOOLS
 from app.api.protocol import STOP_DOC, Api, ServerDefaults, StrictModel
+from app.api.structured import Requested
 from model.sampling_params import SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_STRINGS
 
 MESSAGES = Api({"prompt": "messages", "max_new_tokens": "max_tokens", "stop": "stop_sequences"})
 ROLES = ("user", "assistant")  # the system prompt is its own field
-STOP_REASONS = {"length": "max_tokens", "eos_token": "end_turn", "stop_sequence": "stop_sequence"}
+STOP_REASONS = {"length": "max_tokens", "eos_token": "end_turn", "stop_sequence": "stop_sequence", "stop": "end_turn"}
 
 
 class CountTokensRequest(StrictModel):
@@ -61,6 +63,11 @@ class MessagesRequest(CountTokensRequest):
     container: str | dict[str, Any] | None = None
     inference_geo: str | None = None
     speed: str | None = None
+
+    def constraint(self) -> Requested | None:
+        """output_config.format: {type: json_schema, schema} (Anthropic's structured outputs)."""
+        fmt = (self.output_config or {}).get("format")
+        return structured.response_format(fmt, "output_config.format", nested=False)
 
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
         max_new_tokens = defaults.max_new_tokens_for(self.max_tokens, MESSAGES.field("max_new_tokens"))

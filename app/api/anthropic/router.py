@@ -27,7 +27,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     """The next assistant message of a conversation (`system`, `messages` of text blocks), with Anthropic's
     `stop_reason` and usage; `stream` sends its event sequence. `model` picks one of the models served."""
     service = await request_service(request, body.model)
-    params = body.to_sampling_params(service.defaults)
+    params = await service.constrained(body.to_sampling_params(service.defaults), body.constraint())
     prompt = await service.render_chat(body.conversation(), None, True, MESSAGES)
     stream = await service.start(prompt, params, None, MESSAGES)
     mid = f"msg_{uuid.uuid4().hex}"

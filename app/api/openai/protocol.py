@@ -8,7 +8,9 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidatorFunctionWrapHandler, field_validator
 from pydantic_core import PydanticCustomError
 
+from app.api import structured
 from app.api.protocol import MAX_N, STOP_DOC, Api, StrictModel
+from app.api.structured import Requested
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_STRINGS
 
@@ -52,6 +54,10 @@ class SamplingRequest(StrictModel):
     min_tokens: int = Field(0, ge=0, description="extension (vLLM): neither EOS nor a stop ends generation sooner")
     ignore_eos: bool = Field(False, description="extension (vLLM): keep generating past EOS")
     user: str | None = None
+    response_format: dict[str, Any] | None = Field(None, description="{type: text | json_object | json_schema "
+                                                   "(json_schema: {name, schema, strict})}: the output follows it")
+    structured_outputs: dict[str, Any] | None = Field(None, description="extension (vLLM): one of {json, regex, "
+                                                      "choice, grammar, json_object}: the output follows it")
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -69,6 +75,11 @@ class SamplingRequest(StrictModel):
         if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
             raise PydanticCustomError("too_long", "must hold at most {max} entries", {"max": MAX_LOGIT_BIAS})
         return value
+
+    def constraint(self) -> Requested | None:
+        """The output constraint asked for: by response_format or by structured_outputs, not both."""
+        return structured.one_of(structured.response_format(self.response_format),
+                                 structured.structured_outputs(self.structured_outputs))
 
     @property
     def include_usage(self) -> bool:

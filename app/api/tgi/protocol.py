@@ -3,11 +3,12 @@ events, and how TGI names the model's fields in errors (`TGI`)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from app.api.protocol import MAX_N, STOP_DOC, Api, ServerDefaults, StrictModel
+from app.api.structured import Requested, tgi_grammar
 from model.sampling_params import MAX_SEED, AttentionSpec, SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_STRINGS
 
@@ -52,9 +53,13 @@ class GenerateParameters(StrictModel):
     # accepted for TGI client compatibility; only their 'off' values are supported
     typical_p: float | None = Field(None, description="not supported (must be unset)")
     watermark: bool = Field(False, description="not supported (must be false)")
-    grammar: None = Field(None, description="not supported (must be unset)")
+    grammar: dict[str, Any] | None = Field(None, description='{"type": "json", "value": schema} or {"type": '
+                                           '"regex", "value": pattern}: the output follows it')
     adapter_id: None = Field(None, description="not supported (must be unset)")
 
+
+    def constraint(self) -> Requested | None:
+        return tgi_grammar(self.grammar)
 
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
         unsupported = {"typical_p": self.typical_p not in (None, 1.0), "watermark": self.watermark}

@@ -18,12 +18,20 @@ from app.serving.samples import ranked, sample_params
 from app.serving.service import GenerationService
 from model.engine import EngineError, GenerationStream, Result, TokenEvent
 from model.engine.events import TokenAttention as EngineAttention
+from model.stopping import CONSTRAINT_DONE
+
+
+def finish_reason(reason: str) -> str:
+    """TGI's finish reasons: a constraint that is done ends generation as the EOS token that grammar allows only
+    then would (TGI's own grammars end so)."""
+    return "eos_token" if reason == CONSTRAINT_DONE else reason
 
 
 async def start(service: GenerationService, body: GenerateRequest,
                  stream: bool = False) -> list[GenerationStream]:
     """Submit the request: `best_of` samples (sample i seeded with the request's seed + i), one unless asked."""
-    params = body.parameters.to_sampling_params(service.defaults)
+    params = await service.constrained(body.parameters.to_sampling_params(service.defaults),
+                                       body.parameters.constraint())
     samples = body.parameters.samples(params, stream, service.defaults)
     return await service.start_many(body.inputs, sample_params(params, samples), body.parameters.truncate, TGI)
 
@@ -47,7 +55,7 @@ def _sequence(service: GenerationService, body: GenerateRequest, result: Result)
         prefill = [PrefillToken(id=t.id, text=service.token_text(t.id), logprob=t.logprob) for t in scores]
     return dict(
         generated_text=(body.inputs if p.return_full_text else "") + result.text,
-        finish_reason=fin.finish_reason,
+        finish_reason=finish_reason(fin.finish_reason),
         generated_tokens=fin.generated_tokens,
         seed=fin.seed,
         prefill=prefill,
@@ -108,7 +116,7 @@ def stream_event(ev: TokenEvent, prefix: str) -> dict[str, Any]:
         "top_tokens": [{"id": a.id, "text": a.text, "logprob": a.logprob, "special": a.special}
                        for a in ev.top_tokens],
         "generated_text": None if fin is None else prefix + fin.generated_text,
-        "details": None if fin is None else {"finish_reason": fin.finish_reason,
+        "details": None if fin is None else {"finish_reason": finish_reason(fin.finish_reason),
                                              "generated_tokens": fin.generated_tokens, "seed": fin.seed,
                                              "input_length": fin.prompt_tokens,
                                              "truncated_prompt_tokens": fin.truncated_prompt_tokens},

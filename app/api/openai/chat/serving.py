@@ -6,19 +6,22 @@ with `logprobs.content` in OpenAI's shape (token, logprob, bytes, top_logprobs).
 from __future__ import annotations
 
 import asyncio
+import json
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.api.openai.chat.protocol import ChatCompletionRequest
+from app.api.openai.chat.protocol import ChatCompletionRequest, ToolPlan
 from app.api.openai.protocol import usage
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
 from app.serving.service import GenerationService, cancel_all
 from model.engine import Finished, GenerationStream, Result, TokenEvent
+from model.stopping import CONSTRAINT_DONE
 
-FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "stop": "stop"}  # "stop": a constraint done
 
 
 def finish_reason(fin: Finished) -> str:
@@ -36,19 +39,41 @@ def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dic
     return out
 
 
-def message(result: Result) -> dict[str, Any]:
-    return {"role": "assistant", "content": result.text}
+def tool_call(text: str, name: str | None) -> dict[str, Any]:
+    """OpenAI's tool call from a constrained output: the arguments a named function's schema held it to, or
+    (tool_choice required) the object `{name, arguments}` it generated."""
+    if name is None:
+        call = json.loads(text)
+        name, arguments = call["name"], json.dumps(call["arguments"])
+    else:
+        arguments = text
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
-async def complete(request: Any, service: GenerationService, body: ChatCompletionRequest,
+def called(result: Result, tools: ToolPlan | None) -> bool:
+    """Whether `result` is a whole tool call: its constraint done (not cut by max_tokens)."""
+    return tools is not None and result.finished.finish_reason == CONSTRAINT_DONE
+
+
+def message(result: Result, tools: ToolPlan | None) -> tuple[dict[str, Any], str]:
+    """A choice's message and finish_reason: its text, or its tool call."""
+    if called(result, tools):
+        assert tools is not None
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call(result.text, tools.name)]}, \
+            "tool_calls"
+    return {"role": "assistant", "content": result.text}, finish_reason(result.finished)
+
+
+async def complete(request: Any, service: GenerationService, body: ChatCompletionRequest, tools: ToolPlan | None,
                    streams: list[GenerationStream], cid: str, created: int) -> dict[str, Any]:
     results = await service.results(request, streams)
     choices = []
     for i, result in enumerate(results):
         lp = {"content": [token_logprobs(service, t, body.top_logprobs is not None) for t in result.tokens]} \
             if body.logprobs else None
-        choices.append({"index": i, "message": message(result), "logprobs": lp,
-                        "finish_reason": finish_reason(result.finished)})
+        said, finish = message(result, tools)
+        choices.append({"index": i, "message": said, "logprobs": lp, "finish_reason": finish})
     prompt_tokens = results[0].finished.prompt_tokens
     return {"id": cid, "object": "chat.completion", "created": created, "model": service.model_id,
             "system_fingerprint": service.fingerprint, "choices": choices,
@@ -81,13 +106,16 @@ class ChatChunks:
                     "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def stream_chunks(service: GenerationService, body: ChatCompletionRequest, streams: list[GenerationStream],
-                        chunks: ChatChunks, record: RequestRecord | None) -> AsyncIterator[bytes]:
-    """Every choice's role, then its content as it comes, interleaved (each chunk names its `index`)."""
+async def stream_chunks(service: GenerationService, body: ChatCompletionRequest, tools: ToolPlan | None,
+                        streams: list[GenerationStream], chunks: ChatChunks,
+                        record: RequestRecord | None) -> AsyncIterator[bytes]:
+    """Every choice's role, then its content as it comes, interleaved (each chunk names its `index`). A tool call
+    comes whole in one chunk once its arguments are complete (they are generated under their schema)."""
     queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
     pumps = [asyncio.ensure_future(service.pump(s, i, record, queue)) for i, s in enumerate(streams)]
     top = body.top_logprobs is not None
     completion_tokens, running = 0, len(streams)
+    held = [""] * len(streams)  # a tool call's text until it is whole
     try:
         yield b"".join(chunks.chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(streams)))
         while running:
@@ -104,10 +132,22 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
                 if isinstance(ev, Finished):
                     out.append(chunks.chunk(index, {}, finish_reason(ev)))
                     break
-                finish = finish_reason(ev.finished) if ev.finished else None
-                lp = {"content": [token_logprobs(service, ev, top)]} if body.logprobs else None
-                out.append(chunks.chunk(index, {"content": ev.text} if ev.text else {}, finish, lp))
                 completion_tokens += 1
+                lp = {"content": [token_logprobs(service, ev, top)]} if body.logprobs else None
+                if tools is not None:
+                    held[index] += ev.text
+                    if ev.finished is None:
+                        if lp:
+                            out.append(chunks.chunk(index, {}, None, lp))
+                        continue
+                    if ev.finished.finish_reason == CONSTRAINT_DONE:
+                        call = {"index": 0, **tool_call(held[index], tools.name)}
+                        out.append(chunks.chunk(index, {"tool_calls": [call]}, "tool_calls", lp))
+                    else:
+                        out.append(chunks.chunk(index, {"content": held[index]}, finish_reason(ev.finished), lp))
+                    continue
+                finish = finish_reason(ev.finished) if ev.finished else None
+                out.append(chunks.chunk(index, {"content": ev.text} if ev.text else {}, finish, lp))
             if out:
                 yield b"".join(out)
         else:

@@ -30,6 +30,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     `model` picks one of the models served (app/serving/models.py)."""
     service = await request_service(request, body.model)
     params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
+    params = await service.constrained(params, body.constraint())
     prompts = body.prompts()
     echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     streams: list[list[GenerationStream]] = []

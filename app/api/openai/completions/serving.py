@@ -22,7 +22,7 @@ from app.serving.service import GenerationService, cancel_all
 from model.engine import Finished, GenerationStream, Result, TokenEvent
 from model.scoring import PromptToken
 
-FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
+FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "stop": "stop"}  # "stop": a constraint done
 
 
 @dataclass
