@@ -24,13 +24,14 @@ from model import inspection as model_inspect
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspection import InspectTooLarge, check_options, reference_attention
+from model.inspection import InspectTooLarge, check_options
 from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
 from model.testing import make_char_checkpoint, make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
 from tests.app.api.calls import engine_of, generate
 from tests.model.conftest import INT8_GEMMS, gemm, int8_product_as_served, kernel_variant  # noqa: F401 (a fixture)
+from tests.model.references import reference_attention
 
 TEXT = "ROMEO:\nWherefore art thou Romeo? Deny thy father and refuse thy name."
 BPE_TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
