@@ -127,6 +127,24 @@ def test_rows_select_a_subset_of_cache_rows(tiny_model: GPT, seqs: torch.Tensor)
         assert cache.k[:, 1].abs().sum().item() == 0.0
 
 
+def test_a_read_only_step_attends_to_the_cache_and_writes_nothing(tiny_model: GPT, seqs: torch.Tensor) -> None:
+    """`KVCache.step(..., write=False)`: a token already fed (its keys and values in the cache) fed again gives its
+    logits from the keys and values in the cache, and the cache is left bit for bit as it was, whatever the step
+    computes for it (streamed attention reads a decode step's cache this way)."""
+    full = _full_logits(tiny_model, seqs[:2])
+    cache = KVCache(tiny_model.config, batch_size=2)
+    with torch.no_grad():
+        tiny_model(seqs[:2, :10], cache.step(torch.arange(10).expand(2, 10)))
+        k, v = cache.k.clone(), cache.v.clone()
+        pos = torch.tensor([[9], [4]])
+        again = tiny_model(seqs[:2].gather(1, pos), cache.step(pos, write=False))
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+        assert _max_diff(again[0, 0], full[0, 9]) <= 1e-5 and _max_diff(again[1, 0], full[1, 4]) <= 1e-5
+        other = (seqs[:2].gather(1, pos) + 1) % 65  # another token: its own keys would differ, none is written
+        tiny_model(other, cache.step(pos, write=False))
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
 def test_take_returns_each_rows_chosen_position(tiny_model: GPT, seqs: torch.Tensor) -> None:
     full = _full_logits(tiny_model, seqs)
     take = torch.tensor([5, 0, 11, 3])[: seqs.shape[0]]
