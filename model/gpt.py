@@ -1,13 +1,14 @@
 """The GPT-2 architecture (after nanoGPT), with a preallocated KV cache for incremental decoding.
 
 Parameter names and layouts are nanoGPT's, so nanoGPT and (transposed) GPT-2 weights map one to one.
-`GPT.forward` maps token ids to logits and does nothing else: no loss, no sampling, no text.
+`GPT.forward(idx, cache, take)` maps token ids to logits and does nothing else: no loss, no sampling, no text.
 
 Incremental decoding: a `KVCache` holds keys and values for `batch_size` rows. Cache slot `p` of a row holds
 the token at position `p`, so rows may sit at different positions; a query at position `p` attends to slots
-`0..p` of its own row. Slots above a row's position may hold stale values and are always masked out. Each
-cached forward sees the cache through a `CacheStep`, whose `update` writes a layer's new keys and values and
-returns what its queries attend to.
+`0..p` of its own row. Slots above a row's position may hold stale values and are always masked out. A cached
+forward is given a `CacheStep` (`KVCache.step`: its tokens' positions and cache rows, as gpt-fast's `input_pos`),
+whose `update` writes a layer's new keys and values and returns what its queries attend to; a step made with
+`write=False` only reads (streamed attention recomputes a token the decode step already wrote).
 
 Everything here is plain torch. The CPU decode kernels enter by swapping modules (`model.kernels.install`).
 """
@@ -72,18 +73,21 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k.shape[1]
 
-    def step(self, pos: torch.Tensor, rows: torch.Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+    def step(self, pos: torch.Tensor, rows: torch.Tensor | None = None, kv_len: int | None = None, *,
+             write: bool = True) -> CacheStep:
         """One cached forward's place in the cache: new token (b, t) at position `pos[b, t]` (B, T) of cache row
-        `rows[b]` (default: rows 0..B-1); `kv_len` bounds the slots read (default max(pos) + 1)."""
-        return CacheStep(self, pos, rows, kv_len)
+        `rows[b]` (default: rows 0..B-1); `kv_len` bounds the slots read (default max(pos) + 1). With `write=False`
+        the forward writes nothing: its queries attend to the keys and values already in those slots."""
+        return CacheStep(self, pos, rows, kv_len, write)
 
 
 class CacheStep:
     """A `KVCache` as one cached forward sees it. Each layer's attention calls `update`; what the layers share
     (the mask, the tokens' rows and positions) is computed once, on first use."""
 
-    def __init__(self, cache: KVCache, pos: torch.Tensor, rows: torch.Tensor | None, kv_len: int | None) -> None:
-        self.cache, self.pos, self.rows = cache, pos, rows
+    def __init__(self, cache: KVCache, pos: torch.Tensor, rows: torch.Tensor | None, kv_len: int | None,
+                 write: bool = True) -> None:
+        self.cache, self.pos, self.rows, self.write = cache, pos, rows, write
         self._kv_len = kv_len
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +96,20 @@ class CacheStep:
 
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer i's new keys and values (B, nh, T, hs) at each token's own position, cache[row, :, pos];
-        return the keys and values its queries attend to, (B, nh, kv_len, hs), through `mask`."""
+        return the keys and values its queries attend to, (B, nh, kv_len, hs), through `mask` (a read-only step
+        writes nothing and returns what the slots hold)."""
+        if self.write:
+            k_cache, v_cache = self.layer(i)
+            k_cache[self._write_rows, :, self.pos] = stored_as(k.transpose(1, 2), k_cache.dtype)
+            v_cache[self._write_rows, :, self.pos] = stored_as(v.transpose(1, 2), v_cache.dtype)
+        return self.read(i)
+
+    def read(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values that this step's queries attend to, (B, nh, kv_len, hs) each, as stored."""
         k_cache, v_cache = self.layer(i)
-        k_cache[self._write_rows, :, self.pos] = stored_as(k.transpose(1, 2), k_cache.dtype)
-        v_cache[self._write_rows, :, self.pos] = stored_as(v.transpose(1, 2), v_cache.dtype)
         # rows 0..B-1 in order read as a slice: a view, not a gather
-        read = slice(0, self.pos.shape[0]) if self.rows is None else self.rows
-        return k_cache[read, :, : self.kv_len], v_cache[read, :, : self.kv_len]
+        rows = slice(0, self.pos.shape[0]) if self.rows is None else self.rows
+        return k_cache[rows, :, : self.kv_len], v_cache[rows, :, : self.kv_len]
 
     @cached_property
     def kv_len(self) -> int:
@@ -243,39 +254,33 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        *,
-        pos: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        rows: torch.Tensor | None = None,
-        kv_len: int | None = None,
-        last_only: bool = False,
-        take: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab_size), or (B, 1, vocab_size) with `last_only` (the last position)
-        or `take` ((B,): for each row, the index in T of the one position whose logits are wanted).
+    def forward(self, idx: torch.Tensor, cache: CacheStep | None = None, take: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab_size), or (B, 1, vocab_size) with `take`: (B,) for each row the
+        index in T of the one position whose logits are wanted (-1: the last).
 
-        Without `kv_cache` this is the plain causal forward over positions 0..T-1 (training, the naive
-        reference). With it, `pos` (B, T) gives each token's position (defaults to 0..T-1), the new keys and
-        values are written to the cache at those positions, and each query attends to its row's slots up to
-        its own position. `rows` picks cache rows for the batch rows (default: rows 0..B-1); `kv_len` bounds
-        the slots read (default: max(pos) + 1; pass it to avoid a device sync).
+        Without `cache` this is the plain causal forward over positions 0..T-1 (training, the naive reference).
+        With it (`KVCache.step`: each token's position and cache row), the new keys and values are written to the
+        cache at those positions and each query attends to its row's slots up to its own position.
         """
         B, T = idx.size()
-        if pos is None:
+        if cache is None:
             if T > self.config.block_size:
                 raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
             pos = torch.arange(T, device=idx.device).expand(B, T)
-        elif pos.shape != idx.shape:
-            raise ValueError(f"pos shape {tuple(pos.shape)} must equal idx shape {tuple(idx.shape)}")
-        cache = None if kv_cache is None else kv_cache.step(pos, rows, kv_len)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
-        x = self.transformer.h(x, cache)
-        if last_only:
-            x = x[:, -1:, :]
-        elif take is not None:
-            x = x[torch.arange(B, device=x.device), take][:, None, :]
-        x = self.transformer.ln_f(x)
-        return self.lm_head(x)
+        elif cache.pos.shape != idx.shape:
+            raise ValueError(f"the cache step's positions {tuple(cache.pos.shape)} must match idx {tuple(idx.shape)}")
+        else:
+            pos = cache.pos
+        x = self.transformer.h(self.embed(idx, pos), cache)
+        if take is not None:
+            x = x[torch.arange(B, device=x.device), take][:, None, :]  # (B, 1, C)
+        return self.logits(x)
+
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The residual stream before the blocks: token ids (B, T) at positions `pos` (B, T) or (T,) -> (B, T, C)."""
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream (..., C) through the final LayerNorm and the LM head: (..., vocab_size)."""
+        return self.lm_head(self.transformer.ln_f(x))

@@ -3,8 +3,9 @@ alternatives. Offline: `inspect(checkpoint, ids)`; the engine runs the same `Ins
 its decode steps; `python -m model.inspection` draws the maps as PNG.
 
 - attention: for the chosen layers and heads, each query position's weights over positions 0..query, computed
-  from the queries and keys of the forward itself (a hook on each block's `c_attn`, whatever computes it: torch,
-  the CPU kernels, quantized weights) as softmax(q k^T / sqrt(head_size)) with the causal mask. Dense (every
+  from the queries and keys of the model's own blocks (`block_attention`: a hook on each block's `c_attn`,
+  whatever computes it: torch, the CPU kernels, quantized weights; the engine's streamed attention captures a
+  generated token's the same way) as softmax(q k^T / sqrt(head_size)) with the causal mask. Dense (every
   weight) up to `dense_max_tokens` tokens, else sparse: per query the `sparse_top` largest weights of at least
   `sparse_threshold` (stated in the result).
 - logit lens: the residual stream after the embeddings (layer 0) and after each block (1..n_layer), put through
@@ -23,11 +24,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser, add_checkpoint_option
-from model.gpt import GPT, CacheStep, KVCache, stored_as
+from model.gpt import GPT, CacheStep, KVCache
 from model.sampler import mask_unusable
 from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, TokenizerError, token_spans
@@ -117,6 +117,35 @@ def check_options(options: InspectOptions, n_tokens: int, model: GPT, n_vocab: i
                                           f"{MAX_LENS_LOGITS}: choose fewer lens layers or a shorter text")
 
 
+def block_attention(block: nn.Module, x: torch.Tensor, cache: CacheStep | None = None,
+                    heads: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the model's own `block` (`model.gpt.Block`) on x (B, T, C), through `cache` where given, and capture the
+    attention it computed: (its output (B, T, C), the weights (B, heads, T, keys) in float32 for `heads`, default
+    all). The weights are softmax(q k^T / sqrt(head_size)) of the queries its `c_attn` returned (a hook: whatever
+    computes it, torch, the CPU kernels, quantized weights) over the keys its attention read: the forward's own
+    under the causal mask, or, with a cache, what the step's `read` gives (as stored) under the step's mask."""
+    captured: list[torch.Tensor] = []
+    handle = block.attn.c_attn.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    try:
+        y = block(x, cache)
+    finally:
+        handle.remove()
+    B, T, C = x.shape
+    n_head = block.attn.n_head
+    hs = C // n_head
+    q, k, _ = captured[0].split(C, dim=-1)
+    q = q.view(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+    if cache is None:
+        keys = k.view(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    else:
+        keys, visible = cache.read(block.attn.layer)[0], cache.mask  # (B, nh, kv_len, hs), (B, 1, T, kv_len)
+    if heads is not None:
+        q, keys = q[:, heads], keys[:, heads]
+    scores = (q.float() @ keys.float().transpose(-2, -1)) / math.sqrt(hs)  # (B, heads, T, keys): query x key
+    return y, scores.masked_fill(~visible, float("-inf")).softmax(-1)
+
+
 class Inspector:
     """One inspection as steps: `steps()` does the embeddings, then one block per step, then the final scores, and
     ends with the result (`result`). The engine runs one step between two of its decode steps."""
@@ -143,16 +172,15 @@ class Inspector:
         device = self.model.transformer.wte.weight.device
         idx = torch.tensor([self.ids], device=device)
         with torch.inference_mode():
-            tr = self.model.transformer
             positions = torch.arange(len(self.ids), device=device)
-            x = tr.drop(tr.wte(idx) + tr.wpe(positions))
+            x = self.model.embed(idx, positions)
             cache = None
             if self.kv_dtype not in (None, x.dtype):  # the text as one prompt into a cache of that type: attention
                 kv = KVCache(self.model.config, 1, max_len=len(self.ids), device=device, dtype=self.kv_dtype)
                 cache = kv.step(positions[None])  # reads the keys and values as stored
             yield from self._read_out(0, x)
             yield
-            for layer, block in enumerate(tr.h):
+            for layer, block in enumerate(self.model.transformer.h):
                 x = self._block(layer, block, x, cache)
                 yield from self._read_out(layer + 1, x)
                 yield
@@ -162,32 +190,20 @@ class Inspector:
             pass
         return self.result
 
-    def _block(self, layer: int, block: torch.nn.Module, x: torch.Tensor, cache: CacheStep | None) -> torch.Tensor:
+    def _block(self, layer: int, block: nn.Module, x: torch.Tensor, cache: CacheStep | None) -> torch.Tensor:
         if not (self.options.attention and layer in self.layers):
             return block(x, cache)
-        captured: list[torch.Tensor] = []
-        handle = block.attn.c_attn.register_forward_hook(lambda _m, _i, out: captured.append(out))
-        try:
-            y = block(x, cache)
-        finally:
-            handle.remove()
-        q, k, _ = captured[0][0].split(self.model.config.n_embd, dim=-1)  # (T, C) each
-        if cache is not None:
-            k = stored_as(k, cache.cache.k.dtype)
-        hs = self.model.config.head_size
-        for head in self.heads:
-            qh, kh = q[:, head * hs : (head + 1) * hs].float(), k[:, head * hs : (head + 1) * hs].float()
-            scores = (qh @ kh.T) / math.sqrt(hs)  # (T, T): query x key
-            causal = torch.ones_like(scores, dtype=torch.bool).tril()
-            self.result.attention.append(self._head(layer, head, scores.masked_fill(~causal, float("-inf"))))
+        y, weights = block_attention(block, x, cache, self.heads)
+        for head, head_weights in zip(self.heads, weights[0]):
+            self.result.attention.append(self._head(layer, head, head_weights))
         return y
 
     def _rounded(self, values: torch.Tensor) -> list:
         d = self.options.decimals
         return (values if d is None else values.double().round(decimals=d)).tolist()
 
-    def _head(self, layer: int, head: int, scores: torch.Tensor) -> HeadAttention:
-        weights = torch.softmax(scores, dim=-1)
+    def _head(self, layer: int, head: int, weights: torch.Tensor) -> HeadAttention:
+        """One head's map from its weights (T, T): query x key, zero above the diagonal."""
         if self.result.dense:
             rows = self._rounded(weights)
             return HeadAttention(layer, head, [row[: q + 1] for q, row in enumerate(rows)])
@@ -213,7 +229,7 @@ class Inspector:
         for start in range(0, x.size(1), rows):
             if start:
                 yield
-            logits = self.model.lm_head(self.model.transformer.ln_f(x[:, start : start + rows]))[0]
+            logits = self.model.logits(x[:, start : start + rows])[0]
             if lens:
                 probs = torch.softmax(mask_unusable(logits.float(), self.tokenizer.n_vocab), dim=-1)
                 best = torch.topk(probs, self.options.lens_top, dim=-1)
@@ -233,35 +249,6 @@ def inspect(model: GPT, tokenizer: Tokenizer, ids: list[int], options: InspectOp
             kv_dtype: torch.dtype | None = None) -> Inspection:
     """The whole inspection at once (offline use; the engine steps an `Inspector` itself, with its cache's type)."""
     return Inspector(model, tokenizer, ids, options or InspectOptions(), kv_dtype=kv_dtype).run()
-
-
-def reference_attention(model: GPT, ids: list[int], layer: int,
-                        product: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-                        kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An independent reference for tests: the layer's attention weights (n_head, T, T) from a plain forward
-    written out with F.linear and softmax(q k^T / sqrt(d)), no hooks. `product(linear, x)` applies a block's linear
-    layer where F.linear of its weight and bias would not (a quantized product as the kernels compute it); keys and
-    values are rounded to `kv_dtype` as a cache of that type stores them."""
-    cfg, tr = model.config, model.transformer
-    product = product or (lambda linear, x: F.linear(x, linear.weight, linear.bias))
-    with torch.inference_mode():
-        x = tr.wte(torch.tensor([ids])) + tr.wpe(torch.arange(len(ids)))
-        for n, block in enumerate(tr.h):
-            h = F.layer_norm(x, (cfg.n_embd,), block.ln_1.weight, block.ln_1.bias, 1e-5)
-            qkv = product(block.attn.c_attn, h)
-            q, k, v = (t.view(1, len(ids), cfg.n_head, cfg.head_size).transpose(1, 2)
-                       for t in qkv.split(cfg.n_embd, dim=2))
-            k, v = stored_as(k, kv_dtype).float(), stored_as(v, kv_dtype).float()
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(cfg.head_size)
-            att = att.masked_fill(~torch.ones(len(ids), len(ids), dtype=torch.bool).tril(), float("-inf")).softmax(-1)
-            if n == layer:
-                return att[0]
-            y = (att @ v).transpose(1, 2).reshape(1, len(ids), cfg.n_embd)
-            x = x + product(block.attn.c_proj, y)
-            h = F.layer_norm(x, (cfg.n_embd,), block.ln_2.weight, block.ln_2.bias, 1e-5)
-            h = F.gelu(product(block.mlp.c_fc, h), approximate="tanh")
-            x = x + product(block.mlp.c_proj, h)
-    raise ValueError(f"layer {layer} is not in [0, {cfg.n_layer})")
 
 
 def save_heatmaps(result: Inspection, out: Path, decode: Callable[[int], str]) -> list[Path]:

@@ -34,8 +34,9 @@ def generate_naive(
         generator = new_generator(params.seed if params.seed is not None else 0, device)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     block = model.config.block_size
+    last = torch.tensor([-1], device=device)  # the logits of the last position only
     for n in range(1, params.max_new_tokens + 1):
-        logits = model(idx[:, -block:], last_only=True)[0, -1]
+        logits = model(idx[:, -block:], take=last)[0, -1]
         token = choose_token(logits, params, n_vocab=n_vocab, context=idx[0], generator=generator,
                              output=idx[0, len(prompt_ids):].tolist(), eos_id=eos_id)
         yield token, logits

@@ -7,14 +7,14 @@ new one (within the window, after a slide). The same row as `model.inspection` g
 position before the token.
 
 How: the decode step's kernels do not hand out their weights, and capturing them inside the step would change
-the step. So after the step, a read-only forward of that one token per watching row recomputes each layer's query
-and takes the keys and values the step itself wrote into the cache. It writes nothing (the cache, the tokens and
-every other row are untouched) and costs one token's forward per watching row, up to the last layer asked for.
+the step. So after the step, the model's own blocks run that one token per watching row again on a read-only cache
+step (`KVCache.step(..., write=False)`), and `model.inspection.block_attention` captures each layer's query, as the
+inspector does, against the keys and values the step itself wrote into the cache. It writes nothing (the cache, the
+tokens and every other row are untouched) and costs one token's forward per watching row, up to the last layer
+asked for.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -22,6 +22,7 @@ from model.config import GPTConfig
 from model.engine.events import TokenAttention
 from model.engine.request import Request
 from model.gpt import GPT, KVCache
+from model.inspection import block_attention
 from model.sampling_params import AttentionSpec, ValidationError
 
 MAX_TOKEN_WEIGHTS = 16_384  # weights sent with one token, at most: layers x (heads, or 1 for the mean) x context
@@ -85,25 +86,14 @@ def capture(model: GPT, cache: KVCache, reqs: list[Request]) -> dict[int, TokenA
 def _last_token_attention(model: GPT, cache: KVCache, rows: list[int], tokens: list[int], positions: list[int],
                           deepest: int) -> torch.Tensor:
     """(n, deepest + 1, n_head, max(positions) + 1): each token's attention weights in layers 0..deepest over the
-    slots 0..its position of its cache row (zero beyond), in float32. Reads the cache, writes nothing."""
-    cfg, tr = model.config, model.transformer
-    n, nh, hs, C = len(rows), cfg.n_head, cfg.head_size, cfg.n_embd
+    slots 0..its position of its cache row (zero beyond), in float32: the model's own blocks on a read-only cache
+    step, their attention captured as the inspector captures it (`block_attention`). Writes nothing."""
     device = cache.k.device
-    kv_len = max(positions) + 1
     pos = torch.tensor(positions, device=device)[:, None]  # (n, 1)
-    row_idx = torch.tensor(rows, device=device)
-    visible = (torch.arange(kv_len, device=device) <= pos)[:, None, None, :]  # (n, 1, 1, kv_len)
-    x = tr.wte(torch.tensor(tokens, device=device)[:, None]) + tr.wpe(pos)  # (n, 1, C)
+    step = cache.step(pos, torch.tensor(rows, device=device), write=False)
+    x = model.embed(torch.tensor(tokens, device=device)[:, None], pos)  # (n, 1, C)
     out = []
-    for layer, block in enumerate(tr.h[: deepest + 1]):
-        q = block.attn.c_attn(block.ln_1(x))[..., :C].view(n, 1, nh, hs).transpose(1, 2)  # (n, nh, 1, hs)
-        keys = cache.k[layer, row_idx, :, :kv_len]  # (n, nh, kv_len, hs)
-        values = cache.v[layer, row_idx, :, :kv_len]
-        scores = (q.float() @ keys.float().transpose(-2, -1)) / math.sqrt(hs)  # (n, nh, 1, kv_len)
-        att = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        out.append(att[:, :, 0])
-        if layer < deepest:  # the rest of the block, for the next layer's query
-            y = (att @ values.float()).transpose(1, 2).reshape(n, 1, C)  # as the attention kernels: in fp32
-            x = x + block.attn.c_proj(y.to(x.dtype))
-            x = x + block.mlp(block.ln_2(x))
+    for _, block in zip(range(deepest + 1), model.transformer.h):
+        x, weights = block_attention(block, x, step)  # weights (n, n_head, 1, kv_len)
+        out.append(weights[:, :, 0])
     return torch.stack(out, 1)

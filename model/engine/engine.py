@@ -28,7 +28,6 @@ from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
-from model.inspection import InspectOptions, Inspector
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
@@ -266,13 +265,6 @@ class Engine:
             self._admit(reservation)
             self.scheduler.add_job(job)
         return handle
-
-    def inspect(self, ids: list[int], options: InspectOptions, *,
-                reservation: Reservation | None = None) -> JobHandle:
-        """Look inside the model for `ids` (`model.inspection`), one layer per engine step; the handle's result is an
-        `Inspection`. Raises `InspectError` at once for options outside the limits."""
-        inspector = Inspector(self.runner.model, self.tokenizer, ids, options, kv_dtype=self.runner.kv_dtype)
-        return self.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)
 
     def cancel(self, req: Request | Job) -> None:
         """Thread-safe; the request leaves the batch before the next model step."""

@@ -116,17 +116,16 @@ class ModelRunner:
         # kernels' pool by ~5%)
         fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
         with self.decode_context() if fused else contextlib.nullcontext():
-            logits = self.model(self._ids(idx), pos=self._ids(pos), kv_cache=self.cache, rows=self._ids(rows),
-                                kv_len=min(self.block_size, max(starts) + width), take=take)
+            step = self.cache.step(self._ids(pos), self._ids(rows), min(self.block_size, max(starts) + width))
+            logits = self.model(self._ids(idx), step, take)
         return logits if every_position else logits[:, 0]
 
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
-        logits = self.model(self._ids([[t] for t in tokens]), pos=self._ids([[p] for p in positions]),
-                            kv_cache=self.cache, rows=row_idx, kv_len=max(positions) + 1, last_only=True)
-        return logits[:, -1]
+        step = self.cache.step(self._ids([[p] for p in positions]), row_idx, max(positions) + 1)
+        return self.model(self._ids([[t] for t in tokens]), step)[:, 0]
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row` gets the keys and values of positions 0..length-1 of row `source`."""

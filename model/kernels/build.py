@@ -7,8 +7,8 @@ process that finds its library built imports it without a compiler (the Docker i
 `python -m model.kernels`).
 
 A variant is one instruction set's build of the same sources: its compiler flags and the CPU flags it needs to
-run. `best_variant` picks the most capable one this CPU runs. The limits below are defined here once and reach
-the C++ as `-D` defines.
+run. `best_variant` picks the most capable one this CPU runs. The thresholds below are defined here once and reach
+the C++ as `-D` defines; the figures that chose them are in bench/results/kernels.md.
 """
 
 from __future__ import annotations
@@ -30,28 +30,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Up to this many rows (a step's tokens) the kernels do a product, where they beat MKL's GEMV and GEMM; from about
-# twice as many, MKL's blocked GEMM is faster. A prompt goes to MKL.
-MAX_ROWS = 64
-# from this many rows a weight's packed copy is used (where it has one; without, dot products). From one row: its
-# panels stream as one sequence, the dot products' rows as 8 short ones, and on AMD EPYC (Zen 5) a batch-1 step of
-# int8 GPT-2 took 10-15% less through the panels (its LM head ~1.0 ms against 1.7-2.0 at 2-3 rows), fp32 ~7% less
-PACKED_MIN_ROWS = 1
-# from this many rows bf16 weights go to torch's bf16 GEMM (oneDNN) where the CPU multiplies bf16 natively: it beats
-# the kernels' widening to fp32 from 16 rows (1.3x at 16, 1.5x at 32, 2x at 64 for GPT-2's MLP, AMD EPYC here)
+# The thresholds of the library's one rule for who does a product (csrc/linear.cpp, `by_kernels`), each defined
+# here once and passed to the C++ as a -D define (csrc/ops.h); the tests ask the library itself which way a product
+# goes. The measurements behind each value are in bench/results/kernels.md ("Thresholds"), not here.
+MAX_ROWS = 64  # up to this many rows (a step's tokens) the kernels do a product; more go to torch's blocked GEMM
+PACKED_MIN_ROWS = 1  # from this many rows through a weight's packed copy, where it has one (else dot products)
+# from this many rows bf16 weights go to torch's bf16 GEMM (oneDNN), where the CPU multiplies bf16 natively
 BF16_GEMM_MIN_ROWS = 16
-# from this many rows int8 weights go to torch's int8 GEMM (oneDNN) where the CPU multiplies int8 natively (VNNI,
-# AMX), the rows rounded to int8 first (W8A8); fewer rows are bandwidth-bound and keep the kernels' products. On AMD
-# EPYC (Zen 5), int8 GPT-2 at 8 concurrent: 955-1,133 -> 1,217-1,246 tok/s, at 12: 1,212-1,221 -> 1,438-1,619; at 6
-# the kernels were faster (1,035 against 886), at 4 more so (950 against 660)
+# from this many rows int8 weights go to an int8 GEMM (the rows rounded to int8: W8A8) where the CPU multiplies int8
+# natively (VNNI, AMX): oneDNN's; fewer rows are bandwidth-bound and keep the kernels' products
 INT8_GEMM_MIN_ROWS = 8
-# ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp, no per-call cost): int8 GPT-2's
-# runner step at 4 rows 4.93 -> 4.60 ms, at 6 5.95 -> 4.77; at 3 rows the same (3.84, 3.86), at 2 slower (3.58 ->
-# 3.71; AMD EPYC, medians of 3 alternated runs)
-VNNI_GEMM_MIN_ROWS = 4
-# ... and only for weights of this many values or more: a small model's products (the bundled model's are 192 wide)
-# are faster in the kernels (int8 at 8 concurrent: 7,300 tok/s through oneDNN, 11,900-12,600 in the kernels)
-INT8_GEMM_MIN_WEIGHTS = 256 * 1024
+VNNI_GEMM_MIN_ROWS = 4  # ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp)
+INT8_GEMM_MIN_WEIGHTS = 256 * 1024  # ... and only for weights of this many values or more (small ones: the kernels)
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
 # a cached forward of up to this many tokens (rows x chunk: a decode step, a prompt chunk) runs its blocks fused,
@@ -59,9 +49,9 @@ PANEL = 16
 # token, 120 MB for GPT-2 small at the bound)
 FUSED_MAX_TOKENS = 4096
 
-# a first build compiles every .cpp in csrc/ with -O3: ~100 CPU-seconds of g++ in all (avx2 96, avx512vnni 110 on
-# a Sapphire Rapids Xeon; torch's headers are most of it), split over the cores by ninja: ~1 minute on 2 idle cores,
-# 3-5 on 2 busy ones (184 and 315 s measured at a load of 6). A line says how far it got every PROGRESS_EVERY s.
+# a first build compiles every .cpp in csrc/ with -O3: about this many CPU-seconds of g++ in all (torch's headers are
+# most of it; measured: bench/results/kernels.md), split over the cores by ninja. A line says how far it got every
+# PROGRESS_EVERY s.
 BUILD_CPU_SECONDS = 100
 PROGRESS_EVERY = 30.0
 

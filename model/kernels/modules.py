@@ -137,15 +137,16 @@ def _product_args(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 class FusedBlocks(Blocks):
     """A model's `Blocks` (the same blocks) whose cached forwards at inference run every block in one kernel call:
     the B x T new tokens as rows, each attending to its own cache row up to its position, as `Blocks.forward`
-    computes it. Where the kernels do not apply (no cache, training, autograd, more than FUSED_MAX_TOKENS tokens,
-    not fp32 on CPU, a cache neither fp32 nor fp16, the kernels disabled, a product no longer kernel-backed) it is
-    `Blocks.forward`."""
+    computes it. Where the kernels do not apply (no cache or a read-only one, training, autograd, more than
+    FUSED_MAX_TOKENS tokens, not fp32 on CPU, a cache neither fp32 nor fp16, the kernels disabled, a product no
+    longer kernel-backed) it is `Blocks.forward`."""
 
     def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
         lib = library()
         B, T, C = x.size()
-        if (lib is None or cache is None or self.training or torch.is_grad_enabled() or B * T > FUSED_MAX_TOKENS
-                or x.device.type != "cpu" or x.dtype != torch.float32 or cache.cache.k.dtype not in KERNEL_KV_DTYPES):
+        if (lib is None or cache is None or not cache.write or self.training or torch.is_grad_enabled()
+                or B * T > FUSED_MAX_TOKENS or x.device.type != "cpu" or x.dtype != torch.float32
+                or cache.cache.k.dtype not in KERNEL_KV_DTYPES):
             return super().forward(x, cache)
         stack = self.stack(lib)
         if stack is None:

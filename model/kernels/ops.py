@@ -21,52 +21,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
     return w if scale is None else w * scale.to(dtype)[:, None]
 
 
-def native_bf16_gemm(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to torch's bf16 GEMM (x and the
-    product rounded to bf16); the library's own rule (linear.cpp), False without the kernels."""
-    lib = library()
-    return lib is not None and lib.bf16_gemm(rows, weight.dtype, weight.numel())
-
-
-def native_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the kernels' `linear` sends `rows` rows against `weight` (as stored) to an int8 GEMM (int8 weights of
-    at least INT8_GEMM_MIN_WEIGHTS values; each row of x rounded to int8 with a scale per row): the kernels' own
-    where `vnni_int8_gemm`, else torch's (oneDNN). The library's own rule (linear.cpp), False without the kernels."""
-    lib = library()
-    return lib is not None and lib.int8_gemm(rows, weight.dtype, weight.numel())
-
-
-def vnni_int8_gemm(rows: int, weight: torch.Tensor) -> bool:
-    """Whether the int8 GEMM (`native_int8_gemm`) of `rows` rows against `weight` is the kernels' own AVX512-VNNI
-    one (vnni_gemm.cpp: an avx512vnni build on a CPU without AMX-INT8, the width a multiple of 4) rather than
-    oneDNN's."""
-    lib = library()
-    return native_int8_gemm(rows, weight) and lib is not None and lib.vnni_gemm(weight.size(1))
-
-
-def rows_rounded_to(rows: int, weight: torch.Tensor, packed: bool) -> int | None:
-    """The largest integer the kernels' `linear` rounds each of `rows` rows of x to (a scale max |x_m| / it per row,
-    half to even) before multiplying them with `weight` (as stored; `packed`: given its packed copy): 127 where an
-    int8 GEMM takes them (`native_int8_gemm`: W8A8), 32767 where the kernels' own int8 products do (the avx512vnni
-    variant rounds to int16 for VNNI's vpdpwssd), None where x is multiplied as it is: fp32 products, up to
-    summation order (torch's bf16 GEMM rounds x to bf16 instead: `native_bf16_gemm`). The library's own rule
-    (linear.cpp); None without the kernels."""
-    lib = library()
-    if lib is None or weight.dim() != 2:
-        return None
-    return lib.rows_rounded_to(rows, weight.dtype, weight.size(0), weight.size(1), packed) or None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(weight, scale), bias)`. At inference with fp32 CPU inputs and a weight stored as
     fp32, int8 (with `scale`) or bf16, up to `MAX_ROWS` rows (all leading dims together) go through the kernels:
     from `PACKED_MIN_ROWS` rows on through `packed`, the weight's copy from `pack` when given, else dot products
     from the weight itself (when its width is a multiple of 8). Anything else is `F.linear` with the dequantized
-    weight. Equal to that up to float summation order, except that int8 products may round the rows to integers
-    first (`rows_rounded_to`: to int8 in an int8 GEMM, to int16 in the avx512vnni kernels), and that bf16 weights
-    with 16 rows or more run in torch's bf16 GEMM where the CPU multiplies bf16 natively, as do int8 weights for a
-    prompt that the int8 GEMM does not take (`native_bf16_gemm`)."""
+    weight. Equal to that up to float summation order, except where the library's rule (linear.cpp, `by_kernels`;
+    its thresholds in build.py) sends the product to a GEMM: int8 weights to an int8 GEMM with the rows rounded to
+    int8, bf16 weights (and int8 ones for a prompt the int8 GEMM does not take) to torch's bf16 GEMM with x rounded
+    to bf16; and the avx512vnni kernels' own int8 products round the rows to int16. The library answers which, for
+    any rows and weight (`bf16_gemm`, `int8_gemm`, `vnni_gemm`, `rows_rounded_to`: what the tests' bounds read)."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

@@ -52,7 +52,7 @@ def windowed_reference(ck: Checkpoint, prompt: list[int], params: SamplingParams
         if len(window) > block:
             window = window[-keep:]
             slides += 1
-        logits = ck.model(torch.tensor([window]), last_only=True)[0, -1]
+        logits = ck.model(torch.tensor([window]), take=torch.tensor([-1]))[0, -1]
         token = choose_token(logits, params, n_vocab=ck.tokenizer.n_vocab, context=torch.tensor(history),
                              generator=gen)
         out.append(token)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspection import reference_attention
 from model.sampling_params import AttentionSpec, SamplingParams, ValidationError
+from tests.model.references import reference_attention
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 

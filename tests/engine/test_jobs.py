@@ -52,12 +52,14 @@ def test_an_inspection_interleaves_with_decoding_and_equals_the_offline_one(make
     assert "decode" in order[first:last] and order.count("job") == ck.config.n_layer + 1
 
 
-def test_engine_inspect_refuses_bad_options_and_counts_toward_capacity(make_checkpoint, make_engine) -> None:
+def test_an_inspection_refuses_bad_options_and_counts_toward_capacity(make_checkpoint, make_engine) -> None:
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, max_batch_size=1, max_waiting=0, start=False)
+    model, kv_dtype = engine.runner.model, engine.runner.kv_dtype
     with pytest.raises(InspectError):
-        engine.inspect([1, 2], InspectOptions(layers=(9,)))
-    handle = engine.inspect([1, 2, 3], InspectOptions())
+        Inspector(model, engine.tokenizer, [1, 2], InspectOptions(layers=(9,)), kv_dtype=kv_dtype)
+    inspector = Inspector(model, engine.tokenizer, [1, 2, 3], InspectOptions(), kv_dtype=kv_dtype)
+    handle = engine.submit_job(inspector.steps(), lambda: inspector.result)
     with pytest.raises(Overloaded):  # the job holds the only slot
         engine.generate([1], SamplingParams(max_new_tokens=1))
     engine.start()

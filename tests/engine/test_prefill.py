@@ -17,10 +17,10 @@ def count_prefill_forwards(engine) -> list[int]:
     sizes: list[int] = []
     forward = engine.runner.model.forward
 
-    def counting(idx, **kw):
+    def counting(idx, *args, **kw):
         if idx.shape[1] > 1:
             sizes.append(idx.shape[0])
-        return forward(idx, **kw)
+        return forward(idx, *args, **kw)
 
     engine.runner.model.forward = counting
     return sizes

@@ -84,9 +84,9 @@ def test_samples_of_one_prompt_share_one_prefill(make_checkpoint, make_engine) -
     model = warm.runner.model
     real_forward = model.forward
 
-    def counting(idx, **kwargs):
+    def counting(idx, *args, **kwargs):
         forwards.append(tuple(idx.shape))
-        return real_forward(idx, **kwargs)
+        return real_forward(idx, *args, **kwargs)
 
     model.forward = counting
     try:

@@ -14,7 +14,7 @@ import torch
 from torch.utils.cpp_extension import get_cxx_compiler
 
 from model import kernels
-from model.kernels import build, loader, ops
+from model.kernels import build, loader
 
 T = TypeVar("T")
 
@@ -61,6 +61,34 @@ def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
         return through_kernels, forward()
 
 
+def gemm(rows: int, weight: torch.Tensor) -> str | None:
+    """The GEMM the loaded kernels' `linear` sends `rows` rows against `weight` (as stored) to, by the library's own
+    rule (linear.cpp's `int8_gemm`, `vnni_gemm`, `bf16_gemm`; the thresholds are model/kernels/build.py's): "int8"
+    (oneDNN's int8 GEMM, the rows rounded to int8), "vnni int8" (the same product in the kernels' own VNNI GEMM,
+    vnni_gemm.cpp), "bf16" (torch's bf16 GEMM: x and the product rounded to bf16), or None: the kernels' products or
+    torch's fp32 linear (always, without the kernels)."""
+    lib = kernels.library()
+    if lib is None:
+        return None
+    if lib.int8_gemm(rows, weight.dtype, weight.numel()):
+        return "vnni int8" if lib.vnni_gemm(weight.size(1)) else "int8"
+    return "bf16" if lib.bf16_gemm(rows, weight.dtype, weight.numel()) else None
+
+
+INT8_GEMMS = ("int8", "vnni int8")
+
+
+def rows_rounded_to(rows: int, weight: torch.Tensor, packed: bool) -> int | None:
+    """The largest integer the loaded kernels' `linear` rounds each of `rows` rows of x to (a scale max |x_m| / it
+    per row, half to even) before multiplying them with `weight` (as stored; `packed`: given its packed copy), by
+    the library's own rule (linear.cpp): 127 in an int8 GEMM (W8A8), 32767 in the kernels' own int8 products of the
+    avx512vnni variant (int16 for VNNI's vpdpwssd), None where x is multiplied as it is (and without the kernels)."""
+    lib = kernels.library()
+    if lib is None or weight.dim() != 2:
+        return None
+    return lib.rows_rounded_to(rows, weight.dtype, weight.size(0), weight.size(1), packed) or None
+
+
 def rounded_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                     limit: int) -> torch.Tensor:
     """An int8 weight's product with each row of x (M, I) rounded to integers up to `limit` first, independently
@@ -82,10 +110,10 @@ def w8a8_product(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor,
 def int8_product_as_served(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                            packed: bool) -> torch.Tensor:
     """The loaded kernels' `linear` of x (M, I) against an int8 weight (`packed`: given its packed copy) as they
-    compute it, in float64: the rows rounded as `ops.rows_rounded_to` says (to int8 in an int8 GEMM, to int16 in
+    compute it, in float64: the rows rounded as `rows_rounded_to` says (to int8 in an int8 GEMM, to int16 in
     the avx512vnni kernels), else the product with the dequantized weight. What the kernels return differs from it
     by fp32's summation order only. (M, O) float64."""
-    limit = ops.rows_rounded_to(x.shape[0], stored, packed)
+    limit = rows_rounded_to(x.shape[0], stored, packed)
     if limit is not None:
         return rounded_product(x, stored, scale, bias, limit)
     return x.double() @ (stored.double() * scale.double()[:, None]).T + (0 if bias is None else bias.double())
@@ -93,7 +121,7 @@ def int8_product_as_served(x: torch.Tensor, stored: torch.Tensor, scale: torch.T
 
 def bf16_gemm_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """How far a product against weights `w` (dequantized) may be from the fp32 one where it runs in torch's bf16
-    GEMM (`ops.native_bf16_gemm`): x and (int8) w rounded to bf16, half a unit in the 8th bit each (2^-9
+    GEMM (`gemm`: "bf16"): x and (int8) w rounded to bf16, half a unit in the 8th bit each (2^-9
     relative), and the product rounded to bf16 on the way out (2^-9 of its size), plus fp32 summation slack."""
     xd, wd = x.double(), w.double()
     return xd.abs() @ wd.abs().T * 2**-8 + (xd @ wd.T).abs() * 2**-8 + 1e-4

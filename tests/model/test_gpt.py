@@ -25,7 +25,7 @@ def test_logits_match_transformers_gpt2(hf_gpt2) -> None:
     with torch.no_grad():
         want = hf(idx).logits
         got = model(idx)
-        got_last = model(idx[:, :17], last_only=True)
+        got_last = model(idx[:, :17], take=torch.tensor([-1, -1, -1]))
     assert got.shape == want.shape == (3, 64, 1000)
     assert (got - want).abs().max().item() <= 1e-4
     assert got_last.shape == (3, 1, 1000)
@@ -70,11 +70,11 @@ def test_prefill_then_one_token_steps_equal_full_forward(tiny_model: GPT, seqs: 
     full = _full_logits(tiny_model, idx)
     cache = KVCache(tiny_model.config, batch_size=2)
     with torch.no_grad():
-        prefill = tiny_model(idx[:, :8], kv_cache=cache)
+        prefill = tiny_model(idx[:, :8], cache.step(torch.arange(8).expand(2, 8)))
         assert _max_diff(prefill, full[:, :8]) <= 1e-5
         for t in range(8, 32):
             pos = torch.full((2, 1), t)
-            step = tiny_model(idx[:, t : t + 1], pos=pos, kv_cache=cache, kv_len=t + 1)
+            step = tiny_model(idx[:, t : t + 1], cache.step(pos, kv_len=t + 1))
             assert step.shape == (2, 1, 65)
             assert _max_diff(step[:, 0], full[:, t]) <= 1e-5, f"position {t}"
 
@@ -87,7 +87,7 @@ def test_chunked_prefill_equals_full_forward(tiny_model: GPT, seqs: torch.Tensor
     with torch.no_grad():
         for size in (5, 1, 11, 15):
             pos = torch.arange(start, start + size).expand(2, size)
-            pieces.append(tiny_model(idx[:, start : start + size], pos=pos, kv_cache=cache))
+            pieces.append(tiny_model(idx[:, start : start + size], cache.step(pos)))
             start += size
     assert start == 32
     assert _max_diff(torch.cat(pieces, dim=1), full) <= 1e-5
@@ -102,11 +102,11 @@ def test_rows_at_different_positions_decode_together(tiny_model: GPT, seqs: torc
     lengths = [10, 4]
     with torch.no_grad():
         for row, n in enumerate(lengths):  # prefill each row alone, to a different length
-            tiny_model(idx[row : row + 1, :n], kv_cache=cache, rows=torch.tensor([row]))
+            tiny_model(idx[row : row + 1, :n], cache.step(torch.arange(n)[None], torch.tensor([row])))
         for _ in range(6):  # then decode both rows in one batch, each at its own position
             pos = torch.tensor(lengths)[:, None]  # (2, 1)
             tokens = torch.stack([idx[r, n] for r, n in enumerate(lengths)])[:, None]
-            step = tiny_model(tokens, pos=pos, kv_cache=cache)
+            step = tiny_model(tokens, cache.step(pos))
             for r, n in enumerate(lengths):
                 assert _max_diff(step[r, 0], full[r, n]) <= 1e-5, f"row {r} position {n}"
             lengths = [n + 1 for n in lengths]
@@ -116,14 +116,33 @@ def test_rows_select_a_subset_of_cache_rows(tiny_model: GPT, seqs: torch.Tensor)
     full = _full_logits(tiny_model, seqs)
     cache = KVCache(tiny_model.config, batch_size=4)
     with torch.no_grad():
-        tiny_model(seqs[:, :12], kv_cache=cache, rows=torch.tensor([3, 0, 2]))  # cache rows 3, 0, 2 hold seqs
+        # cache rows 3, 0, 2 hold seqs
+        tiny_model(seqs[:, :12], cache.step(torch.arange(12).expand(3, 12), torch.tensor([3, 0, 2])))
         # decode only sequences 2 and 0, in that order, from their cache rows 2 and 3; row 1 is never touched
         rows = torch.tensor([2, 3])
         for t in range(12, 20):
-            step = tiny_model(seqs[[2, 0], t : t + 1], pos=torch.full((2, 1), t), kv_cache=cache, rows=rows)
+            step = tiny_model(seqs[[2, 0], t : t + 1], cache.step(torch.full((2, 1), t), rows))
             assert _max_diff(step[0, 0], full[2, t]) <= 1e-5
             assert _max_diff(step[1, 0], full[0, t]) <= 1e-5
         assert cache.k[:, 1].abs().sum().item() == 0.0
+
+
+def test_a_read_only_step_attends_to_the_cache_and_writes_nothing(tiny_model: GPT, seqs: torch.Tensor) -> None:
+    """`KVCache.step(..., write=False)`: a token already fed (its keys and values in the cache) fed again gives its
+    logits from the keys and values in the cache, and the cache is left bit for bit as it was, whatever the step
+    computes for it (streamed attention reads a decode step's cache this way)."""
+    full = _full_logits(tiny_model, seqs[:2])
+    cache = KVCache(tiny_model.config, batch_size=2)
+    with torch.no_grad():
+        tiny_model(seqs[:2, :10], cache.step(torch.arange(10).expand(2, 10)))
+        k, v = cache.k.clone(), cache.v.clone()
+        pos = torch.tensor([[9], [4]])
+        again = tiny_model(seqs[:2].gather(1, pos), cache.step(pos, write=False))
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+        assert _max_diff(again[0, 0], full[0, 9]) <= 1e-5 and _max_diff(again[1, 0], full[1, 4]) <= 1e-5
+        other = (seqs[:2].gather(1, pos) + 1) % 65  # another token: its own keys would differ, none is written
+        tiny_model(other, cache.step(pos, write=False))
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
 
 
 def test_take_returns_each_rows_chosen_position(tiny_model: GPT, seqs: torch.Tensor) -> None:

@@ -19,10 +19,10 @@ from model.inspection import (
     check_options,
     inspect,
     main,
-    reference_attention,
 )
 from model.sampler import mask_unusable
 from model.tokenizer import CharTokenizer
+from tests.model.references import reference_attention
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,18 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.engine import Engine
 from model.eval import score
-from model.kernels import build, ops
-from model.kernels.ops import native_bf16_gemm, native_int8_gemm
+from model.kernels import build
 from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_gemm_bound, int8_product_as_served, w8a8_product
+from tests.model.conftest import (
+    INT8_GEMMS,
+    bf16_gemm_bound,
+    gemm,
+    int8_product_as_served,
+    rows_rounded_to,
+    w8a8_product,
+)
 
 
 def test_rows_are_scaled_symmetrically_into_int8() -> None:
@@ -70,16 +76,16 @@ def test_stored_linear_equals_the_dequantized_product(kernel_variant: build.Vari
     # the kernels and the int8 GEMM take, run in torch's bf16 GEMM where the CPU multiplies bf16 (within its
     # rounding's bound); without the kernels always the fp32 product
     slack: torch.Tensor | float = 1e-4
-    limit = ops.rows_rounded_to(rows, q.stored, packed)
+    limit = rows_rounded_to(rows, q.stored, packed)
     if kind == "int8":
         int16 = kernel_variant.name == "avx512vnni" and rows <= kernels.MAX_ROWS
-        assert limit == (127 if native_int8_gemm(rows, q.stored) else 32767 if int16 else None)
+        assert limit == (127 if gemm(rows, q.stored) in INT8_GEMMS else 32767 if int16 else None)
         want = int8_product_as_served(x, q.stored, q.scale, lin.bias if bias else None, packed)
-    if native_bf16_gemm(rows, q.stored):
+    if gemm(rows, q.stored) == "bf16":
         slack = bf16_gemm_bound(x, q.dequantized())
     assert ((got.double() - want).abs() <= slack).all(), (got.double() - want).abs().max()
     assert torch.allclose(plain.double(), dequantized, atol=1e-4)
-    path = "int8 GEMM" if native_int8_gemm(rows, q.stored) else "kernel" if rows <= 64 else "torch"
+    path = gemm(rows, q.stored) or ("kernel" if rows <= kernels.MAX_ROWS else "torch")
     print(f"{kind} rows {rows}: {path} path, rows rounded to {limit}, max error "
           f"{(got.double() - want).abs().max().item():.2e}")
 
@@ -94,7 +100,7 @@ def test_the_int8_gemm_is_the_w8a8_product(kernel_variant: build.Variant, rows: 
     holding a NaN or an infinity comes out NaN and leaves the others alone."""
     torch.manual_seed(rows)
     q = Int8Linear(torch.nn.Linear(768, 384, bias=bias))  # big enough for the int8 GEMM (INT8_GEMM_MIN_WEIGHTS)
-    if not native_int8_gemm(rows, q.stored):
+    if gemm(rows, q.stored) not in INT8_GEMMS:
         pytest.skip("no int8 GEMM here: the kernels are not loaded or the CPU has neither VNNI nor AMX-INT8")
     x = torch.randn(rows, 768) * torch.rand(rows, 1) * 10
     x[1] = 0.0  # an all-zero row: scale 1, the bias alone

@@ -14,12 +14,12 @@ from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.kernels import build
-from model.kernels.ops import dequantize, linear, native_bf16_gemm, pack
+from model.kernels.ops import dequantize, linear, pack
 from model.quantize import SWAPS, Int8Linear, quantize
 from model.quantize.__main__ import main
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
-from tests.model.conftest import bf16_gemm_bound, int8_product_as_served
+from tests.model.conftest import bf16_gemm_bound, gemm, int8_product_as_served
 
 
 def test_an_offline_int8_checkpoint_equals_quantizing_at_load(repo, tmp_path) -> None:
@@ -92,5 +92,5 @@ def test_each_kernel_variants_products_equal_the_dequantized_one(kernel_variant:
             want = x.double() @ dequantize(stored, scale).double().T + lin.bias.double()
             if kind == "int8":
                 want = int8_product_as_served(x, stored, scale, lin.bias.detach(), packed is not None)
-            slack = bf16_gemm_bound(x, dequantize(stored, scale)) if native_bf16_gemm(rows, stored) else 2e-5
+            slack = bf16_gemm_bound(x, dequantize(stored, scale)) if gemm(rows, stored) == "bf16" else 2e-5
             assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())

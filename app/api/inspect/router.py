@@ -36,6 +36,7 @@ from model.inspection import (
     MAX_TOP,
     Inspection,
     InspectOptions,
+    Inspector,
     InspectTooLarge,
     check_options,
 )
@@ -95,7 +96,9 @@ async def inspect(body: InspectRequest, request: Request, service: ServiceDep) -
     else:
         ids, generated, reservation = await _generate(request, service, body, ids, options)
     ids = ids[-(body.truncate or len(ids)) :]
-    handle = service.engine.inspect(ids, options, reservation=reservation)
+    engine = service.engine
+    inspector = Inspector(engine.runner.model, engine.tokenizer, ids, options, kv_dtype=engine.runner.kv_dtype)
+    handle = engine.submit_job(inspector.steps(), lambda: inspector.result, reservation=reservation)
     inspection = await until_done(request, handle.result(), handle.cancel)
     answer = await run_in_threadpool(render, inspection, body, generated, service.tokenizer)
     return Response(answer, media_type="application/json")

@@ -381,11 +381,11 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 // The one rule for who does a product of M fp32 rows. On a CPU that multiplies int8: int8 weights that are not small,
 // from VNNI_GEMM_MIN_ROWS rows where the kernels' VNNI GEMM is (vnni_gemm_cpu), else from INT8_GEMM_MIN_ROWS, go to
 // an int8 GEMM with x rounded to int8 (`int8_gemm`, `int8_product`: the kernels' or oneDNN's). On a
-// CPU that multiplies bf16: bf16 weights with enough rows, and a prompt against the other int8 weights (dequantized
-// to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN), which beats widening to
-// fp32 from 16 rows (1.3-2x here) and fp32 GEMM 5x; x and the product are rounded to bf16, as in vLLM's bf16 mode.
-// Else up to MAX_ROWS rows of a width that is a multiple of 8 go to the kernels, more to torch's linear with the
-// dequantized weight.
+// CPU that multiplies bf16: bf16 weights from BF16_GEMM_MIN_ROWS rows, and a prompt against the other int8 weights
+// (dequantized to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN); x and the
+// product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of 8 go
+// to the kernels, more to torch's linear with the dequantized weight. The thresholds are model/kernels/build.py's;
+// the figures that chose them, bench/results/kernels.md's.
 static bool by_kernels(at::ScalarType type, int64_t O, int64_t I, int64_t M) {
   return !int8_gemm(M, type, O * I) && !bf16_gemm(M, type, O * I) && M <= MAX_ROWS && I % 8 == 0;
 }

@@ -6,7 +6,7 @@
 #include <tuple>
 #include <vector>
 
-// the limits are defined once, in model/kernels/build.py, which passes them to the compiler
+// the thresholds are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
     || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
     || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)
@@ -17,16 +17,11 @@ namespace folio {
 
 using OptionalTensor = c10::optional<at::Tensor>;
 
-// up to this many rows the kernels do a product; torch's blocked GEMM takes more
+// the thresholds of linear.cpp's rule (by_kernels): what each means and why its value, in model/kernels/build.py
 static constexpr int64_t MAX_ROWS = FOLIO_MAX_ROWS;
-// from this many rows a weight's packed copy is used: below, the dot products are as fast
 static constexpr int64_t PACKED_MIN_ROWS = FOLIO_PACKED_MIN_ROWS;
-// from this many rows bf16 weights go to torch's bf16 GEMM where the CPU multiplies bf16 natively (linear.cpp)
 static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
-// from this many rows int8 weights go to torch's int8 GEMM, the rows rounded to int8, where the CPU multiplies int8
-// natively (linear.cpp)
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
-// ... or from this many where the kernels' VNNI GEMM takes them (vnni_gemm.cpp)
 static constexpr int64_t VNNI_GEMM_MIN_ROWS = FOLIO_VNNI_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
@@ -55,15 +50,12 @@ void product_into(const Weight& w, const float* x, int64_t M, float* y);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale);
 
-// whether `linear` sends `rows` rows against a weight of type `weight` and `weights` values to torch's bf16 GEMM:
-// bf16 weights from BF16_GEMM_MIN_ROWS rows, int8 ones from more than MAX_ROWS where int8_gemm does not take them,
-// on a CPU with AVX512-BF16 or AMX-BF16 (linear.cpp)
+// whether `linear` sends `rows` rows against a weight of type `weight` and `weights` values to torch's bf16 GEMM
+// (the rule: linear.cpp, by_kernels)
 bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
-// whether `linear` sends `rows` rows against int8 weights (`weights` values) to an int8 GEMM (the kernels' VNNI one
-// where it takes the width, else oneDNN's) with the rows rounded to int8 (a scale per row): from VNNI_GEMM_MIN_ROWS
-// rows where vnni_gemm_cpu, else from INT8_GEMM_MIN_ROWS, against INT8_GEMM_MIN_WEIGHTS weights or more, on a CPU
-// with VNNI or AMX-INT8 (linear.cpp)
+// whether `linear` sends them to an int8 GEMM (the kernels' VNNI one where it takes the width, else oneDNN's) with
+// the rows rounded to int8, a scale per row (the rule: linear.cpp, by_kernels)
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 
 // the largest integer `linear` rounds each of `rows` rows to (a scale max |x_m| / it per row) before multiplying them

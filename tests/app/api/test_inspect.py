@@ -25,14 +25,14 @@ from model import inspection as model_inspect
 from model.checkpoint import load_checkpoint
 from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
-from model.inspection import InspectTooLarge, check_options, reference_attention
-from model.kernels.ops import native_int8_gemm
+from model.inspection import InspectTooLarge, check_options
 from model.quantize import Int8Linear, quantize
 from model.sampler import mask_unusable
 from model.testing import make_char_checkpoint, make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
 from tests.app.api.calls import engine_of, generate
-from tests.model.conftest import int8_product_as_served, kernel_variant  # noqa: F401 (a fixture, used by name)
+from tests.model.conftest import INT8_GEMMS, gemm, int8_product_as_served, kernel_variant  # noqa: F401 (a fixture)
+from tests.model.references import reference_attention
 
 TEXT = "ROMEO:\nWherefore art thou Romeo? Deny thy father and refuse thy name."
 BPE_TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -354,7 +354,7 @@ def test_attention_with_int8_weights_equals_the_reference_of_the_served_products
     ck = load_checkpoint(bundled)
     quantize(ck.model, "int8")
     ids = ck.tokenizer.encode(text)
-    assert not any(native_int8_gemm(len(ids), m.stored) for m in ck.model.modules() if isinstance(m, Int8Linear))
+    assert not any(gemm(len(ids), m.stored) in INT8_GEMMS for m in ck.model.modules() if isinstance(m, Int8Linear))
     maps = maps_of(answer)
     for layer in (0, 5):
         want = reference_attention(ck.model, ids, layer, served_int8_product)

@@ -186,15 +186,15 @@ def test_decode_attention_matches_sdpa_path(kernel_variant: build.Variant, n_hea
             cache = KVCache(cfg, 6, dtype=kv)
             logits = []
             for b in range(B):  # prefill each row's own prompt
-                model(idx[b : b + 1, : start[b]], kv_cache=cache, rows=rows[b : b + 1])
+                model(idx[b : b + 1, : start[b]], cache.step(torch.arange(int(start[b]))[None], rows[b : b + 1]))
             for t in range(steps):
                 pos = (start + t)[:, None]
                 tok = idx.gather(1, pos)
                 if name == "kernel":
-                    out = model(tok, pos=pos, kv_cache=cache, rows=rows)
+                    out = model(tok, cache.step(pos, rows))
                 else:
                     with kernels.disabled():
-                        out = model(tok, pos=pos, kv_cache=cache, rows=rows)
+                        out = model(tok, cache.step(pos, rows))
                 logits.append(out[:, 0])
             results[name] = torch.stack(logits, 1)
         expected = torch.stack([full[b, start[b] : start[b] + steps] for b in range(B)])
@@ -221,8 +221,8 @@ def test_prompt_chunks_through_the_fused_blocks(kernel_variant: build.Variant, p
     rows = torch.tensor([2, 0, 3])
     def chunks() -> torch.Tensor:
         cache = KVCache(cfg, 4, dtype=kv)
-        a = model(idx[:, :first], kv_cache=cache, rows=rows)
-        b = model(idx[:, first:], pos=torch.arange(first, first + second).expand(B, -1), kv_cache=cache, rows=rows)
+        a = model(idx[:, :first], cache.step(torch.arange(first).expand(B, -1), rows))
+        b = model(idx[:, first:], cache.step(torch.arange(first, first + second).expand(B, -1), rows))
         return torch.cat([a, b], dim=1)
 
     with torch.inference_mode():
@@ -248,9 +248,9 @@ def test_long_prompt_chunks_attend_in_blocks(kernel_variant: build.Variant, n_he
     rows = torch.tensor([1, 2, 0])
     def chunks() -> tuple[torch.Tensor, torch.Tensor]:
         cache = KVCache(cfg, 3, dtype=kv)
-        a = model(idx[:2, :37], kv_cache=cache, rows=rows[:2])
-        c = model(idx[2:, :5], kv_cache=cache, rows=rows[2:])
-        b = model(idx[:2, 37:], pos=torch.arange(37, 100).expand(2, -1), kv_cache=cache, rows=rows[:2])
+        a = model(idx[:2, :37], cache.step(torch.arange(37).expand(2, -1), rows[:2]))
+        c = model(idx[2:, :5], cache.step(torch.arange(5)[None], rows[2:]))
+        b = model(idx[:2, 37:], cache.step(torch.arange(37, 100).expand(2, -1), rows[:2]))
         return torch.cat([a, b], dim=1), c
 
     with torch.inference_mode():
@@ -319,14 +319,14 @@ def test_a_decode_step_with_many_rows(kernel_variant: build.Variant) -> None:
         out = {}
         for name in ("kernel", "torch"):
             cache = KVCache(cfg, B)
-            model(idx[:, :5], kv_cache=cache)
+            model(idx[:, :5], cache.step(torch.arange(5).expand(B, -1)))
             step = idx[:, 5:]
             pos = torch.full((B, 1), 5)
             if name == "kernel":
-                out[name] = model(step, pos=pos, kv_cache=cache)
+                out[name] = model(step, cache.step(pos))
             else:
                 with kernels.disabled():
-                    out[name] = model(step, pos=pos, kv_cache=cache)
+                    out[name] = model(step, cache.step(pos))
         full = model(idx)[:, 5:]
     torch.testing.assert_close(out["kernel"], out["torch"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["kernel"], full, rtol=1e-5, atol=1e-5)

@@ -92,10 +92,10 @@ def test_a_fused_step_builds_no_attention_mask(built: None, monkeypatch: pytest.
     idx = torch.randint(0, CONFIG.vocab_size, (3, 6))
     with torch.inference_mode():
         cache = KVCache(CONFIG, 3)
-        fused = model(idx, kv_cache=cache)
+        fused = model(idx, cache.step(torch.arange(6).expand(3, 6)))
         assert masks == []
         with kernels.disabled():
-            unfused = model(idx, kv_cache=KVCache(CONFIG, 3))
+            unfused = model(idx, KVCache(CONFIG, 3).step(torch.arange(6).expand(3, 6)))
         assert masks  # torch's path reads it
     torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
 
@@ -109,9 +109,10 @@ def test_a_model_the_fused_blocks_ran_in_can_be_copied_and_pickled(built: None) 
     kernels.install(model)
     idx = torch.randint(0, CONFIG.vocab_size, (1, 5))
     with torch.inference_mode():
-        want = model(idx, kv_cache=KVCache(CONFIG, 1))
+        want = model(idx, KVCache(CONFIG, 1).step(torch.arange(5)[None]))
         for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            torch.testing.assert_close(other(idx, kv_cache=KVCache(CONFIG, 1)), want, rtol=1e-5, atol=1e-5)
+            step = KVCache(CONFIG, 1).step(torch.arange(5)[None])
+            torch.testing.assert_close(other(idx, step), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_fused_blocks_follow_a_model_changed_after_a_step(built: None) -> None:
@@ -135,7 +136,7 @@ def test_the_fused_blocks_follow_a_model_changed_after_a_step(built: None) -> No
         yield "every product swapped for int8"
 
     def step() -> torch.Tensor:
-        return model(idx, kv_cache=KVCache(CONFIG, 1))
+        return model(idx, KVCache(CONFIG, 1).step(torch.arange(5)[None]))
 
     with torch.inference_mode():
         before = step()

@@ -11,9 +11,8 @@ import torch
 
 from model import kernels
 from model.kernels.loader import library
-from model.kernels.ops import native_int8_gemm, vnni_int8_gemm
 from model.quantize import Int8Linear
-from tests.model.conftest import w8a8_product
+from tests.model.conftest import INT8_GEMMS, gemm, w8a8_product
 
 
 def _int8_linear(outputs: int, width: int, bias: bool, seed: int) -> Int8Linear:
@@ -25,7 +24,7 @@ def _require_vnni(rows: int, q: Int8Linear) -> None:
     kernels.load()
     if library() is None:
         pytest.skip("the kernels are not built on this machine")
-    if not vnni_int8_gemm(rows, q.stored):
+    if gemm(rows, q.stored) != "vnni int8":
         pytest.skip("no VNNI int8 GEMM here: the kernels' build lacks AVX512-VNNI, or the CPU has AMX-INT8 "
                     "(oneDNN's GEMM takes those rows)")
 
@@ -69,9 +68,9 @@ def test_widths_not_a_multiple_of_4_go_to_onednn() -> None:
     """vpdpbusd takes columns four at a time: a width of 770 is left to oneDNN's int8 GEMM, the same W8A8 product."""
     q = _int8_linear(400, 770, bias=True, seed=3)
     kernels.load()
-    if not native_int8_gemm(16, q.stored):
+    if gemm(16, q.stored) not in INT8_GEMMS:
         pytest.skip("no int8 GEMM here: the kernels are not loaded or the CPU has neither VNNI nor AMX-INT8")
-    assert not vnni_int8_gemm(16, q.stored)
+    assert gemm(16, q.stored) == "int8"
     x = torch.randn(16, 770)
     with torch.inference_mode():
         got = q(x)
