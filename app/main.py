@@ -22,6 +22,8 @@ from app.api.openai.chat.protocol import ChatCompletionRequest
 from app.api.openai.chat.router import router as chat_routes
 from app.api.openai.completions.protocol import CompletionRequest
 from app.api.openai.completions.router import router as completions_routes
+from app.api.openai.responses.protocol import ResponsesRequest
+from app.api.openai.responses.router import router as responses_routes
 from app.api.system.router import PLAYGROUND, VERSION
 from app.api.system.router import router as system_routes
 from app.api.tgi.protocol import GenerateParameters
@@ -43,13 +45,14 @@ from model.engine import Engine
 from model.quantize import quantize
 
 log = logging.getLogger("folio")
-ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, anthropic_routes, tokenizer_routes,
-           models_routes, inspect_routes)
+ROUTERS = (system_routes, tgi_routes, completions_routes, chat_routes, responses_routes, anthropic_routes,
+           tokenizer_routes, models_routes, inspect_routes)
 # the request models whose fields' ranges a validation error names (app/http/errors.py): their routes, and their
 # fields' prefixes
 TGI_ROUTES = ("/generate", "/generate_stream", "/", "/tokenize", "/inspect")
 RANGED = ((TGI_ROUTES, "parameters.", GenerateParameters), (("/v1/completions",), "", CompletionRequest),
           (("/v1/chat/completions",), "", ChatCompletionRequest), (("/v1/messages",), "", MessagesRequest),
+          (("/v1/responses",), "", ResponsesRequest),
           (("/tokenize",), "", TokenizeRequest),
           (("/inspect",), "", InspectRequest))
 

@@ -36,9 +36,11 @@ from model.engine import Engine, Overloaded, Reservation
 ADMITTED = "admitted"  # the key of the request's state that holds what admission decided (`Admitted`)
 MODEL_HEADER = "x-folio-model"  # the request header naming the model to serve it (app/serving/models.py)
 ADMITTED_PATHS = frozenset({"/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions",
-                            "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/inspect"})
+                            "/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize",
+                            "/inspect"})
 # OpenAI's `model` field: the body says which model serves it
-BODY_NAMES_MODEL = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"})
+BODY_NAMES_MODEL = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                              "/v1/messages/count_tokens"})
 
 
 @dataclass

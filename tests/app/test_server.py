@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
 
 from app.testing import REFUSED, metric, parse_sse, probe, serving, spawn
 from model.chat_template import DEFAULT_TEMPLATE
@@ -103,6 +105,49 @@ def test_openai_sdk_chat_equals_a_completion_of_the_rendered_conversation(server
     with pytest.raises(openai.UnprocessableEntityError) as e:
         client.chat.completions.create(model="tiny-char", messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
+
+
+class Verdict(BaseModel):
+    ok: bool
+
+
+def test_openai_sdk_parse_and_responses(server: str) -> None:
+    """The SDK's structured `parse` (a pydantic model as the response format) and the Responses API, sampled from
+    random weights: the answer still parses into the model."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    for seed in range(3):
+        parsed = client.chat.completions.parse(model="tiny-char", messages=[{"role": "user", "content": "Ok?"}],
+                                               response_format=Verdict, max_tokens=40, seed=seed)
+        assert isinstance(parsed.choices[0].message.parsed, Verdict)
+    response = client.responses.create(model="tiny-char", input="Hi", instructions="Be", max_output_tokens=8,
+                                       temperature=0)
+    expected = client.chat.completions.create(model="tiny-char", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]).choices[0].message.content
+    assert response.output_text == expected and response.status in ("completed", "incomplete")
+    with client.responses.stream(model="tiny-char", input="Hi", instructions="Be", max_output_tokens=8,
+                                 temperature=0) as stream:
+        assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == expected
+    parsed = client.responses.parse(model="tiny-char", input="Ok?", text_format=Verdict, max_output_tokens=40)
+    assert isinstance(parsed.output_parsed, Verdict)
+
+
+def test_inference_client_and_langchain_chat(server: str) -> None:
+    """huggingface_hub's chat_completion and LangChain's ChatOpenAI (with with_structured_output) against /v1."""
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30).chat.completions.create(
+        model="tiny-char", messages=messages, max_tokens=8, temperature=0).choices[0].message.content
+    hf = InferenceClient(base_url=f"{server}/v1", timeout=30)  # names no model unless told ("dummy": a 404)
+    kwargs = dict(model="tiny-char", max_tokens=8, temperature=0)
+    assert hf.chat_completion(messages, **kwargs).choices[0].message.content == expected
+    assert "".join(c.choices[0].delta.content or "" for c in hf.chat_completion(messages, stream=True,
+                                                                                   **kwargs)) == expected
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key="x", model="tiny-char", max_tokens=8, temperature=0,
+                     max_retries=0, timeout=30)
+    assert llm.invoke("Hi").content == expected
+    roomy = ChatOpenAI(base_url=f"{server}/v1", api_key="x", model="tiny-char", max_tokens=40, max_retries=0,
+                       timeout=30)
+    verdict = roomy.with_structured_output(Verdict).invoke("Ok?")  # sampled: response_format json_schema
+    assert isinstance(verdict, Verdict)
 
 
 def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
