@@ -233,6 +233,13 @@ class GenerationService:
                 record.finish_reason = "error"
             raise
 
+    async def text_batches(self, stream: GenerationStream, record: RequestRecord | None,
+                           ) -> AsyncIterator[list[tuple[str, Finished | None]]]:
+        """`event_batches` as (text, the end if this event ends the generation) per event: what a stream of text
+        deltas (Anthropic's, the Responses API's) writes."""
+        async for batch in self.event_batches(stream, record):
+            yield [("", ev) if isinstance(ev, Finished) else (ev.text, ev.finished) for ev in batch]
+
     async def pump(self, stream: GenerationStream, index: int, record: RequestRecord | None,
                    out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
         """Put stream `index`'s event batches into `out` (a stream of several choices reads them interleaved), then

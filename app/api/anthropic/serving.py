@@ -39,13 +39,12 @@ async def stream_events(service: GenerationService, stream: GenerationStream, mi
                                                "content_block": {"type": "text", "text": ""}})
            + sse_event("ping", {"type": "ping"}))
     try:
-        async for batch in service.event_batches(stream, record):
+        async for batch in service.text_batches(stream, record):
             out = []
-            for ev in batch:
-                fin = ev if isinstance(ev, Finished) else ev.finished
-                if not isinstance(ev, Finished) and ev.text:
+            for text, fin in batch:
+                if text:
                     out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                                 "delta": {"type": "text_delta", "text": ev.text}}))
+                                                                 "delta": {"type": "text_delta", "text": text}}))
                 if fin is not None:
                     out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
                                + sse_event("message_delta", {"type": "message_delta", "delta": stop_of(fin),

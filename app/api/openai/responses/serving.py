@@ -81,13 +81,12 @@ async def stream_events(service: GenerationService, stream: GenerationStream, wr
            + writer.event("response.content_part.added", **ids, part=part("")))
     text = ""
     try:
-        async for batch in service.event_batches(stream, record):
+        async for batch in service.text_batches(stream, record):
             out = []
-            for ev in batch:
-                fin = ev if isinstance(ev, Finished) else ev.finished
-                if not isinstance(ev, Finished) and ev.text:
-                    text += ev.text
-                    out.append(writer.event("response.output_text.delta", **ids, delta=ev.text, logprobs=[]))
+            for delta, fin in batch:
+                if delta:
+                    text += delta
+                    out.append(writer.event("response.output_text.delta", **ids, delta=delta, logprobs=[]))
                 if fin is not None:
                     status = status_of(fin)
                     out.append(writer.event("response.output_text.done", **ids, text=text, logprobs=[])
