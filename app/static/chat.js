@@ -43,11 +43,17 @@
       logprobs: true, top_logprobs: TOP_LOGPROBS, stream: true, stream_options: { include_usage: true } });
   }
 
+  // how full the model's context is: a conversation past it cannot go on (the next prompt is refused)
+  function fill(usage) {
+    const block = page.info()?.block_size, total = usage.total_tokens;
+    if (!block) return `conversation ${total} tokens`;
+    return total <= block ? `conversation ${total} of ${block} tokens`
+                          : `conversation ${total} tokens, past the context of ${block}: Clear conversation to go on`;
+  }
+
   function summary(count, finish, usage, t0) {
-    const block = page.info()?.block_size;
     const seed = $("seed").value.trim();
-    return `${count} tokens · ${finish ?? "no finish_reason"} · ` +
-      (usage ? `conversation ${usage.total_tokens}${block ? ` of ${block}` : ""} tokens · ` : "") +
+    return `${count} tokens · ${finish ?? "no finish_reason"} · ` + (usage ? `${fill(usage)} · ` : "") +
       (seed ? `seed ${seed} · ` : "") + page.tokensPerSecond(count, t0);
   }
 
