@@ -25,9 +25,17 @@
     return turn;
   }
 
+  // the conversation scrolled to its end, once a frame: reading its height lays the page out, and a fast stream
+  // brings many tokens a frame (laid out after each one, 4000 tokens took the page 40 s)
+  let scrolling = false;
   function scrollDown() {
-    const log = $("conversation");
-    log.scrollTop = log.scrollHeight;
+    if (scrolling) return;
+    scrolling = true;
+    requestAnimationFrame(() => {
+      scrolling = false;
+      const log = $("conversation");
+      log.scrollTop = log.scrollHeight;
+    });
   }
 
   // a token's tooltip: its probability and the alternatives the server sent

@@ -357,6 +357,25 @@ def test_chat_asks_for_the_api_key(keyed_server: str, page) -> None:  # noqa: AN
     assert [role for role, _ in shown_turns(page)] == ["user", "assistant"]
 
 
+def test_chat_stop_keeps_what_came_as_the_reply(server: str, page) -> None:  # noqa: ANN001
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith(CHAT_ROUTE) else None)
+    open_chat(page, server)
+    page.fill("#max_new_tokens", "4000")  # far more than comes before Stop (the window shifts past the context)
+    page.fill("#user_input", "Hi")
+    page.click("#go")
+    page.wait_for_function("document.querySelectorAll('#conversation .msg.assistant span.token').length >= 3")
+    page.click("#stop")
+    page.wait_for_function(CHAT_DONE)
+    status = page.text_content("#status")
+    [(_, said)] = [t for t in shown_turns(page) if t[0] == "assistant"]
+    assert status == f"stopped after {len(said)} tokens", status
+    assert page.evaluate("FolioChat.turns()") == [{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": said}]
+    send(page, "Yo")  # and the next turn carries it
+    assert [m["content"] for m in bodies[-1]["messages"]] == ["Hi", said, "Yo"]
+
+
 def _chat_stream_of(word: str, pieces: int) -> str:
     """Server-sent chunks in /v1/chat/completions' shape spelling `word` in `pieces` tokens."""
     size = -(-len(word) // pieces)
