@@ -1,5 +1,7 @@
 """The playground page in a real browser: Debian's chromium driven by Playwright against real servers (the shared
-one, and one started with an API key).
+one, and one started with an API key), in both its modes: a completion streamed from /generate_stream, and a chat
+whose turns go through /v1/chat/completions (each request carrying the replies before it, compared with what the
+server answers to the same body).
 
 Skipped, with the reason, only where no chromium binary is installed (CI installs it in .ci/run)."""
 
@@ -209,5 +211,199 @@ def test_playground_wraps_a_long_word_inside_the_output_box(server: str, page, w
     box = page.evaluate("(() => { const e = document.getElementById('output');"
                         " return [e.scrollWidth, e.clientWidth]; })()")
     assert box[0] <= box[1], f"the output box scrolls: content {box[0]} px wide in a {box[1]} px box"
+    page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert page_width[0] <= page_width[1], f"the page scrolls sideways at {width} px: {page_width}"
+
+
+# -- chat mode: a conversation through /v1/chat/completions ------------------------------------------------------
+
+CHAT_DONE = "!document.getElementById('go').disabled"
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def open_chat(page, base: str) -> None:  # noqa: ANN001
+    page.goto(base + "/#chat")
+    page.wait_for_function("document.getElementById('model').textContent.includes('parameters')")
+
+
+def send(page, text: str) -> str:  # noqa: ANN001
+    """Type `text` into the message box, Send, and wait for the reply's end or an error; the status line."""
+    page.fill("#user_input", text)
+    page.click("#go")
+    page.wait_for_function(CHAT_DONE)
+    return page.text_content("#status")
+
+
+def shown_turns(page) -> list[tuple[str, str]]:  # noqa: ANN001
+    return [(t.get_attribute("class").split()[1], t.query_selector(".content").text_content())
+            for t in page.query_selector_all("#conversation .msg")]
+
+
+def reply_of(server: str, sent: dict, **headers: str) -> dict:
+    """What /v1/chat/completions answers, not streamed, to the body the page sent: the choice."""
+    body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
+    r = httpx.post(server + CHAT_ROUTE, json=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_streams_two_turns_each_reply_sent_back_with_the_next(server: str, page, tmp_path: Path) -> None:  # noqa: ANN001
+    n = 6  # the test model's context is 64 characters: two turns and their template must fit in it
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith(CHAT_ROUTE) else None)
+    open_chat(page, server)
+    assert page.is_hidden("#prompt") and page.is_hidden("#output") and page.text_content("#go") == "Send"
+    page.fill("#system", "Be")
+    page.fill("#max_new_tokens", str(n))
+    page.fill("#seed", "7")  # sampled (temperature 0.8), seeded: a direct call with the same body answers the same
+
+    send(page, "Hi")
+    first = reply_of(server, bodies[0])
+    reply1 = first["choices"][0]["message"]["content"]
+    status = send(page, "Yo")
+    second = reply_of(server, bodies[1])
+    reply2 = second["choices"][0]["message"]["content"]
+    page.screenshot(path=str(tmp_path / "chat-two-turns.png"), full_page=True)
+
+    assert [b["messages"] for b in bodies] == [
+        [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": reply1}, {"role": "user", "content": "Yo"}]]
+    assert bodies[1]["seed"] == 7 and bodies[1]["max_completion_tokens"] == n and bodies[1]["temperature"] == 0.8
+    assert bodies[1]["stream"] is True and bodies[1]["logprobs"] is True
+    # the page shows exactly what the server answers to each of those bodies
+    assert shown_turns(page) == [("user", "Hi"), ("assistant", reply1), ("user", "Yo"), ("assistant", reply2)]
+    assert page.evaluate("FolioChat.turns()") == bodies[1]["messages"][1:] + [{"role": "assistant",
+                                                                              "content": reply2}]
+    assert reply1 != reply2 and len(reply1) == len(reply2) == n
+    # each reply token in its own span, coloured by its probability as the server reports it
+    for turn, answer in zip(page.query_selector_all("#conversation .msg.assistant"), (first, second), strict=True):
+        spans = turn.query_selector_all("span.token")
+        want = answer["choices"][0]["logprobs"]["content"]
+        assert [s.text_content() for s in spans] == [t["token"] for t in want]
+        assert [float(s.get_attribute("data-logprob")) for s in spans] == pytest.approx([t["logprob"] for t in want])
+        assert all(s.evaluate("e => e.style.background").startswith("rgba(255, ") for s in spans)
+        assert all("alternatives" in s.get_attribute("title") for s in spans)  # top_logprobs, in the tooltip
+    total = second["usage"]["total_tokens"]
+    assert total > 64  # the test model's context: the next turn would be refused
+    assert status.startswith(f"{n} tokens · length · conversation {total} tokens, past the context of 64: Clear "
+                             "conversation to go on · seed 7 · "), status
+    assert page.is_hidden("#inspect")
+
+
+def test_chat_shows_a_bad_request_takes_the_turn_back_and_clears(server: str, page, tmp_path: Path) -> None:  # noqa: ANN001
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith(CHAT_ROUTE) else None)
+    open_chat(page, server)
+    page.fill("#max_new_tokens", "4")
+    page.check("#greedy")
+    send(page, "Hi")
+    reply = reply_of(server, bodies[0])["choices"][0]["message"]["content"]
+    assert bodies[0]["temperature"] == 0 and shown_turns(page) == [("user", "Hi"), ("assistant", reply)]
+    assert page.text_content("#status").startswith("4 tokens · length · conversation 25 of 64 tokens · ")
+
+    # OpenAI's error body, shown as the server wrote it; the field it names is marked; the turn is taken back
+    page.uncheck("#greedy")
+    page.fill("#temperature", "3")  # the completion mode's range (TGI's) allows it, OpenAI's [0, 2] does not
+    status = send(page, "Yo")
+    error = httpx.post(server + CHAT_ROUTE, json=bodies[1], timeout=30)
+    assert error.status_code == 422 and error.json()["error"]["param"] == "temperature"
+    assert status == f"422: {error.json()['error']['message']}"
+    assert page.get_attribute("#status", "class") == "error"
+    assert page.get_attribute("#temperature", "aria-invalid") == "true"
+    assert page.evaluate("document.activeElement.id") == "temperature"
+    assert shown_turns(page) == [("user", "Hi"), ("assistant", reply)]
+    assert page.input_value("#user_input") == "Yo"  # to send again
+    page.screenshot(path=str(tmp_path / "chat-error.png"), full_page=True)
+
+    # fixed, sent again: the conversation before the error goes with it
+    page.fill("#temperature", "0.8")
+    assert page.get_attribute("#temperature", "aria-invalid") is None
+    page.check("#greedy")
+    page.click("#go")
+    page.wait_for_function(CHAT_DONE)
+    assert [m["content"] for m in bodies[2]["messages"]] == ["Hi", reply, "Yo"]
+    assert len(shown_turns(page)) == 4
+
+    # an empty message never leaves the page
+    status = send(page, "   ")
+    assert status.startswith("your message") and page.get_attribute("#user_input", "aria-invalid") == "true"
+    assert len(bodies) == 3
+
+    # cleared: the next turn starts a new conversation
+    page.click("#clear")
+    assert shown_turns(page) == [] and page.evaluate("FolioChat.turns()") == []
+    send(page, "Yo")
+    assert bodies[3]["messages"] == [{"role": "user", "content": "Yo"}]
+    assert len(shown_turns(page)) == 2
+
+    # and the completion mode is as it was
+    page.click("#mode_completion")
+    assert page.is_visible("#prompt") and page.is_hidden("#conversation") and page.text_content("#go") == "Generate"
+    page.fill("#prompt", "Hello")
+    page.fill("#max_new_tokens", "5")
+    assert "5 tokens ·" in generate(page)
+    assert page.url == server + "/"
+
+
+def test_chat_asks_for_the_api_key(keyed_server: str, page) -> None:  # noqa: ANN001
+    open_chat(page, keyed_server)
+    page.fill("#max_new_tokens", "3")
+    status = send(page, "Hi")
+    assert status.startswith("401") and "needs an API key" in status and "Send again" in status, status
+    assert page.get_attribute("#api_key", "aria-invalid") == "true" and shown_turns(page) == []
+    page.fill("#api_key", API_KEY)
+    assert "3 tokens ·" in send(page, "Hi")
+    assert [role for role, _ in shown_turns(page)] == ["user", "assistant"]
+
+
+def test_chat_stop_keeps_what_came_as_the_reply(server: str, page) -> None:  # noqa: ANN001
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith(CHAT_ROUTE) else None)
+    open_chat(page, server)
+    page.fill("#max_new_tokens", "4000")  # far more than comes before Stop (the window shifts past the context)
+    page.fill("#user_input", "Hi")
+    page.click("#go")
+    page.wait_for_function("document.querySelectorAll('#conversation .msg.assistant span.token').length >= 3")
+    page.click("#stop")
+    page.wait_for_function(CHAT_DONE)
+    status = page.text_content("#status")
+    [(_, said)] = [t for t in shown_turns(page) if t[0] == "assistant"]
+    assert status == f"stopped after {len(said)} tokens", status
+    assert page.evaluate("FolioChat.turns()") == [{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": said}]
+    send(page, "Yo")  # and the next turn carries it
+    assert [m["content"] for m in bodies[-1]["messages"]] == ["Hi", said, "Yo"]
+
+
+def _chat_stream_of(word: str, pieces: int) -> str:
+    """Server-sent chunks in /v1/chat/completions' shape spelling `word` in `pieces` tokens."""
+    size = -(-len(word) // pieces)
+    chunks = [{"role": "assistant", "content": ""}] + [{"content": word[i:i + size]}
+                                                       for i in range(0, len(word), size)]
+    events = []
+    for i, delta in enumerate(chunks):
+        lp = None if i == 0 else {"content": [{"token": delta["content"], "logprob": -0.5, "bytes": [],
+                                               "top_logprobs": []}]}
+        events.append({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": delta, "logprobs": lp, "finish_reason": "length" if i == len(chunks) - 1 else None}]})
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (375, 740)], ids=["desktop", "phone"])
+def test_chat_wraps_a_long_word_inside_the_conversation(server: str, page, width: int, height: int,  # noqa: ANN001
+                                                         tmp_path: Path) -> None:
+    word = "Honorificabilitudinitatibus" * 30
+    page.set_viewport_size({"width": width, "height": height})
+    page.route("**" + CHAT_ROUTE, lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=_chat_stream_of(word, 12)))
+    open_chat(page, server)
+    page.fill("#system", "y" * 200)
+    assert "12 tokens · length ·" in send(page, "x" * 300)
+    page.screenshot(path=str(tmp_path / f"chat-{width}px.png"), full_page=True)
+    assert shown_turns(page) == [("user", "x" * 300), ("assistant", word)]
+    box = page.evaluate("(() => { const e = document.getElementById('conversation');"
+                        " return [e.scrollWidth, e.clientWidth]; })()")
+    assert box[0] <= box[1], f"the conversation scrolls sideways: content {box[0]} px wide in a {box[1]} px box"
     page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     assert page_width[0] <= page_width[1], f"the page scrolls sideways at {width} px: {page_width}"
