@@ -2,7 +2,7 @@
 
     folio serve --checkpoint weights/my-model        # python -m app
     folio train --preset shakespeare-char-cpu ...    # python -m model.train
-    folio sample | convert | eval | inspect ...      # python -m model.sample, ...
+    folio sample | convert | eval | inspect ...      # python -m model.generate, ...
 
 Each subcommand is a module's own `main` with the rest of the command line: the same options, checks and exit
 codes as `python -m <module>` (which keeps working), named `folio <command>` in its usage and errors
@@ -39,7 +39,7 @@ COMMANDS = {
     "serve": Command("app.__main__", "serve a checkpoint over HTTP: TGI's and OpenAI's APIs, metrics, a playground"),
     "train": Command("model.train.__main__",
                      "train a GPT on a text file and write a checkpoint (torchrun for several GPUs)"),
-    "sample": Command("model.sample", "continue a prompt from a checkpoint, offline, streaming to stdout"),
+    "sample": Command("model.generate", "continue a prompt from a checkpoint, offline, streaming to stdout"),
     "convert": Command("model.convert", "turn Hugging Face or nanoGPT GPT-2 weights into a Folio checkpoint"),
     "eval": Command("model.eval", "score a text file: perplexity and bits per character"),
     "inspect": Command("model.inspection", "draw a text's attention maps and logit lens as PNG files"),

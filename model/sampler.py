@@ -1,6 +1,6 @@
 """Sampling: pure functions over logits plus an explicit generator, and the batched `Sampler` the engine and the
 reference loop both use (the parameters they apply, validated, are `SamplingParams` in model/sampling_params.py;
-the offline command `python -m model.sample` is model/sample.py).
+the offline command `python -m model.generate` is model/generate.py).
 
 Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
 

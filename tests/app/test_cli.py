@@ -127,7 +127,7 @@ def sample_args(checkpoint: Path, tokens: int) -> list[str]:
 
 def test_sample_writes_what_the_module_writes(char_checkpoint: Path) -> None:
     ours = folio("sample", *sample_args(char_checkpoint, 40))
-    theirs = subprocess.run([sys.executable, "-m", "model.sample", *sample_args(char_checkpoint, 40)], cwd=REPO,
+    theirs = subprocess.run([sys.executable, "-m", "model.generate", *sample_args(char_checkpoint, 40)], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert ours.returncode == theirs.returncode == 0, (HOW, ours.stderr, theirs.stderr)
     assert ours.stdout == theirs.stdout and len(ours.stdout) == len("To be") + 40 + 1, (HOW, ours.stdout)

@@ -9,8 +9,8 @@ import pytest
 
 from app.settings import Settings
 from model import eval as model_eval
+from model import generate
 from model import inspection as model_inspect
-from model import sample
 
 
 def test_sample_eval_and_inspect_read_the_bundled_model_outside_the_repository(
@@ -24,7 +24,7 @@ def test_sample_eval_and_inspect_read_the_bundled_model_outside_the_repository(
     text.write_text("ROMEO:\nWherefore art thou Romeo?\n")
     named = ["--checkpoint", str(served)]
     runs = {
-        "sample": (sample.main, ["--prompt", "ROMEO:", "--max-new-tokens", "12", "--greedy"]),
+        "sample": (generate.main, ["--prompt", "ROMEO:", "--max-new-tokens", "12", "--greedy"]),
         "eval": (model_eval.main, ["--data", str(text)]),
         "inspect": (model_inspect.main, ["--text", "ROMEO:", "--layers", "0", "--heads", "0", "--out"]),
     }

@@ -1,5 +1,5 @@
 """`python -m model.train` end to end and its command line: a loadable, self-describing checkpoint that
-`python -m model.sample` reads, the loss plot (redrawn at every evaluation and when a signal stops the run), and
+`python -m model.generate` reads, the loss plot (redrawn at every evaluation and when a signal stops the run), and
 every input error as exit code 2 with one clear line before anything is trained, a run already in --out never
 overwritten unasked."""
 
@@ -52,7 +52,7 @@ def greedy_by_hand(ck: Checkpoint, prompt: str, n: int) -> str:
 
 
 def test_cli_end_to_end(text_file: Path, tmp_path: Path) -> None:
-    """`python -m model.train` writes a loadable, self-describing checkpoint `python -m model.sample` reads."""
+    """`python -m model.train` writes a loadable, self-describing checkpoint `python -m model.generate` reads."""
     out = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "model.train", "--preset", "shakespeare-char-cpu",
            *tiny_argv(text_file, out, "--lr-decay-iters", "30", max_iters=30)]
@@ -86,7 +86,7 @@ def test_cli_end_to_end(text_file: Path, tmp_path: Path) -> None:
     assert batch_losses[-1] < batch_losses[0] < initial + 0.1
 
     prompt = "ROMEO:"
-    cmd = [sys.executable, "-m", "model.sample", "--checkpoint", str(out), "--prompt", prompt, "--greedy",
+    cmd = [sys.executable, "-m", "model.generate", "--checkpoint", str(out), "--prompt", prompt, "--greedy",
            "--max-new-tokens", "20"]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,4 @@
-"""Offline sampling from a checkpoint: `python -m model.sample --checkpoint DIR --prompt "ROMEO:"`.
+"""Offline generation from a checkpoint (`folio sample`): `python -m model.generate --checkpoint DIR --prompt "ROMEO:"`.
 
 Uses the naive reference loop (no server, no engine); streams text to stdout as it is generated.
 """
@@ -20,7 +20,7 @@ from model.tokenizer import TokenizerError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="python -m model.sample", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m model.generate", description=__doc__.splitlines()[0])
     add_checkpoint_option(p)
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=500)
