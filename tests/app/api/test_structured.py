@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.testing import assert_anthropic_error, assert_openai_error, assert_tgi_error, parse_sse, parse_sse_events
+from model.structured import compiler as compiler_module
+from model.structured import default_compiler
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -168,3 +173,33 @@ def test_a_schema_the_vocabulary_cannot_produce_is_refused_before_generating(
         "format": {"type": "json_schema", "schema": PERSON}}})
     assert_anthropic_error(r, 422, "invalid_request_error", "output_config.format", "vocabulary")
     assert client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_a_compile_that_hangs_stalls_nobody_and_ends_as_a_422(bpe_client: TestClient,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schema whose compile never ends (held here) holds neither the event loop nor the engine thread: a stream
+    submitted meanwhile runs to its last token while the compile is still held, and the constrained request gets
+    its 422 when the compile's time bound passes."""
+    release = threading.Event()
+    real_build = compiler_module.build
+
+    def held_build(spec: Any, tokenizer: Any) -> Any:
+        release.wait(120)
+        return real_build(spec, tokenizer)
+
+    monkeypatch.setattr(compiler_module, "build", held_build)
+    monkeypatch.setattr(default_compiler(), "timeout_s", 3.0)
+    schema = {**PERSON, "title": f"held {uuid.uuid4().hex}"}  # a spec no other test compiled (no cached answer)
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(bpe_client.post, "/v1/chat/completions",
+                               json={"messages": USER, "response_format": fmt, "max_tokens": 4})
+            body = {"inputs": "Meanwhile", "parameters": {"max_new_tokens": 30, "details": True}}
+            events = parse_sse(bpe_client.post("/generate_stream", json=body).text)
+            assert not release.is_set() and events[-1]["details"]["generated_tokens"] == 30
+            assert len(events) == 30
+            r = held.result(timeout=120)
+        assert_openai_error(r, 422, "invalid_request_error", "response_format.json_schema.schema", "longer than")
+    finally:
+        release.set()
