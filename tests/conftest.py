@@ -83,3 +83,29 @@ def hf_gpt2(tmp_path_factory: pytest.TempPathFactory):
         return directory, hf
 
     return make
+
+
+def make_peft_adapter(directory: Path, hf_model: torch.nn.Module | None = None, *, n_layer: int = 2, n_head: int = 2,
+                      n_embd: int = 32, vocab_size: int = 65, r: int = 4, alpha: float = 8.0, seed: int = 0,
+                      targets: tuple[str, ...] = ("c_attn", "c_proj", "c_fc"), use_rslora: bool = False,
+                      ) -> tuple[Path, torch.nn.Module]:
+    """A LoRA adapter made by PEFT itself for a GPT2LMHeadModel (`hf_model`, else a random one of this shape: an
+    adapter depends on the base's shape only), its lora_B random (PEFT starts it at zero, which would change
+    nothing), saved with save_pretrained to `directory` -> (directory, the PEFT model, in eval mode)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    if hf_model is None:
+        config = transformers.GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=64,
+                                         vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+        torch.manual_seed(seed)
+        hf_model = transformers.GPT2LMHeadModel(config).eval()
+    lora_config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), fan_in_fan_out=True,
+                                  lora_dropout=0.0, use_rslora=use_rslora)
+    model = peft.get_peft_model(hf_model, lora_config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=generator))
+    model.save_pretrained(directory)
+    return directory, model

@@ -7,7 +7,8 @@ inside `forward`:
 - quantized weights (`model/quantize`: int8, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
 - a model's `Blocks` whose every block (head size a multiple of 8) has such products become `FusedBlocks`: a
   cached forward of up to `FUSED_MAX_TOKENS` tokens at inference runs all the blocks in one kernel call;
-  anything else runs `Blocks.forward` (each `Block.forward`).
+  anything else (a forward applying a LoRA adapter among them: model/lora.py) runs `Blocks.forward` (each
+  `Block.forward`).
 Parameter names and the state dict are unchanged. Within `kernels.disabled()` both serve torch's ops.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from model import lora
 from model.gpt import Block, Blocks, CacheStep
 from model.kernels import ops
 from model.kernels.build import FUSED_MAX_TOKENS
@@ -139,14 +141,14 @@ class FusedBlocks(Blocks):
     the B x T new tokens as rows, each attending to its own cache row up to its position, as `Blocks.forward`
     computes it. Where the kernels do not apply (no cache or a read-only one, training, autograd, more than
     FUSED_MAX_TOKENS tokens, not fp32 on CPU, a cache neither fp32 nor fp16, the kernels disabled, a product no
-    longer kernel-backed) it is `Blocks.forward`."""
+    longer kernel-backed, a LoRA adapter applied to some row: `lora.active()`) it is `Blocks.forward`."""
 
     def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
         lib = library()
         B, T, C = x.size()
         if (lib is None or cache is None or not cache.write or self.training or torch.is_grad_enabled()
                 or B * T > FUSED_MAX_TOKENS or x.device.type != "cpu" or x.dtype != torch.float32
-                or cache.cache.k.dtype not in KERNEL_KV_DTYPES):
+                or cache.cache.k.dtype not in KERNEL_KV_DTYPES or lora.active()):
             return super().forward(x, cache)
         stack = self.stack(lib)
         if stack is None:

@@ -1,0 +1,99 @@
+"""LoRA adapters in PEFT's format over a Folio GPT (model/lora.py): parity with PEFT on Hugging Face's GPT-2, the
+merged weights, several adapters in one batch, and the checks against the base."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import lora
+from model.convert import load_hf_gpt2
+from tests.conftest import make_peft_adapter
+
+
+@pytest.fixture
+def base_and_adapter(hf_gpt2, tmp_path: Path):
+    """A random HF GPT-2, the same weights as a Folio GPT, and a PEFT adapter over the HF one."""
+    directory, hf = hf_gpt2(n_layer=2, n_head=4, n_embd=64, vocab_size=1000)
+    folio = load_hf_gpt2(directory)
+    adapter_dir, peft_model = make_peft_adapter(tmp_path / "adapter", hf, r=4, alpha=16, seed=3)
+    return folio, adapter_dir, peft_model
+
+
+IDX = torch.tensor([[5, 17, 300, 42, 999, 0, 7, 7], [1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_adapter_logits_equal_peft_and_merged(hf_gpt2, tmp_path: Path, use_rslora: bool) -> None:
+    directory, hf = hf_gpt2(n_layer=2, n_head=4, n_embd=64, vocab_size=1000)
+    folio = load_hf_gpt2(directory)
+    adapter_dir, peft_model = make_peft_adapter(tmp_path / "a", hf, r=4, alpha=16, seed=3, use_rslora=use_rslora)
+    adapter = lora.load_adapter(adapter_dir, folio.config)
+    assert adapter.rank == 4 and adapter.scaling == (16 / 2 if use_rslora else 16 / 4)
+    assert adapter.targets == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    with torch.no_grad():
+        expected = peft_model(IDX).logits
+        base = folio(IDX)
+        lora.attach(folio)
+        with lora.applying([adapter, adapter], "cpu"):
+            adapted = folio(IDX)
+        merged = lora.merge(load_hf_gpt2(directory), adapter)(IDX)
+    assert (base - expected).abs().max() > 1e-2  # the adapter changes the logits
+    torch.testing.assert_close(adapted, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(merged, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_of_one_batch_each_get_their_own_adapter(hf_gpt2, tmp_path: Path) -> None:
+    directory, hf = hf_gpt2(n_layer=2, n_head=4, n_embd=64, vocab_size=1000)
+    folio = load_hf_gpt2(directory)
+    one = lora.load_adapter(make_peft_adapter(tmp_path / "one", n_layer=2, n_head=4, n_embd=64, r=4, seed=1)[0],
+                            folio.config)
+    two = lora.load_adapter(make_peft_adapter(tmp_path / "two", n_layer=2, n_head=4, n_embd=64, r=8, seed=2,
+                                              targets=("c_attn",))[0], folio.config)
+    lora.attach(folio)
+    idx = IDX[[0, 1, 0]]
+    with torch.no_grad():
+        with lora.applying([one, None, two], "cpu"):
+            mixed = folio(idx)
+        alone = []
+        for row, adapter in enumerate([one, None, two]):
+            with lora.applying([adapter], "cpu"):
+                alone.append(folio(idx[row: row + 1]))
+    torch.testing.assert_close(mixed, torch.cat(alone), atol=1e-5, rtol=1e-5)
+    assert (mixed[0] - mixed[2]).abs().max() > 1e-2  # same tokens, different adapters
+
+
+def _rewrite(adapter_dir: Path, change) -> None:
+    path = adapter_dir / lora.WEIGHTS_FILE
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path)
+
+
+def test_mismatches_are_refused_naming_what_differs(base_and_adapter, tmp_path: Path) -> None:
+    folio, adapter_dir, _ = base_and_adapter
+    config = folio.config
+    wider = make_peft_adapter(tmp_path / "wider", n_layer=2, n_head=4, n_embd=128, seed=1)[0]
+    with pytest.raises(ValueError, match=r"layer 0 attn.c_attn: lora_A \(4, 128\).*needs \(4, 64\)"):
+        lora.load_adapter(wider, config)
+    deeper = make_peft_adapter(tmp_path / "deeper", n_layer=3, n_head=4, n_embd=64, seed=1)[0]
+    with pytest.raises(ValueError, match="layer 2, but the base model has 2 layers"):
+        lora.load_adapter(deeper, config)
+    cfg = json.loads((adapter_dir / lora.CONFIG_FILE).read_text())
+    (adapter_dir / lora.CONFIG_FILE).write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(ValueError, match="rank 4 in lora_A, but r is 8"):
+        lora.load_adapter(adapter_dir, config)
+    (adapter_dir / lora.CONFIG_FILE).write_text(json.dumps(cfg))
+    _rewrite(adapter_dir, lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}))
+    with pytest.raises(ValueError, match="lm_head.lora_A.weight' is not a LoRA factor"):
+        lora.load_adapter(adapter_dir, config)
+    dropped = ("lm_head", "h.1.mlp.c_fc.lora_B.weight")
+    _rewrite(adapter_dir, lambda t: [t.pop(k) for k in list(t) if any(d in k for d in dropped)])
+    with pytest.raises(ValueError, match="layer 1 mlp.c_fc: lora_B is missing"):
+        lora.load_adapter(adapter_dir, config)
+    with pytest.raises(ValueError, match="adapter directory not found"):
+        lora.load_adapter(tmp_path / "nowhere", config)
