@@ -7,9 +7,12 @@ from __future__ import annotations
 import math
 import reprlib
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+if TYPE_CHECKING:
+    from model.lora import LoraAdapter
 
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
@@ -106,6 +109,9 @@ class SamplingParams:
     # structured output: the output must satisfy this compiled constraint (model/structured/); generation ends with
     # reason "stop" once it is complete and the grammar allows nothing more, even before min_tokens
     constraint: CompiledConstraint | None = None
+    # the LoRA adapter the request runs through (model/lora.py; loaded by its engine: `Engine.load_adapter`); None:
+    # the base model
+    adapter: LoraAdapter | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):

@@ -4,7 +4,9 @@ A request takes a slot when it is admitted, and is `prefilling` until its whole 
 free cache row at its first prefill chunk (with the longest prefix of its prompt any row holds, prefix reuse) and
 is `running` (decoding) from its first token. It gives the slot and the row back in one place, `leave`, however it
 ends (finished, failed, cancelled). The batch also knows which tokens each row's cache holds (`RowContents`), which
-survive the request that wrote them: a decode step reads the running rows wherever they are.
+survive the request that wrote them: a decode step reads the running rows wherever they are. Keys and values depend
+on the LoRA adapter a request runs through: a prefix is reused only from a row the same adapter (or the base)
+wrote.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class Batch:
         so found in the cache (the last one is never: its logits are needed). There is always a free row: no more
         requests are admitted than there are rows."""
         if reuse:
-            source, held = self.contents.longest(req.prompt, range(len(self.contents.tokens)))
+            owner = req.params.adapter
+            same = [row for row, o in enumerate(self.contents.owners) if o is owner]
+            source, held = self.contents.longest(req.prompt, same)
             cached = min(held, len(req.prompt) - 1)
             if cached > 0:
                 if source in self._free_rows:
@@ -61,6 +65,7 @@ class Batch:
     def _take(self, req: Request, row: int) -> None:
         self._free_rows.remove(row)
         req.row = row
+        self.contents.own(row, req.params.adapter)
 
     def start_decoding(self, req: Request) -> None:
         """`req`'s prompt is in the cache: it decodes with the others from now on."""

@@ -21,10 +21,11 @@ class EngineConfig:
     threads: int | None = None  # CPU threads; None: by the model's size (model/engine/runner.py)
     kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
     prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
+    max_loras: int = 0  # LoRA adapters loaded at once (`Engine.load_adapter`); 0: adapters off (no hooks at all)
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_waiting < 0 or self.prefill_chunk < 1:
-            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting >= 0")
+        if self.max_batch_size < 1 or self.max_waiting < 0 or self.prefill_chunk < 1 or self.max_loras < 0:
+            raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting and max_loras >= 0")
 
     def window_shift_for(self, block_size: int) -> int:
         """`window_shift`, or its default for a context of `block_size`; ValueError outside [1, block_size - 1]."""

@@ -3,13 +3,15 @@
 `Engine` owns the model (through its `ModelRunner`), the tokenizer and the `Scheduler`, whose loop runs every
 model step on the engine thread, never on an asyncio event loop; events reach each event loop once per step
 (`stream.Mailbox`). Callers use `submit` (async streams), `generate` (blocking, for scripts and tests),
-`reserve` (hold a slot before a request is parsed) and `cancel`.
+`reserve` (hold a slot before a request is parsed) and `cancel`. LoRA adapters over its model are loaded and
+unloaded with `load_adapter` and `unload_adapter`; a request names one in `SamplingParams.adapter`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import random
 import threading
@@ -19,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from model import lora
 from model.checkpoint import Checkpoint
 from model.engine.attention import check_spec
 from model.engine.config import EngineConfig
@@ -57,6 +60,41 @@ class Engine:
         self._thread: threading.Thread | None = None
         # per event loop that submitted: its events of the current step (a loop that is gone drops its mailbox)
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = weakref.WeakKeyDictionary()
+        # LoRA adapters by name; every adapter this engine loaded (one unloaded still serves the requests holding it)
+        self._adapters: dict[str, lora.LoraAdapter] = {}
+        self._own_adapters: weakref.WeakSet[lora.LoraAdapter] = weakref.WeakSet()
+        if self.config.max_loras:
+            self.runner.use_adapters()  # before the engine thread runs a forward: hooks are not added mid-step
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, lora.LoraAdapter]:
+        """The adapters loaded now, by name."""
+        with self._lock:
+            return dict(self._adapters)
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str]) -> lora.LoraAdapter:
+        """Read the PEFT adapter at `path`, check it against this engine's model and make it `name` (blocking: not
+        on an event loop). ValueError naming what differs or what is wrong (adapters off, `max_loras` reached, the
+        name taken); nothing changes then."""
+        if not self.config.max_loras:
+            raise ValueError("LoRA adapters are off for this engine (max_loras is 0)")
+        adapter = lora.load_adapter(path, self.model_config, name=name).to(self.runner.device)
+        with self._lock:
+            if name in self._adapters:
+                raise ValueError(f"an adapter named {name!r} is already loaded; unload it first")
+            if len(self._adapters) >= self.config.max_loras:
+                raise ValueError(f"{len(self._adapters)} adapters are loaded, the most max_loras allows "
+                                 f"({self.config.max_loras}); unload one first")
+            self._adapters[name] = adapter
+            self._own_adapters.add(adapter)
+        return adapter
+
+    def unload_adapter(self, name: str) -> lora.LoraAdapter:
+        """Forget adapter `name` (KeyError if none is loaded): no new request can name it; the requests already
+        submitted through it finish with it."""
+        with self._lock:
+            return self._adapters.pop(name)
 
     @property
     def fault_hook(self) -> Callable[[list[Request]], None] | None:
@@ -144,6 +182,9 @@ class Engine:
         or the limits refuse (`model.engine.attention.check_spec`), and (field `constraint`) for a constraint compiled
         for another tokenizer."""
         if params is not None:
+            if params.adapter is not None and params.adapter not in self._own_adapters:
+                raise ValidationError("model", f"the adapter {params.adapter.name!r} was not loaded by this engine "
+                                               "(Engine.load_adapter)")
             if params.constraint is not None and params.constraint.tokenizer is not self.tokenizer:
                 raise ValidationError("constraint", "was compiled for another model's tokenizer; compile it with this "
                                                     "engine's (Engine.tokenizer)")

@@ -38,6 +38,14 @@ def shares_prefix(a: Sequence[int], b: Sequence[int]) -> bool:
 class RowContents:
     def __init__(self, rows: int) -> None:
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        # what wrote each row's keys and values: the LoRA adapter (model/lora.py), None for the base model
+        self.owners: list[object | None] = [None] * rows
+
+    def own(self, row: int, owner: object | None) -> None:
+        """`row` is written by `owner` from now on: what another owner wrote there is no prefix of its prompts."""
+        if self.owners[row] is not owner:
+            self.forget(row)
+            self.owners[row] = owner
 
     def wrote(self, row: int, start: int, tokens: Sequence[int]) -> None:
         """A forward wrote `tokens` at positions start.. of `row` (whatever the row held from `start` on is gone)."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 
 import torch
 
-from model import kernels
+from model import kernels, lora
 from model.checkpoint import Checkpoint
 from model.config import GPTConfig
 from model.devices import default_dtype, resolve_device
@@ -102,11 +103,18 @@ class ModelRunner:
         this thread alone (the kernels use their own pool)."""
         return kernels.serial_torch_ops()
 
+    def use_adapters(self) -> None:
+        """Let forwards apply LoRA adapters per row (`lora.attach`: hooks on the blocks' products, after the kernels'
+        swap); once, before the first adapter is used."""
+        lora.attach(self.model)
+
     def forward_chunks(self, rows: list[int], chunks: list[list[int]], starts: list[int], *,
-                       every_position: bool = False) -> torch.Tensor:
+                       every_position: bool = False,
+                       adapters: Sequence[lora.LoraAdapter | None] = ()) -> torch.Tensor:
         """Forward each chunk at positions start.. in its own cache row, right-padded to the longest; the logits of
         each chunk's last token, (len(rows), vocab), or with `every_position` of every token, (len(rows), width,
-        vocab) (a padded chunk's rows past its length are meaningless)."""
+        vocab) (a padded chunk's rows past its length are meaningless). `adapters[i]`: the LoRA adapter chunk i
+        runs through (None or none given: the base)."""
         width = max(len(c) for c in chunks)
         last = self.block_size - 1
         idx = [c + [0] * (width - len(c)) for c in chunks]
@@ -117,15 +125,19 @@ class ModelRunner:
         fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
         with self.decode_context() if fused else contextlib.nullcontext():
             step = self.cache.step(self._ids(pos), self._ids(rows), min(self.block_size, max(starts) + width))
-            logits = self.model(self._ids(idx), step, take)
+            with lora.applying(adapters, self.device):
+                logits = self.model(self._ids(idx), step, take)
         return logits if every_position else logits[:, 0]
 
-    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`: logits (len(rows), vocab)."""
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int],
+               adapters: Sequence[lora.LoraAdapter | None] = ()) -> torch.Tensor:
+        """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`, through `adapters[i]` (as in
+        `forward_chunks`): logits (len(rows), vocab)."""
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
         step = self.cache.step(self._ids([[p] for p in positions]), row_idx, max(positions) + 1)
-        return self.model(self._ids([[t] for t in tokens]), step)[:, 0]
+        with lora.applying(adapters, self.device):
+            return self.model(self._ids([[t] for t in tokens]), step)[:, 0]
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row` gets the keys and values of positions 0..length-1 of row `source`."""

@@ -204,8 +204,8 @@ class Scheduler:
         in the cache it copies them instead of computing them too (n samples of one prompt share one prefill)."""
         if req.row >= 0 or not self._reuses(req):
             return True
-        return not any(o.row >= 0 and o.prefilling and shares_prefix(o.prompt, req.prompt)
-                       for o in self.batch.prefilling)
+        return not any(o.row >= 0 and o.prefilling and o.params.adapter is req.params.adapter
+                       and shares_prefix(o.prompt, req.prompt) for o in self.batch.prefilling)
 
     def _run_fault_hook(self, reqs: list[Request], phase: str) -> list[Request]:
         """Run the fault-injection hook (`fault_hook`) per request; a request it raises for fails alone. The rest."""
@@ -266,7 +266,8 @@ class Scheduler:
         rows, starts = [req.row for req, _ in plan], [req.prefilled for req, _ in plan]
         scoring = any(req.scorer for req, _ in plan)
         with self.batch.writing(rows, starts, chunks):
-            logits = self.runner.forward_chunks(rows, chunks, starts, every_position=scoring)
+            logits = self.runner.forward_chunks(rows, chunks, starts, every_position=scoring,
+                                                adapters=[req.params.adapter for req, _ in plan])
         return self.output.score_prompts(plan, logits) if scoring else logits
 
     def _decode_step(self) -> None:
@@ -276,7 +277,8 @@ class Scheduler:
         for req in reqs:
             if self.batch.slide(req, self.window_shift, self.block_size):
                 with self.batch.writing([req.row], [0], [req.context]):
-                    slid[req.id] = self.runner.forward_chunks([req.row], [req.context], [0])[0]
+                    slid[req.id] = self.runner.forward_chunks([req.row], [req.context], [0],
+                                                              adapters=[req.params.adapter])[0]
                 req.pos = len(req.context)
         if not reqs:
             return
@@ -286,7 +288,7 @@ class Scheduler:
             rows, tokens = [r.row for r in normal], [r.context[-1] for r in normal]
             positions = [r.pos - 1 for r in normal]
             with self.batch.writing(rows, positions, [[t] for t in tokens]):
-                logits = self.runner.decode(rows, tokens, positions)
+                logits = self.runner.decode(rows, tokens, positions, [r.params.adapter for r in normal])
         if slid:  # rare: the slid rows' logits between the others' (`normal` keeps the rows' order)
             others = iter(() if logits is None else logits)
             logits = torch.stack([slid[r.id] if r.id in slid else next(others) for r in reqs])
