@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> dict:
         help_ = f"{f.description or ''} (env {env_name(name)})"
         if f.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_)
-        elif name == "cors_origins":
+        elif name in ("cors_origins", "lora_modules"):
             p.add_argument(flag, nargs="*", help=help_)
         elif name == "checkpoint":
             p.add_argument(flag, action="append", help=help_ + "; give it several times to serve several")

@@ -57,6 +57,15 @@ class Settings(BaseSettings):
         default_factory=list, description="more checkpoints to serve beside --checkpoint, each DIR or NAME=DIR "
         "(comma-separated or a JSON list; --checkpoint given several times fills it too); OpenAI's `model` field or "
         "the X-Folio-Model header picks one")
+    # LoRA adapters over the models (app/serving/models.py; model/lora.py)
+    lora_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="LoRA adapters in PEFT's format to serve over the default model, each "
+        "NAME=DIR (vLLM's flag; comma-separated or a JSON list in the environment); each is a model name for "
+        "OpenAI's `model` field or the X-Folio-Model header")
+    enable_lora: bool = Field(False, description="accept adapters loaded at run time (POST /v1/load_lora_adapter) "
+                              "without --lora-modules")
+    max_loras: int = Field(4, ge=1, le=64, description="LoRA adapters served at once (with --lora-modules or "
+                           "--enable-lora)")
     models_dir: Path | None = Field(None, description="serve every checkpoint directory under this one as well, "
                                     "each named by its directory")
     max_loaded: int | None = Field(None, ge=1, description="models in memory at once, loads in progress included; a "
@@ -148,7 +157,7 @@ class Settings(BaseSettings):
                              "through; set a key, or unset the option to serve without one")
         return SecretStr(key)
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "lora_modules", mode="before")
     @classmethod
     def _split_models(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -172,7 +181,13 @@ class Settings(BaseSettings):
             window_shift=self.window_shift or None,
             threads=self.threads or None,
             kv_cache_dtype=self.kv_cache_dtype,
+            max_loras=self.max_loras if self.lora_enabled else 0,
         )
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether engines take LoRA adapters: --lora-modules or --enable-lora."""
+        return self.enable_lora or bool(self.lora_modules)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ PROTECTED = frozenset({
     ("POST", "/generate"), ("POST", "/generate_stream"), ("POST", "/"), ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
     ("POST", "/inspect"), ("POST", "/admin/reload"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
-    ("POST", "/v1/responses"),
+    ("POST", "/v1/responses"), ("POST", "/v1/load_lora_adapter"), ("POST", "/v1/unload_lora_adapter"),
 })
 PROTECTED_DOC = ", ".join(f"{m} {p}" for m, p in sorted(PROTECTED, key=lambda r: (r[1], r[0])))
 

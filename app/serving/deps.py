@@ -3,7 +3,8 @@
 
 Each request's readiness, model and slot are decided once: readiness by admission (app/http/admission.py), or,
 on a route admission does not hold, by `request_service`; the model by `request_service`, from OpenAI's `model`
-field, else the `X-Folio-Model` header, else the default; the slot by admission in the engine it already knew, or
+field, else the `X-Folio-Model` header, else the default (a LoRA adapter's name: its base model, through the
+adapter); the slot by admission in the engine it already knew, or
 by `request_service` in the model's engine once it is known (before tokenising: a full engine refuses at once).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from app.http.admission import ADMITTED, MODEL_HEADER, Admitted
 from app.http.errors import Unavailable
@@ -28,10 +30,15 @@ async def request_service(request: Request, model: str | None = None) -> Generat
     admitted: Admitted | None = getattr(request.state, ADMITTED, None)
     if admitted is None:
         models.lifecycle.check_ready()
-    name, engine, checkpoint = await models.registry.acquire(model or request.headers.get(MODEL_HEADER))
-    if admitted is None:
-        return models.shared(name).pinned(engine, checkpoint)
-    return models.shared(name).pinned(engine, checkpoint, admitted.slot_in(engine))
+    asked = model or request.headers.get(MODEL_HEADER)
+    served = models.adapters.get(asked) if asked else None  # a LoRA adapter: its base's engine serves it
+    name, engine, checkpoint = await models.registry.acquire(served[0] if served else asked)
+    slot = None if admitted is None else admitted.slot_in(engine)
+    service = models.shared(name).pinned(engine, checkpoint, slot)
+    if served:
+        adapter = engine.adapters.get(asked) or await run_in_threadpool(models.adapter_on, asked, engine)
+        service = service.through(asked, adapter)
+    return service
 
 
 async def get_service(request: Request) -> GenerationService:

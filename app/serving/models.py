@@ -13,6 +13,12 @@
   (and name them) while new ones get the new, and an unload (`--max-loaded`) lets them finish too.
 - Admission (app/http/admission.py) holds a request's slot in its own model's engine: one model at capacity refuses
   nothing to the others.
+- LoRA adapters (model/lora.py): `--lora-modules NAME=DIR` and `POST /v1/load_lora_adapter` serve an adapter over a
+  base model (the default one unless named) under a model name of its own, up to `--max-loras`; a request naming it
+  runs on its base's engine, in the same batches, through the adapter. The adapter is checked against the base when
+  it is loaded (a mismatch is a 422 naming what differs, and nothing changes); an engine a reload or a reload after
+  an unload brings loads it again at its first request. Unloading (`POST /v1/unload_lora_adapter`) lets the
+  requests running through it finish.
 - `GET /v1/models` and `/info` list every model with its state (loaded, loading, unloaded, failed) and the
   sha256 of the checkpoint it serves; answers name it too (OpenAI's `system_fingerprint`, the
   `X-Folio-Checkpoint` header); /metrics counts reloads by model and result.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path, PureWindowsPath
@@ -39,7 +46,9 @@ from model.chat_template import load_chat_template
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
 from model.engine import Engine, EngineConfig, EngineStats, memory_needed
-from model.registry import ModelInfo, ModelRegistry
+from model.lora import LoraAdapter
+from model.registry import ModelInfo, ModelNotFound, ModelRegistry
+from model.sampling_params import ValidationError, preview
 
 log = logging.getLogger("folio.models")
 
@@ -65,6 +74,27 @@ def model_paths(settings: Settings) -> dict[str, Path]:
         for path in checkpoint_dirs(settings.models_dir, out):
             add(str(path))
     return out
+
+
+def lora_modules(settings: Settings) -> dict[str, Path]:
+    """`--lora-modules`' adapters by name: each NAME=DIR."""
+    out: dict[str, Path] = {}
+    for spec in settings.lora_modules:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=DIR, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names two adapters {name!r}")
+        out[name] = Path(path)
+    return out
+
+
+class AdapterNotFound(ModelNotFound):
+    """No adapter of that name is served (404)."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        LookupError.__init__(self, f"lora_name: no LoRA adapter {preview(name)} is loaded; the adapters are {known}")
+        self.name, self.field = name, "lora_name"
 
 
 def checkpoint_dirs(directory: Path, served: dict[str, Path]) -> list[Path]:
@@ -99,6 +129,54 @@ class ServedModels:
                                       chat_template=load_chat_template(settings.chat_template))
         self.services: dict[str, GenerationService] = {}
         metrics.registry.register(ReloadCollector(self.registry))
+        self.adapters: dict[str, tuple[str, Path]] = {}  # LoRA adapters served: name -> (base model, directory)
+        self._adapters_lock = threading.Lock()  # adding, removing, and loading one into an engine
+
+    # -- LoRA adapters ----------------------------------------------------------------------------------
+    def add_adapter(self, name: str, path: Path, base: str, engine: Engine) -> LoraAdapter:
+        """Serve the adapter at `path` as model `name` over model `base`, whose engine now is `engine` (blocking: it
+        reads the files). ValidationError naming the field: the name taken, --max-loras reached, or the adapter
+        not fitting the base (what differs)."""
+        with self._adapters_lock:
+            if name in self.adapters or name in self.registry.names:
+                raise ValidationError("lora_name", f"a model or adapter named {preview(name)} is served already; "
+                                                   "unload it first or pick another name")
+            if len(self.adapters) >= self.settings.max_loras:
+                raise ValidationError("lora_name", f"{len(self.adapters)} adapters are served, the most --max-loras "
+                                                   f"allows ({self.settings.max_loras}); unload one first")
+            try:
+                adapter = engine.load_adapter(name, path)
+            except ValueError as e:
+                raise ValidationError("lora_path", f"the adapter does not fit the model {base!r}: {e}") from None
+            self.adapters[name] = (base, path)
+        log.info("serving LoRA adapter %s (rank %d, %s) over %s", name, adapter.rank, ", ".join(adapter.targets),
+                 base)
+        return adapter
+
+    def adapter_on(self, name: str, engine: Engine) -> LoraAdapter:
+        """Adapter `name` as loaded in `engine` (its base's engine now), loaded there first if this engine has
+        not got it (a reload or an unload brought a new one): blocking. AdapterNotFound once it was unloaded."""
+        with self._adapters_lock:
+            if name not in self.adapters:
+                raise AdapterNotFound(name, list(self.adapters))
+            return engine.adapters.get(name) or engine.load_adapter(name, self.adapters[name][1])
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` (AdapterNotFound if it is not): new requests cannot name it; those running
+        through it finish (they hold it)."""
+        with self._adapters_lock:
+            if self.adapters.pop(name, None) is None:
+                raise AdapterNotFound(name, list(self.adapters))
+            for _, engine, _ in self.registry.loaded():
+                if name in engine.adapters:
+                    engine.unload_adapter(name)
+        log.info("unloaded LoRA adapter %s", name)
+
+    def describe_adapters(self) -> list[dict[str, Any]]:
+        """The adapters as /v1/models lists them (vLLM's `parent`, the base model; `root`, the directory's name)."""
+        with self._adapters_lock:
+            return [{"name": name, "parent": base, "root": path.name, "state": "loaded"}
+                    for name, (base, path) in self.adapters.items()]
 
     def shared(self, name: str) -> GenerationService:
         """Model `name`'s service, made on first use (`--watch` adds the models put into --models-dir)."""
@@ -146,6 +224,12 @@ class ServedModels:
     def start(self) -> None:
         """Load the default model now (a broken one fails the start-up) and start watching if asked."""
         self.registry.load_now(self.registry.default)
+        engine = next(e for n, e, _ in self.registry.loaded() if n == self.registry.default)
+        for name, path in lora_modules(self.settings).items():  # one that does not fit fails the start-up
+            try:
+                self.add_adapter(name, path, self.registry.default, engine)
+            except ValidationError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from None
         self.lifecycle.ready = True
         if self.settings.watch:
             self.registry.watch(self.settings.watch, self.discover)

@@ -23,6 +23,7 @@ from app.settings import Settings
 from model.chat_template import special_tokens
 from model.checkpoint import Checkpoint
 from model.engine import Engine, EngineError, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
+from model.lora import LoraAdapter
 from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
 from model.structured import ConstraintError, compile_constraint_async
@@ -70,12 +71,20 @@ class GenerationService:
         self.metrics = metrics
         self.lifecycle = lifecycle
         self.slot: Reservation | None = None  # a request's copy: the engine slot its first submission takes
+        self.adapter: LoraAdapter | None = None  # a request's copy: the LoRA adapter it runs through (`through`)
 
     def pinned(self, engine: Engine, checkpoint: Checkpoint, slot: Reservation | None = None) -> GenerationService:
         """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it), and
         the slot held for it in `engine` (app/serving/deps.py), if the route takes one."""
         view = copy.copy(self)
         view._engine, view._checkpoint, view.slot = engine, checkpoint, slot
+        return view
+
+    def through(self, name: str, adapter: LoraAdapter) -> GenerationService:
+        """This request's copy running through LoRA adapter `adapter` (loaded in its engine), its answers naming
+        model `name`."""
+        view = copy.copy(self)
+        view.model_id, view.adapter = name, adapter
         return view
 
     def take_slot(self) -> Reservation | None:
@@ -178,6 +187,8 @@ class GenerationService:
         share the prompt's prefill (the prefix cache). If one cannot be submitted (429, or 422 from the engine's
         checks of the prompt and the parameters), none runs."""
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
+        if self.adapter is not None:
+            params = [replace(p, adapter=self.adapter) for p in params]
         prompt = await self.encode(text, api) if isinstance(text, str) else text
         reservation = self.take_slot()
         try:
@@ -189,6 +200,8 @@ class GenerationService:
         # a reload retired the engine between the slot and the submission: the new one takes the request
         _, engine, checkpoint = await self.registry.acquire(self.name)
         self._engine, self._checkpoint = engine, checkpoint  # this request's copy: its answer names them
+        if self.adapter is not None:  # the new engine loads its adapters at their first request (models.py)
+            raise Unavailable(f"the model {self.model_id!r} was reloaded while this request started; try again")
         with api.naming_fields():
             return self._submit(engine, prompt, params, truncate, None)
 

@@ -1,6 +1,8 @@
-"""The model registry over HTTP: the models served (`GET /v1/models`, OpenAI's list), reloading them
-(`POST /admin/reload`, behind the API key), and a model's training run for the playground's live view
-(`GET /models/{name}/training`, the page at `GET /training`). The registry itself is app/serving/models.py."""
+"""The model registry over HTTP: the models served (`GET /v1/models`, OpenAI's list, LoRA adapters among them),
+reloading them (`POST /admin/reload`, behind the API key), loading and unloading LoRA adapters
+(`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`: vLLM's shapes, behind the API key), and a model's
+training run for the playground's live view (`GET /models/{name}/training`, the page at `GET /training`). The
+registry itself is app/serving/models.py."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import described_service
 from app.serving.models import served_models, without_paths
 from model.checkpoint import CONFIG_FILE
+from model.sampling_params import ValidationError
 from model.train.outputs import METRICS_FILE
 
 router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
@@ -27,8 +30,47 @@ router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
 @router.get("/v1/models", tags=["OpenAI"])
 async def models(request: Request) -> dict[str, Any]:
     """The models served, each with its state (app/serving/models.py; loads none)."""
+    models = served_models(request)
+    adapters = [{"id": a["name"], "object": "model", "created": 0, "owned_by": "folio", **a}
+                for a in models.describe_adapters()]
     return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
-                                        "owned_by": "folio", **m} for m in served_models(request).describe()]}
+                                        "owned_by": "folio", **m} for m in models.describe()] + adapters}
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(..., min_length=1, max_length=128, pattern=r"^[^\s/]+$",
+                           description="the model name requests will use for the adapter")
+    lora_path: str = Field(..., min_length=1, max_length=4096,
+                           description="the adapter's directory on the server (PEFT's adapter_config.json and "
+                                       "adapter_model.safetensors)")
+    base_model_name: str | None = Field(None, max_length=256, description="the served model it adapts (default: "
+                                        "the default model)")
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    lora_name: str = Field(..., min_length=1, max_length=128, description="the adapter to unload")
+
+
+@router.post("/v1/load_lora_adapter", responses=error_docs(401, 404, 422))
+async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict[str, Any]:
+    """Serve a LoRA adapter (vLLM's route) as a model of its own over its base model: checked against the base
+    first (a 422 naming what differs, and nothing changes), at most --max-loras. Behind the API key."""
+    models = served_models(request)
+    if not request.app.state.settings.lora_enabled:
+        raise ValidationError("lora_name", "LoRA adapters are off on this server; start it with --enable-lora or "
+                                           "--lora-modules")
+    base, engine, _ = await models.registry.acquire(body.base_model_name)
+    adapter = await run_in_threadpool(models.add_adapter, body.lora_name, Path(body.lora_path), base, engine)
+    return {"lora_name": body.lora_name, "base_model_name": base, "rank": adapter.rank,
+            "scaling": adapter.scaling, "targets": adapter.targets}
+
+
+@router.post("/v1/unload_lora_adapter", responses=error_docs(401, 404, 422))
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> dict[str, Any]:
+    """Stop serving a LoRA adapter (vLLM's route): new requests naming it get a 404; those running through it
+    finish. Behind the API key."""
+    await run_in_threadpool(served_models(request).remove_adapter, body.lora_name)
+    return {"lora_name": body.lora_name, "unloaded": True}
 
 
 class ReloadRequest(BaseModel):

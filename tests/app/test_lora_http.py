@@ -1,0 +1,139 @@
+"""LoRA adapters over HTTP (app/serving/models.py, app/api/models/router.py): `--lora-modules` names them as models,
+OpenAI's and Anthropic's `model` field and the X-Folio-Model header pick one, and its answers equal the merged model
+served alone; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` behind the API key, a mismatch a 422 naming
+what differs while the server keeps serving, `--max-loras`, and a request running through an adapter that is
+unloaded meanwhile finishing as it would have."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from model import lora
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.testing import make_char_checkpoint
+from tests.conftest import make_peft_adapter
+
+BASE: dict[str, Any] = dict(device="cpu", threads=1, max_batch_size=4, max_waiting=8)
+KEY = {"Authorization": "Bearer secret"}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The base checkpoint, two PEFT adapters for its shape, one for a wider model, and each adapter merged into
+    the base as a checkpoint of its own."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {"base": make_char_checkpoint(root / "base", seed=1)}
+    vocab = load_checkpoint(out["base"]).config.vocab_size
+    out["one"] = make_peft_adapter(root / "one", vocab_size=vocab, r=4, alpha=16, seed=1)[0]
+    out["two"] = make_peft_adapter(root / "two", vocab_size=vocab, r=8, alpha=32, seed=2, targets=("c_attn",))[0]
+    out["wide"] = make_peft_adapter(root / "wide", vocab_size=vocab, n_embd=64, seed=3)[0]
+    for name in ("one", "two"):
+        ck = load_checkpoint(out["base"])
+        lora.merge(ck.model, lora.load_adapter(out[name], ck.config))
+        out[f"merged-{name}"] = save_checkpoint(root / f"merged-{name}", ck.model, ck.tokenizer)
+    return out
+
+
+def client(**settings: Any) -> TestClient:
+    return TestClient(create_app(Settings(**{**BASE, **settings})))
+
+
+def completion(c: TestClient, model: str | None = None, prompt: str = "Hello there", n: int = 16) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, **({"model": model} if model else {})}
+    r = c.post("/v1/completions", json=body, headers=KEY)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text(c: TestClient, model: str | None = None) -> str:
+    return completion(c, model)["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def merged(dirs: dict[str, Path]) -> dict[str, str]:
+    """The greedy answer of each merged model, and of the base, each served alone."""
+    out = {}
+    for name in ("base", "merged-one", "merged-two"):
+        with client(checkpoint=dirs[name]) as c:
+            out[name] = text(c)
+    assert len(set(out.values())) == 3
+    return out
+
+
+def test_adapters_are_models_whose_answers_equal_the_merged_model(dirs, merged) -> None:
+    with client(checkpoint=dirs["base"], model_id="base",
+                lora_modules=[f"one={dirs['one']}", f"two={dirs['two']}"]) as c:
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert listed["one"]["parent"] == "base" and listed["two"]["root"] == "two"
+        assert text(c, "one") == merged["merged-one"] and text(c, "two") == merged["merged-two"]
+        assert text(c) == text(c, "base") == merged["base"]
+        assert completion(c, "two")["model"] == "two"
+        # TGI's route picks it by the header, Anthropic's Messages by its model field
+        r = c.post("/generate", headers={"X-Folio-Model": "one"},
+                   json={"inputs": "Hello there", "parameters": {"max_new_tokens": 16}})
+        assert r.status_code == 200 and r.json()["generated_text"] == merged["merged-one"]
+        r = c.post("/v1/messages", json={"model": "two", "max_tokens": 8, "temperature": 0,
+                                         "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["model"] == "two"
+
+
+def test_load_and_unload_over_http(dirs, merged) -> None:
+    with client(checkpoint=dirs["base"], enable_lora=True, max_loras=1, api_key="secret") as c:
+        load = {"lora_name": "one", "lora_path": str(dirs["one"])}
+        assert c.post("/v1/load_lora_adapter", json=load).status_code == 401
+        r = c.post("/v1/load_lora_adapter", json={**load, "lora_path": str(dirs["wide"])}, headers=KEY)
+        assert r.status_code == 422
+        assert r.json()["error"]["param"] == "lora_path"
+        assert "lora_A (4, 64) and lora_B (192, 4), but the base model needs (4, 32) and (96, 4)" in r.text
+        assert text(c) == merged["base"]  # still serving
+        r = c.post("/v1/load_lora_adapter", json=load, headers=KEY)
+        assert r.status_code == 200, r.text
+        assert r.json()["rank"] == 4 and r.json()["targets"] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                  "mlp.c_proj"]
+        assert text(c, "one") == merged["merged-one"]
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": str(dirs["two"])}, headers=KEY)
+        assert r.status_code == 422 and "the most --max-loras allows (1)" in r.text
+        r = c.post("/v1/load_lora_adapter", json={**load, "lora_path": str(dirs["two"])}, headers=KEY)
+        assert r.status_code == 422 and "served already" in r.text
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "one"}, headers=KEY).status_code == 200
+        assert "one" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        r = c.post("/v1/completions", json={"model": "one", "prompt": "Hi", "max_tokens": 2}, headers=KEY)
+        assert r.status_code == 404
+        r = c.post("/v1/unload_lora_adapter", json={"lora_name": "one"}, headers=KEY)
+        assert r.status_code == 404 and "no LoRA adapter 'one' is loaded" in r.text
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": str(dirs["two"])}, headers=KEY)
+        assert r.status_code == 200 and text(c, "two") == merged["merged-two"]
+
+
+def test_adapters_off_refuse_a_load(dirs) -> None:
+    with client(checkpoint=dirs["base"]) as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(dirs["one"])})
+        assert r.status_code == 422 and "--enable-lora" in r.text
+
+
+def test_a_request_running_through_an_unloaded_adapter_finishes(dirs, merged) -> None:
+    with client(checkpoint=dirs["base"], lora_modules=[f"one={dirs['one']}"]) as c:
+        engine = c.app.state.models.registry.loaded()[0][1]
+        started, go = threading.Event(), threading.Event()
+
+        def hold(reqs) -> None:  # the request's first model step waits until the adapter is unloaded
+            started.set()
+            assert go.wait(10)
+
+        engine.fault_hook = hold
+        answer: list[str] = []
+        worker = threading.Thread(target=lambda: answer.append(text(c, "one")))
+        worker.start()
+        assert started.wait(10)
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "one"}).status_code == 200
+        go.set()
+        worker.join(10)
+        engine.fault_hook = None
+        assert answer == [merged["merged-one"]]
