@@ -1,0 +1,109 @@
+"""What LoRA adapters cost the engine: tokens/s of concurrent requests spread over the base and several adapters
+against all on the base, and of one request through an adapter against the base, on GPT-2 124M's shape (random
+weights, random rank-`--rank` adapters on c_attn, c_proj and c_fc, written in PEFT's format).
+
+    python -m bench.lora [--concurrency 32] [--adapters 4] [--rank 16] [--new-tokens 64] [--repeats 2]
+
+Rows of a step that use an adapter run the torch blocks (their kernel-backed products still compute the base)
+plus the adapters' low-rank products; a step of base rows alone runs the fused kernels. Prints the figures and
+writes bench/results/lora.json. Ratios are what matter: absolute figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from bench import RESULTS
+from bench.engine_decode import gpt2_124m_checkpoint, prompts
+from bench.report import write_json
+from model import lora
+from model.config import GPTConfig
+from model.engine import Engine
+from model.sampling_params import SamplingParams
+
+
+def write_adapter(directory: Path, config: GPTConfig, rank: int, seed: int) -> Path:
+    """A random adapter for every block's c_attn, c_proj and c_fc, in PEFT's format (model/lora.py)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.n_layer):
+        for target, shape in lora.TARGET_SHAPES.items():
+            n_in, n_out = shape(config)
+            key = f"base_model.model.transformer.h.{layer}.{target}"
+            tensors[f"{key}.lora_A.weight"] = 0.02 * torch.randn(rank, n_in, generator=g)
+            tensors[f"{key}.lora_B.weight"] = 0.02 * torch.randn(n_out, rank, generator=g)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / lora.WEIGHTS_FILE)
+    (directory / lora.CONFIG_FILE).write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["c_attn", "c_proj", "c_fc"],
+        "fan_in_fan_out": True, "base_model_name_or_path": "gpt2"}))
+    return directory
+
+
+def tokens_per_s(engine: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> float:
+    """Every job submitted at once; generated tokens over the wall time until the last ends."""
+    async def main() -> int:
+        streams = [engine.submit(p, q) for p, q in jobs]
+        results = await asyncio.gather(*(s.collect() for s in streams))
+        return sum(len(r.tokens) for r in results)
+
+    start = time.perf_counter()
+    n = asyncio.run(main())
+    return n / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: the engine's default)")
+    args = p.parse_args()
+    ck = gpt2_124m_checkpoint()
+    engine = Engine(ck, device="cpu", max_batch_size=args.concurrency, max_loras=args.adapters,
+                    threads=args.threads or None).start()
+    params = SamplingParams(max_new_tokens=args.new_tokens, greedy=True, stop_at_eos=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [engine.load_adapter(f"a{i}", write_adapter(Path(tmp) / f"a{i}", ck.config, args.rank, i))
+                    for i in range(args.adapters)]
+    engine.warmup()
+    asks = prompts(args.concurrency, ck.config.vocab_size)
+    spread = [None, *adapters]
+    cases = {
+        "concurrent_base": [(q, params) for q in asks],
+        "concurrent_mixed": [(q, replace(params, adapter=spread[i % len(spread)])) for i, q in enumerate(asks)],
+        "batch1_base": [(asks[0], params)],
+        "batch1_adapter": [(asks[0], replace(params, adapter=adapters[0]))],
+    }
+    best = {name: 0.0 for name in cases}
+    for _ in range(args.repeats):  # alternating rounds, the best of each
+        for name, jobs in cases.items():
+            best[name] = max(best[name], tokens_per_s(engine, jobs))
+    engine.stop()
+    report = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "threads": engine.config.threads},
+        "settings": vars(args),
+        "tokens_per_s": {k: round(v, 1) for k, v in best.items()},
+        "mixed_over_base": round(best["concurrent_mixed"] / best["concurrent_base"], 3),
+        "batch1_adapter_over_base": round(best["batch1_adapter"] / best["batch1_base"], 3),
+    }
+    print(json.dumps(report, indent=2))
+    write_json(RESULTS / "lora.json", report)
+
+
+if __name__ == "__main__":
+    main()
