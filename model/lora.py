@@ -79,6 +79,7 @@ class LoRAConfig:
         unknown = [t for t in self.target_modules if t not in TARGETS]
         if not self.target_modules or unknown:
             raise AdapterError(f"LoRA targets must be among {', '.join(TARGETS)}, got {list(self.target_modules)}")
+        object.__setattr__(self, "target_modules", tuple(sorted(set(self.target_modules))))  # one spelling each
 
     @property
     def scaling(self) -> float:
@@ -93,7 +94,7 @@ class LoRAConfig:
         """PEFT's adapter_config.json for this adapter on a GPT-2."""
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
                 "r": self.r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
-                "target_modules": sorted(self.target_modules), "fan_in_fan_out": True, "use_rslora": self.use_rslora,
+                "target_modules": list(self.target_modules), "fan_in_fan_out": True, "use_rslora": self.use_rslora,
                 "inference_mode": True, "init_lora_weights": True, "layers_to_transform": None,
                 "layers_pattern": None, **UNSUPPORTED}
 
