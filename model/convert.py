@@ -15,7 +15,9 @@ code) and, for a character-level model, its `meta.pkl` through an unpickler that
 is enough for nanoGPT's `{'vocab_size', 'itos', 'stoi'}`. Without `meta.pkl` the tokenizer is GPT-2's BPE,
 as in nanoGPT.
 
-Both write the weights in float32 with the source's sha256 in the checkpoint's training provenance.
+Both write the weights in float32 with the source's sha256 in the checkpoint's training provenance. `read_model`
+reads any of these sources, or a Folio checkpoint, into memory without writing anything (`folio train --init-from`,
+`folio merge`).
 Converters raise `ConvertError` with a message saying what is wrong and how to fix it; the CLI prints it and
 exits with status 2.
 """
