@@ -115,7 +115,9 @@ def test_a_masked_token_contributes_no_gradient(base: Path, tmp_path: Path) -> N
     ds = prepare_instructions(_jsonl(tmp_path / "d.jsonl", [SHORT, PAIR, PAIR]), tokenizer=ck.tokenizer,
                               block_size=32)
     x, y = ds.batch("train", 4, 32, torch.Generator().manual_seed(0))
-    assert (y == IGNORE_INDEX).any() and (y != IGNORE_INDEX).any()
+    last = (y != IGNORE_INDEX).float().cumsum(-1).argmax(-1)  # each row's final labelled position
+    context = (y == IGNORE_INDEX) & (torch.arange(y.shape[1]) < last[:, None])  # the prompts' positions
+    assert context.sum() >= 4 * 17  # "the cat sat on the" and "USER:\nhi\n\nASSISTANT:\n" are context
     logits = ck.model(x)
     logits.retain_grad()
     lm_loss(logits, y).backward()
@@ -127,8 +129,7 @@ def test_a_masked_token_contributes_no_gradient(base: Path, tmp_path: Path) -> N
     first = wte.grad.clone()
     wte.grad = None
     x2 = x.clone()
-    x2[y == IGNORE_INDEX] = 0  # the model never sees these as targets; the inputs do matter, so only the last
-    last = (y != IGNORE_INDEX).float().cumsum(-1).argmax(-1)  # position after a row's final label is padding
+    x2[y == IGNORE_INDEX] = 0  # the inputs matter, so only those after a row's final label (its padding) change
     for row in range(x.shape[0]):
         x2[row, : last[row] + 1] = x[row, : last[row] + 1]
     lm_loss(ck.model(x2), y).backward()
