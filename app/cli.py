@@ -43,6 +43,7 @@ COMMANDS = {
     "convert": Command("model.convert", "turn Hugging Face or nanoGPT GPT-2 weights into a Folio checkpoint"),
     "eval": Command("model.eval", "score a text file: perplexity and bits per character"),
     "inspect": Command("model.inspection", "draw a text's attention maps and logit lens as PNG files"),
+    "merge": Command("model.merge", "fold a LoRA adapter (PEFT's format) into its base: a full Folio checkpoint"),
 }
 
 

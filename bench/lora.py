@@ -27,27 +27,23 @@ from safetensors.torch import save_file
 from bench import RESULTS
 from bench.engine_decode import gpt2_124m_checkpoint, prompts
 from bench.report import write_json
-from model import lora
 from model.config import GPTConfig
 from model.engine import Engine
+from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoRAConfig, block_linears, peft_key
 from model.sampling_params import SamplingParams
 
 
 def write_adapter(directory: Path, config: GPTConfig, rank: int, seed: int) -> Path:
-    """A random adapter for every block's c_attn, c_proj and c_fc, in PEFT's format (model/lora.py)."""
+    """A random adapter for every block's c_attn, c_proj and c_fc, in PEFT's format (model/lora/adapter.py)."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(config.n_layer):
-        for target, shape in lora.TARGET_SHAPES.items():
-            n_in, n_out = shape(config)
-            key = f"base_model.model.transformer.h.{layer}.{target}"
-            tensors[f"{key}.lora_A.weight"] = 0.02 * torch.randn(rank, n_in, generator=g)
-            tensors[f"{key}.lora_B.weight"] = 0.02 * torch.randn(n_out, rank, generator=g)
+    for module, (n_in, n_out) in block_linears(config).items():
+        tensors[peft_key(module, "A")] = 0.02 * torch.randn(rank, n_in, generator=g)
+        tensors[peft_key(module, "B")] = 0.02 * torch.randn(n_out, rank, generator=g)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / lora.WEIGHTS_FILE)
-    (directory / lora.CONFIG_FILE).write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["c_attn", "c_proj", "c_fc"],
-        "fan_in_fan_out": True, "base_model_name_or_path": "gpt2"}))
+    save_file(tensors, directory / ADAPTER_WEIGHTS_FILE)
+    peft = LoRAConfig(r=rank, lora_alpha=2 * rank, target_modules=("c_attn", "c_proj", "c_fc")).to_peft("gpt2")
+    (directory / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft))
     return directory
 
 

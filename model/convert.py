@@ -15,7 +15,9 @@ code) and, for a character-level model, its `meta.pkl` through an unpickler that
 is enough for nanoGPT's `{'vocab_size', 'itos', 'stoi'}`. Without `meta.pkl` the tokenizer is GPT-2's BPE,
 as in nanoGPT.
 
-Both write the weights in float32 with the source's sha256 in the checkpoint's training provenance.
+Both write the weights in float32 with the source's sha256 in the checkpoint's training provenance. `read_model`
+reads any of these sources, or a Folio checkpoint, into memory without writing anything (`folio train --init-from`,
+`folio merge`).
 Converters raise `ConvertError` with a message saying what is wrong and how to fix it; the CLI prints it and
 exits with status 2.
 """
@@ -34,7 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model.chat_template import CHECKPOINT, ChatTemplate
-from model.checkpoint import CheckpointError, save_checkpoint
+from model.checkpoint import FORMAT, CheckpointError, load_checkpoint, save_checkpoint
 from model.cli import ArgumentParser
 from model.config import GPTConfig
 from model.files import sha256_file
@@ -204,6 +206,15 @@ def convert_hf(
     directory's chat template, if it has one."""
     src, out = Path(src_dir), Path(out_dir)
     _refuse_same_dir(src, out)
+    return _save(out, *read_hf(src, bpe_dir=bpe_dir))
+
+
+def read_hf(
+    src_dir: str | os.PathLike[str], *, bpe_dir: str | os.PathLike[str] | None = None
+) -> tuple[GPT, BPETokenizer, dict[str, Any]]:
+    """A Hugging Face GPT-2 directory as a Folio model, its tokenizer (GPT-2's BPE and the directory's chat template)
+    and the provenance a checkpoint of it records."""
+    src = Path(src_dir)
     model = load_hf_gpt2(src)
     tokenizer = _gpt2_bpe(bpe_dir)
     tokenizer.chat_template = hf_chat_template(src)
@@ -217,7 +228,7 @@ def convert_hf(
         "source": str(src.resolve()),
         "source_sha256": sha256_file(src / HF_WEIGHTS_FILE),
     }
-    return _save(out, model, tokenizer, training)
+    return model, tokenizer, training
 
 
 # --- nanoGPT ------------------------------------------------------------------------------------------------
@@ -331,6 +342,38 @@ def convert_nanogpt(
     if meta_path is not None:
         training["meta_sha256"] = sha256_file(Path(meta_path))
     return _save(Path(out_dir), model, tokenizer, training)
+
+
+# --- any source ---------------------------------------------------------------------------------------------
+
+
+def read_model(
+    source: str | os.PathLike[str], *, bpe_dir: str | os.PathLike[str] | None = None
+) -> tuple[GPT, CharTokenizer | BPETokenizer, dict[str, Any]]:
+    """A model to start from (`folio train --init-from`, `folio merge`): a Folio checkpoint directory, a Hugging Face
+    GPT-2 directory or a nanoGPT `ckpt.pt` (GPT-2's BPE; convert a character-level one with its meta.pkl first).
+    Returns the model (float32, eval mode, on the CPU), its tokenizer and where it came from."""
+    src = Path(source)
+    if src.is_file():
+        model = load_nanogpt(src)
+        return model, _gpt2_bpe(bpe_dir), {"converted_from": "nanogpt", "source": str(src.resolve()),
+                                           "source_sha256": sha256_file(src)}
+    if not src.is_dir():
+        raise ConvertError(f"{src} not found: expected a Folio checkpoint, a Hugging Face GPT-2 directory or a "
+                           "nanoGPT ckpt.pt")
+    try:
+        folio = json.loads((src / HF_CONFIG_FILE).read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        folio = False
+    if not folio:
+        return read_hf(src, bpe_dir=bpe_dir)
+    try:
+        ckpt = load_checkpoint(src)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+    if ckpt.meta.get("quantization", "none") != "none":
+        raise ConvertError(f"{src} holds {ckpt.meta['quantization']} weights; start from its float checkpoint")
+    return ckpt.model, ckpt.tokenizer, {"source": str(src.resolve()), "source_sha256": ckpt.meta.get("weights_sha256")}
 
 
 # --- shared -------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.tokenizer import BPETokenizer, CharTokenizer, gpt2_tokenizer
+from model.tokenizer import BPETokenizer, CharTokenizer, TokenizerError, gpt2_tokenizer
 
 TRAIN_FRACTION = 0.9
 
@@ -26,6 +26,11 @@ class Dataset:
     val: np.ndarray
     tokenizer: CharTokenizer | BPETokenizer
     sha256: str  # of the raw text file
+
+    def batch(self, split: str, batch_size: int, block_size: int, generator: torch.Generator,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows of split 'train' or 'val' (`get_batch`)."""
+        return get_batch(self.train if split == "train" else self.val, batch_size, block_size, generator, device)
 
 
 def read_text(path: str | Path) -> tuple[str, str]:
@@ -46,19 +51,15 @@ def prepare(
     data_path: str | Path,
     cache_dir: str | Path,
     *,
-    tokenizer: str = "char",
+    tokenizer: str | CharTokenizer | BPETokenizer = "char",
     bpe_dir: str | None = None,
     block_size: int,
 ) -> Dataset:
     """Tokenize `data_path` once into `cache_dir/{train,val}.bin`; reuse the cache while the text's sha256
-    and the tokenizer are unchanged. Refuses a text too short to give one block in each split."""
+    and the tokenizer are unchanged. Refuses a text too short to give one block in each split. `tokenizer` is
+    'char' (the text's characters), 'gpt2' (BPE) or a tokenizer itself (a fine-tuned model's)."""
     text, sha = read_text(data_path)
-    if tokenizer == "char":
-        tok: CharTokenizer | BPETokenizer = CharTokenizer.from_text(text)
-    elif tokenizer == "gpt2":
-        tok = gpt2_tokenizer(bpe_dir)
-    else:
-        raise DataError(f"unknown tokenizer {tokenizer!r}; expected 'char' or 'gpt2'")
+    tok = make_tokenizer(tokenizer, text, bpe_dir)
     dtype = np.uint16 if tok.n_vocab <= 2**16 else np.uint32
     cache_dir = Path(cache_dir)
     meta_path = cache_dir / "meta.json"
@@ -81,7 +82,10 @@ def prepare(
     cache_dir.mkdir(parents=True, exist_ok=True)
     arrays = {}
     for name, part in parts.items():
-        ids = np.array(tok.encode(part), dtype=dtype)
+        try:
+            ids = np.array(tok.encode(part), dtype=dtype)
+        except TokenizerError as e:
+            raise DataError(f"{data_path}: the model's tokenizer cannot encode the {name} split: {e}") from None
         if len(ids) <= block_size:
             raise DataError(
                 f"{data_path}: the {name} split has {len(ids)} tokens, fewer than one block "
@@ -92,6 +96,18 @@ def prepare(
     meta_path.write_text(json.dumps({**want_meta, "train_tokens": len(arrays["train"]),
                                      "val_tokens": len(arrays["val"])}))
     return Dataset(arrays["train"], arrays["val"], tok, sha)
+
+
+def make_tokenizer(tokenizer: str | CharTokenizer | BPETokenizer, text: str,
+                   bpe_dir: str | None) -> CharTokenizer | BPETokenizer:
+    """The tokenizer named ('char': built from `text`'s characters; 'gpt2': BPE), or the one given."""
+    if not isinstance(tokenizer, str):
+        return tokenizer
+    if tokenizer == "char":
+        return CharTokenizer.from_text(text)
+    if tokenizer == "gpt2":
+        return gpt2_tokenizer(bpe_dir)
+    raise DataError(f"unknown tokenizer {tokenizer!r}; expected 'char' or 'gpt2'")
 
 
 def get_batch(

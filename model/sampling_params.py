@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from model.stopping import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 if TYPE_CHECKING:
-    from model.lora import LoraAdapter
+    from model.lora.batched import LoraAdapter
 
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias

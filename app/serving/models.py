@@ -46,7 +46,7 @@ from model.chat_template import load_chat_template
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
 from model.engine import Engine, EngineConfig, EngineStats, memory_needed
-from model.lora import LoraAdapter
+from model.lora.batched import LoraAdapter
 from model.registry import ModelInfo, ModelNotFound, ModelRegistry
 from model.sampling_params import ValidationError, preview
 

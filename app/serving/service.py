@@ -23,7 +23,7 @@ from app.settings import Settings
 from model.chat_template import special_tokens
 from model.checkpoint import Checkpoint
 from model.engine import Engine, EngineError, EngineStopped, Finished, GenerationStream, Reservation, Result, TokenEvent
-from model.lora import LoraAdapter
+from model.lora.batched import LoraAdapter
 from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
 from model.structured import ConstraintError, compile_constraint_async

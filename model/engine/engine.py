@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from model import lora
 from model.checkpoint import Checkpoint
 from model.engine.attention import check_spec
 from model.engine.config import EngineConfig
@@ -31,6 +30,7 @@ from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
+from model.lora import batched as lora
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads

@@ -10,13 +10,14 @@ from collections.abc import Sequence
 
 import torch
 
-from model import kernels, lora
+from model import kernels
 from model.checkpoint import Checkpoint
 from model.config import GPTConfig
 from model.devices import default_dtype, resolve_device
 from model.engine.config import EngineConfig
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
+from model.lora import batched as lora
 
 # what `--kv-cache-dtype` names: the cache's element type ("auto": `resolve_kv_cache_dtype`'s rule)
 KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}

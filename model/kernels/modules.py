@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from model import lora
 from model.gpt import Block, Blocks, CacheStep
 from model.kernels import ops
 from model.kernels.build import FUSED_MAX_TOKENS
 from model.kernels.loader import library
+from model.lora import batched as lora
 
 
 def _version(weight: torch.Tensor) -> int:

@@ -11,6 +11,10 @@ progress: that step logged, the curve redrawn, `OUT/last/` written (`--resume` c
 130; a second one ends it at once. A run never starts over another one in `OUT`:
 `--resume` continues it, `--overwrite` deletes it first (the tokenized text in `OUT/data/` is kept).
 
+Fine-tuning (docs/training.md): `--init-from MODEL` starts from a model's weights, shape and tokenizer; a `.jsonl`
+`--data` is instruction data, trained on its completions only (`instructions.py`); `--lora` trains an adapter on
+the frozen model and writes it in PEFT's format (model/lora.py) where a checkpoint would go, in the same loop.
+
 Distributed data parallel: `torchrun --nproc_per_node=N -m model.train ...` runs N processes (gloo on CPU,
 NCCL on CUDA, one GPU per process: `cuda:LOCAL_RANK`). `--gradient-accumulation-steps` stays the global
 number of micro-batches per step and is split across the ranks, so a step sees the same number of tokens

@@ -1,6 +1,7 @@
 """What a training run is: `TrainConfig` (every field a flag), the presets, and the checks a configuration
 passes before anything is built. Values come from the preset, then a `--config` file, then flags; `--resume`
-takes the saved run's configuration instead of the preset and the file."""
+takes the saved run's configuration instead of the preset and the file. With `--init-from` the shape and tokenizer
+(`SHAPE_FIELDS`) are the starting model's: setting one in the file or a flag is an error (a preset's are replaced)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import CheckpointError, read_config
+from model.checkpoint import CheckpointError
 from model.cli import ArgumentParser, check_threads
 from model.distributed import DistEnv
+from model.lora.adapter import DEFAULT_TARGETS, TARGETS, AdapterError, LoRAConfig
 from model.train.outputs import RUN_FILES
-from model.train.resume import last_dir
+from model.train.resume import last_dir, read_training
 
 
 @dataclass
@@ -27,6 +29,14 @@ class TrainConfig:
     preset: str = ""
     tokenizer: str = "char"  # 'char' (vocabulary from the text) or 'gpt2' (BPE)
     bpe_dir: str = ""  # folder with GPT-2's vocab.bpe + encoder.json; empty: $FOLIO_GPT2_BPE_DIR or download
+    # fine-tuning (docs/training.md, Fine-tuning and LoRA)
+    init_from: str = ""  # start from this model (Folio checkpoint, HF GPT-2 dir, nanoGPT ckpt.pt): its shape, tokenizer
+    data_format: str = "auto"  # 'text', 'jsonl' (instructions: model/train/instructions.py); auto: by the suffix
+    lora: bool = False  # train a LoRA adapter on the --init-from model, which stays frozen
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: str = ",".join(DEFAULT_TARGETS)  # comma-separated, of model/lora.py's TARGETS
     # model
     n_layer: int = 6
     n_head: int = 6
@@ -92,6 +102,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# what --init-from takes from its model, so that a run starting from one may not set them
+SHAPE_FIELDS = ("tokenizer", "n_layer", "n_head", "n_embd", "block_size", "bias")
+DATA_FORMATS = ("auto", "text", "jsonl")
+
+
 class TrainError(ValueError):
     """A training setup that cannot run; raised before any training step."""
 
@@ -152,8 +167,8 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
             raise TrainError("--resume needs --out, the directory of the run to continue")
         last = last_dir(Path(out))
         try:
-            saved = read_config(last)["training"]["train_config"]
-        except (CheckpointError, KeyError) as e:
+            saved = read_training(last)["train_config"]
+        except (CheckpointError, AdapterError, KeyError) as e:
             raise TrainError(f"cannot resume from {last}: {e}") from None
         # a time box applies to the run that set it, not to resumes; so does deleting the run before it
         values.update(saved, stop_after=0, overwrite=False)
@@ -163,10 +178,30 @@ def resolve_config(argv: list[str] | None = None) -> tuple[TrainConfig, bool]:
             if preset not in PRESETS:
                 raise TrainError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
             values.update(PRESETS[preset], preset=preset)
-    if config_file:
-        values.update(_load_config_file(config_file))
-    values.update(args)
+    given = dict(_load_config_file(config_file)) if config_file else {}
+    given.update(args)
+    values.update(given)
+    if values.get("init_from"):
+        shape = [name for name in SHAPE_FIELDS if name in given]
+        if shape:
+            flag = "--" + shape[0].replace("_", "-")
+            raise TrainError(f"{flag} cannot be set with --init-from: the shape and tokenizer are those of "
+                             f"{values['init_from']}; drop {flag}")
     return TrainConfig(**values), resume
+
+
+def lora_config(cfg: TrainConfig) -> LoRAConfig:
+    """The adapter a --lora run trains, its settings checked, naming the flag."""
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    for flag, ok, want in (("--lora-rank", cfg.lora_rank >= 1, "at least 1"),
+                           ("--lora-alpha", cfg.lora_alpha > 0, "greater than 0"),
+                           ("--lora-dropout", 0 <= cfg.lora_dropout < 1, "in [0, 1)"),
+                           ("--lora-targets", bool(targets) and set(targets) <= set(TARGETS),
+                            f"a comma-separated list of {', '.join(TARGETS)}")):
+        if not ok:
+            raise TrainError(f"{flag} must be {want}, got {getattr(cfg, flag[2:].replace('-', '_'))!r}")
+    return LoRAConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets)
 
 
 def check_config(cfg: TrainConfig, resume: bool = False) -> None:
@@ -187,6 +222,12 @@ def check_config(cfg: TrainConfig, resume: bool = False) -> None:
             raise TrainError(f"--{f.name.replace('_', '-')} must be a finite number, got {getattr(cfg, f.name)}")
     if cfg.learning_rate <= 0 or cfg.min_lr < 0:
         raise TrainError("--learning-rate must be > 0 and --min-lr >= 0")
+    if cfg.data_format not in DATA_FORMATS:
+        raise TrainError(f"--data-format must be one of {', '.join(DATA_FORMATS)}, got {cfg.data_format!r}")
+    if cfg.lora:
+        if not cfg.init_from:
+            raise TrainError("--lora trains an adapter on a model: name it with --init-from")
+        lora_config(cfg)
     try:
         check_threads(cfg.threads)
     except ValueError as e:

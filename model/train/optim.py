@@ -1,5 +1,6 @@
-"""The optimisation: AdamW with weight decay on matrices only, its learning-rate schedule, and the FLOPs a
-token costs (for the throughput benchmark's MFU)."""
+"""The optimisation: AdamW with weight decay on matrices only (on what trains: a LoRA run's adapter alone), its
+learning-rate schedule, the bytes its state takes, and the FLOPs a token costs (for the throughput benchmark's
+MFU)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,9 @@ def flops_per_token(config: GPTConfig) -> float:
     """Training FLOPs per token (PaLM appendix B, as nanoGPT's estimate_mfu): 6N + 12 L T d."""
     n = config.num_params(non_embedding=True)
     return 6 * n + 12 * config.n_layer * config.block_size * config.n_embd
+
+
+def adamw_state_bytes(params: int, tensors: int) -> int:
+    """The bytes of AdamW's state for `params` trained float32 parameters in `tensors` tensors: two moments of 4
+    bytes per parameter, and one float32 step count per tensor (torch's non-capturable AdamW)."""
+    return 8 * params + 4 * tensors

@@ -11,13 +11,14 @@ from typing import Any
 
 from model.checkpoint import CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE
 from model.files import atomic_path
+from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from model.tokenizer import BPE_FILE
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 # what a run leaves in OUT; OUT/data/ (the tokenized text, reused by any run on the same text) is not the run's
-RUN_FILES = (CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, BPE_FILE, METRICS_FILE, PLOT_FILE, "last", "last.old",
-             "last.tmp")
+RUN_FILES = (CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, BPE_FILE, ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE,
+             METRICS_FILE, PLOT_FILE, "last", "last.old", "last.tmp")
 
 
 def delete_run(out: Path) -> None:

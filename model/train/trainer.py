@@ -22,14 +22,18 @@ import torch
 from torch.nn import functional as F
 
 from model import distributed
-from model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointError, load_checkpoint
 from model.config import GPTConfig, machine_memory
-from model.data import DataError, Dataset, get_batch, prepare
+from model.convert import ConvertError, read_model
+from model.data import DataError, Dataset, prepare
 from model.devices import resolve_device
 from model.distributed import DistEnv, DistributedError, dist_env
 from model.gpt import GPT
+from model.lora.adapter import AdapterError, add_lora, load_adapter_weights, lora_modules, read_adapter
+from model.tokenizer import BPETokenizer, CharTokenizer
 from model.train import outputs, resume
-from model.train.config import TrainConfig, TrainError, check_config, check_distributed
+from model.train.config import TrainConfig, TrainError, check_config, check_distributed, lora_config
+from model.train.instructions import IGNORE_INDEX, InstructionDataset, is_jsonl, prepare_instructions
 from model.train.optim import configure_optimizer, get_lr
 
 # training memory per parameter: float32 weights, gradients and AdamW's two moments
@@ -54,6 +58,12 @@ def pick_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T), over the targets that are not IGNORE_INDEX
+    (instruction data's context and padding), in float32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=IGNORE_INDEX)
+
+
 class Trainer:
     """One training run; `run()` trains to `max_iters` (or `stop_after`), checkpointing as it goes."""
 
@@ -74,18 +84,33 @@ class Trainer:
             outputs.delete_run(self.out)
         if self.dist.enabled:
             distributed.init(self.dist, self.device)
-        self.ds: Dataset = self._prepare_data()
+        base = self._load_base()  # --init-from: the model, its tokenizer and where it came from
+        if base is not None:  # the run's shape and tokenizer are the base's (resolve_config refused others)
+            shape = base[0].config
+            self.cfg = cfg = dataclasses.replace(
+                cfg, n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd, block_size=shape.block_size,
+                bias=shape.bias, tokenizer="char" if isinstance(base[1], CharTokenizer) else "gpt2")
+        self.lora = lora_config(cfg) if cfg.lora else None
+        self.ds: Dataset | InstructionDataset = self._prepare_data(base[1] if base else cfg.tokenizer)
         # micro-batches per step on this rank; the step's global batch is the same whatever the world size
         self.accum_steps = cfg.gradient_accumulation_steps // self.dist.world_size
         vocab = self.ds.tokenizer.n_vocab
         vocab_size = vocab if cfg.tokenizer == "char" else (vocab + 63) // 64 * 64  # pad BPE for speed
         self.model_config = GPTConfig(
-            block_size=cfg.block_size, vocab_size=vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-            n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
+            block_size=cfg.block_size, vocab_size=base[0].config.vocab_size if base else vocab_size,
+            n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, dropout=cfg.dropout, bias=cfg.bias,
         )
         self._check_memory()
         torch.manual_seed(cfg.seed)
-        self.model = GPT(self.model_config).to(self.device)
+        self.model = GPT(self.model_config)
+        self.base_record: dict[str, Any] | None = None
+        if base is not None:
+            self.model.load_state_dict(base[0].state_dict())
+            self.base_record = {**base[2], "config": base[0].config.to_dict()}
+            del base
+        if self.lora is not None:  # the base frozen, the adapters' A drawn from the seeded stream
+            add_lora(self.model, self.lora)
+        self.model.to(self.device)
         self.optimizer = configure_optimizer(self.model, cfg, self.device)
         # rank r draws batches from stream seed + r (rank 0, and a single process, from seed itself); ranks
         # after 0 also get their own dropout stream, rank 0 keeps the single-process one
@@ -129,13 +154,28 @@ class Trainer:
         except ValueError as e:
             raise TrainError(str(e)) from None
 
-    def _prepare_data(self) -> Dataset:
-        """Tokenize the text into `OUT/data/`. Distributed: rank 0 writes the cache first, then the first
-        process of every other machine (a cache hit on a shared disk), then everyone else reads it."""
+    def _load_base(self) -> tuple[GPT, CharTokenizer | BPETokenizer, dict[str, Any]] | None:
+        """The --init-from model (model/convert.py's `read_model`), or None."""
+        if not self.cfg.init_from:
+            return None
+        try:
+            return read_model(self.cfg.init_from, bpe_dir=self.cfg.bpe_dir or None)
+        except ConvertError as e:
+            raise TrainError(f"--init-from: {e}") from None
 
-        def load() -> Dataset:
-            return prepare(self.cfg.data, self.out / "data", tokenizer=self.cfg.tokenizer,
-                           bpe_dir=self.cfg.bpe_dir or None, block_size=self.cfg.block_size)
+    def _prepare_data(self, tokenizer: str | CharTokenizer | BPETokenizer) -> Dataset | InstructionDataset:
+        """Instructions (JSONL) are read into memory; text is tokenized into `OUT/data/`. Distributed: rank 0
+        writes the cache first, then the first process of every other machine (a cache hit on a shared disk), then
+        everyone else reads it."""
+        cfg = self.cfg
+        jsonl = cfg.data_format == "jsonl" or (cfg.data_format == "auto" and is_jsonl(cfg.data))
+
+        def load() -> Dataset | InstructionDataset:
+            if jsonl:
+                return prepare_instructions(cfg.data, tokenizer=tokenizer, block_size=cfg.block_size,
+                                            bpe_dir=cfg.bpe_dir or None)
+            return prepare(cfg.data, self.out / "data", tokenizer=tokenizer, bpe_dir=cfg.bpe_dir or None,
+                           block_size=cfg.block_size)
 
         if not self.dist.enabled:
             return load()
@@ -154,14 +194,20 @@ class Trainer:
     # -- resume ---------------------------------------------------------------------------------------
     def _load_resume(self) -> None:
         last = resume.last_dir(self.out, resume.RESUME_FILE)
-        try:
-            ck = load_checkpoint(last, device=self.device)
-        except CheckpointError as e:
-            raise TrainError(f"cannot resume: {e}") from None
-        if ck.config != self.model_config:
-            raise TrainError(f"cannot resume: {last} holds a model of config {ck.config}, "
-                             f"this run's is {self.model_config}")
-        self.model.load_state_dict(ck.model.state_dict())
+        if self.lora is not None:  # the adapter onto the base, which --init-from loaded again
+            try:
+                load_adapter_weights(lora_modules(self.model), read_adapter(last), str(last))
+            except AdapterError as e:
+                raise TrainError(f"cannot resume: {e}") from None
+        else:
+            try:
+                ck = load_checkpoint(last, device=self.device)
+            except CheckpointError as e:
+                raise TrainError(f"cannot resume: {e}") from None
+            if ck.config != self.model_config:
+                raise TrainError(f"cannot resume: {last} holds a model of config {ck.config}, "
+                                 f"this run's is {self.model_config}")
+            self.model.load_state_dict(ck.model.state_dict())
         state = resume.load_state(last, self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         # the RNG streams: rank 0's at the top level (what a single process saves), every rank's under "ranks"
@@ -181,7 +227,9 @@ class Trainer:
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def provenance(self, train_loss: float | None, val_loss: float | None) -> dict[str, Any]:
+        base = {"base": self.base_record} if self.base_record else {}
         return {
+            **base,
             "preset": self.cfg.preset or None,
             "steps": self.step,
             "tokens_seen": self.tokens_seen,
@@ -206,16 +254,16 @@ class Trainer:
         self.model.eval()
         out = {}
         rank, world = self.dist.rank, self.dist.world_size
-        for split, data in (("train", self.ds.train), ("val", self.ds.val)):
+        for split in ("train", "val"):
             gen = torch.Generator().manual_seed(self.cfg.seed + 1)
             losses = torch.zeros(self.cfg.eval_iters)
             for k in range(self.cfg.eval_iters):
-                x, y = get_batch(data, self.cfg.batch_size, self.cfg.block_size, gen, self.device)
+                x, y = self.ds.batch(split, self.cfg.batch_size, self.cfg.block_size, gen, self.device)
                 if k % world != rank:
                     continue
                 with self.autocast:
                     logits = self.eval_fwd(x)
-                losses[k] = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1)).item()
+                losses[k] = lm_loss(logits, y).item()
             if self.dist.enabled:
                 losses = distributed.all_reduce_sum(losses, self.device)
             out[split] = losses.mean().item()
@@ -234,13 +282,13 @@ class Trainer:
         if ranks is not None:
             state["ranks"] = ranks
         training = self.provenance(*((losses["train"], losses["val"]) if losses else (None, None)))
-        resume.write_last(self.out, self.model, self.ds.tokenizer, training, state)
+        resume.write_last(self.out, self.model, self.ds.tokenizer, training, state, self.lora)
 
     # -- the loop -------------------------------------------------------------------------------------
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next training micro-batch: inputs and targets, (B, T) each."""
         cfg = self.cfg
-        return get_batch(self.ds.train, cfg.batch_size, cfg.block_size, self.batch_gen, self.device)
+        return self.ds.batch("train", cfg.batch_size, cfg.block_size, self.batch_gen, self.device)
 
     def train_step(self, lr: float) -> float:
         """One optimizer step over `accum_steps` micro-batches; returns this rank's mean micro-batch loss.
@@ -258,7 +306,7 @@ class Trainer:
             with nullcontext() if last or not self.dist.enabled else self.fwd.no_sync():
                 with self.autocast:
                     logits = self.fwd(x)
-                    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+                    loss = lm_loss(logits, y)
                 (loss / self.accum_steps).backward()
             loss_sum += loss.item()
         if cfg.grad_clip:
@@ -275,8 +323,8 @@ class Trainer:
         if losses["val"] < self.best_val:
             self.best_val = losses["val"]
             if self.is_main:
-                save_checkpoint(self.out, self.model, self.ds.tokenizer,
-                                training=self.provenance(losses["train"], losses["val"]))
+                resume.save_model(self.out, self.model, self.ds.tokenizer,
+                                  self.provenance(losses["train"], losses["val"]), self.lora)
         return losses
 
     @contextlib.contextmanager

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from model import lora
 from model.checkpoint import load_checkpoint, save_checkpoint
+from model.lora import batched as lora
 from model.testing import make_char_checkpoint
 from tests.conftest import make_peft_adapter
 
@@ -91,7 +91,8 @@ def test_load_and_unload_over_http(dirs, merged) -> None:
         r = c.post("/v1/load_lora_adapter", json={**load, "lora_path": str(dirs["wide"])}, headers=KEY)
         assert r.status_code == 422
         assert r.json()["error"]["param"] == "lora_path"
-        assert "lora_A (4, 64) and lora_B (192, 4), but the base model needs (4, 32) and (96, 4)" in r.text
+        assert "lora_A (4, 64) and lora_B (192, 4); a base of n_embd 32 needs lora_A (4, 32) and lora_B (96, 4)" \
+            in r.text
         assert text(c) == merged["base"]  # still serving
         r = c.post("/v1/load_lora_adapter", json=load, headers=KEY)
         assert r.status_code == 200, r.text

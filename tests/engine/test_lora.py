@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import lora
 from model.checkpoint import Checkpoint
 from model.engine import Engine
+from model.lora import batched as lora
 from model.quantize import quantize
 from model.sampling_params import SamplingParams, ValidationError
 from model.testing import tiny_checkpoint
@@ -96,7 +96,7 @@ def test_limits_names_and_unloading(make_engine, adapters) -> None:
 def test_an_adapter_for_another_shape_is_refused(make_engine, tmp_path: Path) -> None:
     engine: Engine = make_engine(max_loras=1)
     wide = make_peft_adapter(tmp_path / "wide", n_embd=64, seed=1)[0]
-    with pytest.raises(ValueError, match=r"lora_A \(4, 64\) .* needs \(4, 32\)"):
+    with pytest.raises(ValueError, match=r"lora_A \(4, 64\) .* needs lora_A \(4, 32\)"):
         engine.load_adapter("wide", wide)
     assert engine.adapters == {}
 

@@ -51,7 +51,9 @@ def test_every_field_has_a_kebab_case_flag() -> None:
     argv, want = [], {}
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
+        if f.name == "init_from":  # takes the shape from its model: with a shape flag it is an error (test_finetune)
+            want[f.name] = f.default
+        elif f.type == "bool":
             argv.append(flag if not f.default else "--no-" + f.name.replace("_", "-"))
             want[f.name] = not f.default
         elif f.name == "preset":

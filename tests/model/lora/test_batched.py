@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import lora
 from model.convert import load_hf_gpt2
+from model.lora import batched as lora
+from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from tests.conftest import make_peft_adapter
 
 
@@ -68,7 +69,7 @@ def test_rows_of_one_batch_each_get_their_own_adapter(hf_gpt2, tmp_path: Path) -
 
 
 def _rewrite(adapter_dir: Path, change) -> None:
-    path = adapter_dir / lora.WEIGHTS_FILE
+    path = adapter_dir / ADAPTER_WEIGHTS_FILE
     tensors = load_file(path)
     change(tensors)
     save_file(tensors, path)
@@ -78,22 +79,22 @@ def test_mismatches_are_refused_naming_what_differs(base_and_adapter, tmp_path: 
     folio, adapter_dir, _ = base_and_adapter
     config = folio.config
     wider = make_peft_adapter(tmp_path / "wider", n_layer=2, n_head=4, n_embd=128, seed=1)[0]
-    with pytest.raises(ValueError, match=r"layer 0 attn.c_attn: lora_A \(4, 128\).*needs \(4, 64\)"):
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn.c_attn has lora_A \(4, 128\).*needs lora_A \(4, 64\)"):
         lora.load_adapter(wider, config)
     deeper = make_peft_adapter(tmp_path / "deeper", n_layer=3, n_head=4, n_embd=64, seed=1)[0]
-    with pytest.raises(ValueError, match="layer 2, but the base model has 2 layers"):
+    with pytest.raises(ValueError, match="transformer.h.2.* is not in the base, which has 2 layers"):
         lora.load_adapter(deeper, config)
-    cfg = json.loads((adapter_dir / lora.CONFIG_FILE).read_text())
-    (adapter_dir / lora.CONFIG_FILE).write_text(json.dumps({**cfg, "r": 8}))
-    with pytest.raises(ValueError, match="rank 4 in lora_A, but r is 8"):
+    cfg = json.loads((adapter_dir / ADAPTER_CONFIG_FILE).read_text())
+    (adapter_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(ValueError, match="has rank 4 .* says r=8"):
         lora.load_adapter(adapter_dir, config)
-    (adapter_dir / lora.CONFIG_FILE).write_text(json.dumps(cfg))
+    (adapter_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(cfg))
     _rewrite(adapter_dir, lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}))
     with pytest.raises(ValueError, match="lm_head.lora_A.weight' is not a LoRA factor"):
         lora.load_adapter(adapter_dir, config)
     dropped = ("lm_head", "h.1.mlp.c_fc.lora_B.weight")
     _rewrite(adapter_dir, lambda t: [t.pop(k) for k in list(t) if any(d in k for d in dropped)])
-    with pytest.raises(ValueError, match="layer 1 mlp.c_fc: lora_B is missing"):
+    with pytest.raises(ValueError, match="transformer.h.1.mlp.c_fc has lora_A but not both"):
         lora.load_adapter(adapter_dir, config)
     with pytest.raises(ValueError, match="adapter directory not found"):
         lora.load_adapter(tmp_path / "nowhere", config)
