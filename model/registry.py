@@ -112,12 +112,12 @@ def config_digest(directory: Path) -> str | None:
         return None
 
 
-def files_stamp(directory: Path) -> tuple:
-    """The checkpoint's files (CHECKPOINT_FILES) by name, size and modification time: a few stat calls, cheap enough
-    for each request to a model that failed to load (its weights may be complete now, its config.json unchanged).
-    Other files (a trainer's metrics.jsonl, loss.png) change without changing the checkpoint."""
+def files_stamp(directory: Path, names: tuple[str, ...] = CHECKPOINT_FILES) -> tuple:
+    """The checkpoint's files (`names`: CHECKPOINT_FILES, or an adapter's) by name, size and modification time: a
+    few stat calls, cheap enough for each request to a model that failed to load (its weights may be complete now,
+    its config.json unchanged). Other files (a trainer's metrics.jsonl, loss.png) change without changing it."""
     out = []
-    for name in CHECKPOINT_FILES:
+    for name in names:
         try:
             st = (directory / name).stat()
         except OSError:
@@ -392,9 +392,11 @@ class ModelRegistry:
                 "models: --max-loaded; a smaller --max-batch-size)"
             )
 
-    def watch(self, interval: float, discover: Callable[[], dict[str, Path]] | None = None) -> None:
+    def watch(self, interval: float, discover: Callable[[], dict[str, Path]] | None = None,
+              also: Callable[[], None] | None = None) -> None:
         """Check every loaded model's files every `interval` seconds (a background thread) and reload changed ones;
-        serve the models `discover` finds (a models directory's new checkpoints) as well."""
+        serve the models `discover` finds (a models directory's new checkpoints) as well, and run `also` (the
+        service's adapters' own check) each time."""
         def loop() -> None:
             while not self._stop.wait(interval):
                 for name, path in (discover() if discover else {}).items():
@@ -402,6 +404,8 @@ class ModelRegistry:
                 for name, slot in list(self._slots.items()):
                     if slot.engine is not None:
                         self.reload(name)
+                if also is not None:
+                    also()
 
         self._watcher = threading.Thread(target=loop, name="folio-watch", daemon=True)
         self._watcher.start()

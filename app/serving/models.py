@@ -46,8 +46,9 @@ from model.chat_template import load_chat_template
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint, read_config
 from model.config import GPTConfig
 from model.engine import Engine, EngineConfig, EngineStats, memory_needed
+from model.lora.adapter import ADAPTER_FILES
 from model.lora.batched import LoraAdapter
-from model.registry import ModelInfo, ModelNotFound, ModelRegistry
+from model.registry import ModelInfo, ModelNotFound, ModelRegistry, files_stamp
 from model.sampling_params import ValidationError, preview
 
 log = logging.getLogger("folio.models")
@@ -131,6 +132,7 @@ class ServedModels:
         metrics.registry.register(ReloadCollector(self.registry))
         self.adapters: dict[str, tuple[str, Path]] = {}  # LoRA adapters served: name -> (base model, directory)
         self._adapters_lock = threading.Lock()  # adding, removing, and loading one into an engine
+        self._adapter_stamps: dict[str, tuple] = {}  # each adapter's files as last read (`refresh_adapters`)
 
     # -- LoRA adapters ----------------------------------------------------------------------------------
     def add_adapter(self, name: str, path: Path, base: str, engine: Engine) -> LoraAdapter:
@@ -145,10 +147,12 @@ class ServedModels:
                 raise ValidationError("lora_name", f"{len(self.adapters)} adapters are served, the most --max-loras "
                                                    f"allows ({self.settings.max_loras}); unload one first")
             try:
+                stamp = files_stamp(path, ADAPTER_FILES)  # before reading: a change while it reads is seen later
                 adapter = engine.load_adapter(name, path)
             except ValueError as e:
                 raise ValidationError("lora_path", f"the adapter does not fit the model {base!r}: {e}") from None
             self.adapters[name] = (base, path)
+            self._adapter_stamps[name] = stamp
         log.info("serving LoRA adapter %s (rank %d, %s) over %s", name, adapter.rank, ", ".join(adapter.targets),
                  base)
         return adapter
@@ -167,10 +171,32 @@ class ServedModels:
         with self._adapters_lock:
             if self.adapters.pop(name, None) is None:
                 raise AdapterNotFound(name, list(self.adapters))
+            self._adapter_stamps.pop(name, None)
             for _, engine, _ in self.registry.loaded():
                 if name in engine.adapters:
                     engine.unload_adapter(name)
         log.info("unloaded LoRA adapter %s", name)
+
+    def refresh_adapters(self) -> None:
+        """With --watch: read again each adapter whose files changed (a training run wrote a new checkpoint of it)
+        into the engines that serve it; requests running through the old factors finish with them, new ones get
+        the new. Files that cannot be read or do not fit (half written: a trainer writes the weights, then the
+        config) keep the old adapter serving, and are tried again when they change again."""
+        with self._adapters_lock:
+            served = dict(self.adapters)
+        for name, (_, path) in served.items():
+            stamp = files_stamp(path, ADAPTER_FILES)
+            if stamp == self._adapter_stamps.get(name, stamp):
+                continue
+            self._adapter_stamps[name] = stamp
+            for _, engine, _ in self.registry.loaded():
+                if name not in engine.adapters:
+                    continue
+                try:
+                    engine.reload_adapter(name, path)
+                    log.info("reloaded LoRA adapter %s from %s", name, path)
+                except (ValueError, KeyError) as e:
+                    log.warning("LoRA adapter %s changed but cannot be reloaded (the old one serves on): %s", name, e)
 
     def describe_adapters(self) -> list[dict[str, Any]]:
         """The adapters as /v1/models lists them (vLLM's `parent`, the base model; `root`, the directory's name)."""
@@ -232,7 +258,7 @@ class ServedModels:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
         self.lifecycle.ready = True
         if self.settings.watch:
-            self.registry.watch(self.settings.watch, self.discover)
+            self.registry.watch(self.settings.watch, self.discover, self.refresh_adapters)
 
     def describe(self) -> list[dict[str, Any]]:
         return [describe(info) for info in self.registry.info()]

@@ -90,6 +90,18 @@ class Engine:
             self._own_adapters.add(adapter)
         return adapter
 
+    def reload_adapter(self, name: str, path: str | os.PathLike[str]) -> lora.LoraAdapter:
+        """Read adapter `name` again from `path` (its files changed) and serve the new factors to the requests
+        submitted from now on; those running finish with the old ones. ValueError (the old one kept) where the new
+        files cannot be read or do not fit; KeyError where `name` is not loaded."""
+        adapter = lora.load_adapter(path, self.model_config, name=name).to(self.runner.device)
+        with self._lock:
+            if name not in self._adapters:
+                raise KeyError(name)
+            self._adapters[name] = adapter
+            self._own_adapters.add(adapter)
+        return adapter
+
     def unload_adapter(self, name: str) -> lora.LoraAdapter:
         """Forget adapter `name` (KeyError if none is loaded): no new request can name it; the requests already
         submitted through it finish with it."""

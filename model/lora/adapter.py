@@ -44,6 +44,7 @@ from model.gpt import GPT
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)  # what reading an adapter reads
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's own module names
 # each GPT-2 block's linears, by their full name inside the block, and (in, out) as multiples of n_embd
 BLOCK_LINEARS = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}

@@ -6,7 +6,10 @@ unloaded meanwhile finishing as it would have."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from app.main import create_app
 from app.settings import Settings
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.lora import batched as lora
+from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from model.testing import make_char_checkpoint
 from tests.conftest import make_peft_adapter
 
@@ -138,3 +142,37 @@ def test_a_request_running_through_an_unloaded_adapter_finishes(dirs, merged) ->
         worker.join(10)
         engine.fault_hook = None
         assert answer == [merged["merged-one"]]
+
+
+def test_an_adapter_rewritten_by_a_training_run_is_served_anew_without_a_failed_request(dirs, merged,
+                                                                                           tmp_path: Path) -> None:
+    """With --watch: a training run writes a new checkpoint of a served adapter (the weights, then the config, each
+    replaced whole, as model/train writes them; in between the pair does not fit together). Requests keep getting
+    answers all along, each the old adapter's or the new one's, and then the new one's."""
+    live = tmp_path / "live"
+    shutil.copytree(dirs["one"], live)
+    with client(checkpoint=dirs["base"], model_id="base", lora_modules=[f"live={live}"], watch=0.1) as c:
+        assert text(c, "live") == merged["merged-one"]
+        answers: list[str] = []
+        stop = threading.Event()
+
+        def ask() -> None:
+            while not stop.is_set():
+                answers.append(text(c, "live"))
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        try:
+            for name in (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE):  # a new rank and targets: half-written, no fit
+                shutil.copy(dirs["two"] / name, tmp_path / name)
+                os.replace(tmp_path / name, live / name)
+                time.sleep(0.5)  # let the watcher see the half-written pair (it must keep the old adapter)
+            deadline = time.monotonic() + 60
+            while text(c, "live") != merged["merged-two"]:
+                assert time.monotonic() < deadline, "the rewritten adapter was never served"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            asking.join()
+        assert answers and set(answers) <= {merged["merged-one"], merged["merged-two"]}
+        assert text(c, "base") == merged["base"]
