@@ -1,17 +1,23 @@
 """What a response must look like: the body shape of its API family (TGI `{"error", "error_type"}`, OpenAI
-`{"error": {"message", "type", "param", "code"}}`), each route's success shape, SSE framing and the final event
-of a stream. `check_response` lists what is wrong with one response; every section that reads responses uses it."""
+`{"error": {"message", "type", "param", "code"}}`, Anthropic `{"type": "error", "error": {"type", "message"}}`),
+each route's success shape, SSE framing (named events for Anthropic's and the Responses API's streams) and the
+final event of a stream. `check_response` lists what is wrong with one response; every section that reads
+responses uses it."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from app.api.anthropic.protocol import AnthropicError
 from app.api.openai.protocol import OpenAIError
 from app.api.protocol import ErrorBody
 from app.api.tgi.protocol import GenerateResponse, StreamResponse
 from app.api.tokenizer.router import DetokenizeResponse, SimpleToken, TokenizeResponse
-from app.testing import parse_sse
+from app.testing import parse_sse, parse_sse_events
+
+ANTHROPIC = "/v1/messages"  # the prefix of Anthropic's routes
+NAMED_EVENTS = ("/v1/messages", "/v1/responses")  # streams of `event:` + `data:` events
 
 
 def _fits(model: Any, obj: Any) -> bool:
@@ -28,16 +34,42 @@ def _openai_error(obj: Any, status: int | None = None) -> bool:
             and (status is None or obj["error"]["code"] == status))
 
 
+def _anthropic_error(obj: Any) -> bool:
+    return _fits(AnthropicError, obj) and set(obj["error"]) == {"type", "message"}
+
+
 def _openai_completion(obj: Any, chunk: bool) -> bool:
-    if not isinstance(obj, dict) or obj.get("object") != "text_completion":
+    """A completion or chat completion (or one of their stream's chunks) with its choices."""
+    kinds = {"text_completion", "chat.completion.chunk" if chunk else "chat.completion"}
+    if not isinstance(obj, dict) or obj.get("object") not in kinds:
         return False
     if not {"id", "created", "model", "choices"} <= set(obj):
         return False
     choices = obj["choices"]
     if chunk and choices == [] and isinstance(obj.get("usage"), dict):  # the include_usage chunk
         return True
-    return (isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0].get("text"), str)
-            and choices[0].get("finish_reason") in (None, "length", "stop"))
+    if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
+        return False
+    if obj["object"] == "text_completion":
+        said = [c.get("text") for c in choices]
+    else:
+        said = [(c.get("delta") if chunk else c.get("message")) for c in choices]
+        said = [m.get("content", "") if isinstance(m, dict) and "tool_calls" not in m else "" for m in said]
+    return (all(isinstance(t, str | None) for t in said)
+            and all(c.get("finish_reason") in (None, "length", "stop", "tool_calls") for c in choices))
+
+
+def _anthropic_answer(obj: Any) -> bool:
+    if isinstance(obj, dict) and set(obj) == {"input_tokens"}:  # count_tokens
+        return isinstance(obj["input_tokens"], int)
+    return (isinstance(obj, dict) and obj.get("type") == "message" and obj.get("role") == "assistant"
+            and isinstance(obj.get("content"), list) and isinstance(obj.get("usage"), dict)
+            and obj.get("stop_reason") in ("end_turn", "max_tokens", "stop_sequence"))
+
+
+def _response_object(obj: Any) -> bool:
+    return (isinstance(obj, dict) and obj.get("object") == "response" and isinstance(obj.get("output"), list)
+            and obj.get("status") in ("completed", "incomplete", "in_progress", "failed"))
 
 
 def check_response(path: str, streamed: bool, status: int, content_type: str, body: bytes,
@@ -51,7 +83,8 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
         problems.append(f"{where}: server error {body[:200]!r}")
     if documented is not None and status not in documented:
         problems.append(f"{where}: status not documented ({sorted(documented)})")
-    openai = path.startswith("/v1/")
+    anthropic = path.startswith(ANTHROPIC)
+    openai = path.startswith("/v1/") and not anthropic
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -64,12 +97,14 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
             obj = json.loads(text)
         except json.JSONDecodeError:
             return [*problems, f"{where}: error body is not JSON: {text[:200]!r}"]
-        ok = _openai_error(obj, status) if openai else _fits(ErrorBody, obj)
+        ok = _anthropic_error(obj) if anthropic else _openai_error(obj, status) if openai else _fits(ErrorBody, obj)
         return problems if ok else [*problems, f"{where}: error body of the wrong shape: {text[:300]}"]
     if streamed:
         if not content_type.startswith("text/event-stream"):
             return [*problems, f"{where}: stream answered as {content_type}"]
         try:
+            if path.startswith(NAMED_EVENTS):
+                return problems + [f"{where}: {p}" for p in _named_stream_problems(parse_sse_events(text))]
             events = parse_sse(text)
         except (AssertionError, json.JSONDecodeError) as e:
             return [*problems, f"{where}: bad SSE framing: {e}"]
@@ -84,6 +119,12 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
 
 def _answer_fits(path: str, obj: Any, openai: bool) -> bool:
     """Whether a 200's JSON body has its route's shape."""
+    if path.startswith(ANTHROPIC):
+        return _anthropic_answer(obj)
+    if path == "/v1/responses":
+        return _response_object(obj)
+    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        return isinstance(obj, dict) and isinstance(obj.get("lora_name"), str)
     if openai:
         return path == "/v1/models" or _openai_completion(obj, chunk=False)
     elif path == "/generate":
@@ -124,3 +165,16 @@ def _stream_problems(events: list[Any], openai: bool) -> list[str]:
         return [f"stream ends without a final event: {last!r}"]
     return []
 
+
+def _named_stream_problems(events: list[tuple[str, Any]]) -> list[str]:
+    """Anthropic's and the Responses API's streams: each event's data names its own type, and the stream ends in
+    its final event (message_stop; response.completed or response.incomplete) or an error."""
+    if not events:
+        return ["empty stream"]
+    bad = [(name, data) for name, data in events if not isinstance(data, dict) or data.get("type") != name]
+    if bad:
+        return [f"event whose data is not of its type: {bad[0]!r}"]
+    last = events[-1][0]
+    if last not in ("message_stop", "response.completed", "response.incomplete", "response.failed", "error"):
+        return [f"stream ends without a final event: {events[-1]!r}"]
+    return []

@@ -43,9 +43,13 @@ def test_fuzzing_every_operation_finds_no_5xx_and_no_undocumented_answer(server:
     no_problems(result)
     assert result["server_errors"] == 0
     generation = [op for op in result["per_operation"] if op.startswith("POST")]
-    # /detokenize, /tokenizer_info, /admin/reload, /models/{name}/training, /inspect and /inspect/limits besides
-    # generation and /tokenize
-    assert len(generation) == 8 and len(result["per_operation"]) == 18
+    # every POST: TGI's three, OpenAI's completions, chat and responses, Anthropic's messages and count_tokens,
+    # /tokenize, /detokenize, /inspect, /admin/reload, and loading and unloading LoRA adapters
+    assert sorted(generation) == sorted(f"POST {p}" for p in (
+        "/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+        "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/inspect", "/admin/reload",
+        "/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
+    assert len(result["per_operation"]) == len(generation) + 10, sorted(result["per_operation"])
     assert all(result["per_operation"][op]["negative"] > 0 for op in generation)
     assert 200 in result["by_status"] and 422 in result["by_status"]
 

@@ -4,9 +4,9 @@ fields in errors (`MESSAGES`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from app.api import structured
 from app.api.openai.chat.protocol import MAX_MESSAGES, MAX_TOOLS
@@ -76,3 +76,16 @@ class MessagesRequest(CountTokensRequest):
             return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                                   top_p=self.top_p, do_sample=not greedy, greedy=greedy,
                                   stop=tuple(self.stop_sequences or ()))
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body (app/http/errors.py writes it for the /v1/messages routes)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+    request_id: str | None = Field(None, description="the request's ID, as in the X-Request-Id response header")

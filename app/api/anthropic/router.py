@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from app.api.anthropic.protocol import MESSAGES, CountTokensRequest, MessagesRequest
+from app.api.anthropic.protocol import MESSAGES, AnthropicError, CountTokensRequest, MessagesRequest
 from app.api.anthropic.serving import message, stream_events
 from app.http.limits import ThreadedBodyRoute
 from app.http.requestlog import request_record
@@ -18,8 +18,7 @@ from app.http.sse import SSE_HEADERS, SSE_OR_JSON_DOC
 from app.serving.deps import request_service
 
 router = APIRouter(prefix="/v1", tags=["Anthropic"], route_class=ThreadedBodyRoute)
-ERRORS = {code: {"description": "Anthropic's error body: {type: error, error: {type, message}}"}
-          for code in (401, 404, 413, 422, 424, 429, 503)}
+ERRORS = {code: {"model": AnthropicError} for code in (401, 404, 413, 422, 424, 429, 503)}
 
 
 @router.post("/messages", responses={**ERRORS, 200: SSE_OR_JSON_DOC})

@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from app.api.openai.protocol import ERRORS as OPENAI_ERRORS
 from app.api.protocol import error_docs
 from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import described_service
@@ -51,7 +52,7 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_name: str = Field(..., min_length=1, max_length=128, description="the adapter to unload")
 
 
-@router.post("/v1/load_lora_adapter", responses=error_docs(401, 404, 422))
+@router.post("/v1/load_lora_adapter", responses=OPENAI_ERRORS)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict[str, Any]:
     """Serve a LoRA adapter (vLLM's route) as a model of its own over its base model: checked against the base
     first (a 422 naming what differs, and nothing changes), at most --max-loras. Behind the API key."""
@@ -65,7 +66,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> d
             "scaling": adapter.scaling, "targets": adapter.targets}
 
 
-@router.post("/v1/unload_lora_adapter", responses=error_docs(401, 404, 422))
+@router.post("/v1/unload_lora_adapter", responses=OPENAI_ERRORS)
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> dict[str, Any]:
     """Stop serving a LoRA adapter (vLLM's route): new requests naming it get a 404; those running through it
     finish. Behind the API key."""
