@@ -45,6 +45,7 @@
     section.append(el("div", { className: "inspect-controls" }, look, layer, head), tabs, tokenView, heatView,
                    lensView);
     section.hidden = false;
+    section.dataset.built = "true";
     tabs.addEventListener("click", (e) => { if (e.target.role === "tab") select(e.target.id.slice(4)); });
     tabs.addEventListener("keydown", moveTab);
     for (const id of ["attn_layer", "attn_head"]) $(id).addEventListener("change", redraw);
@@ -101,6 +102,19 @@
   }
 
   // -- tokens: probability, alternatives, attention as highlight over the text ---------------------------
+  // a run begins: nothing of the previous run stays on show (its tokens, heatmap and lens)
+  function reset() {
+    if (!$("inspect").dataset.built) return;
+    clearHighlight();
+    Object.assign(state, { promptText: "", promptTokens: null, generated: [], active: -1, inspected: null,
+                           inspectedKey: "" });
+    $("token_info").textContent = "Generate, then hover, tap or focus a generated token (← → move between them).";
+    for (const id of ["heat_info", "lens_info"]) $(id).textContent = "";
+    $("lens").replaceChildren();
+    const canvas = $("heatmap");
+    canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  }
+
   async function started(promptSpan, prompt, headers) {
     Object.assign(state, { promptText: prompt, promptTokens: null, generated: [], active: -1,
                            inspected: null, inspectedKey: "" });
@@ -363,7 +377,7 @@
     }
   }
 
-  window.FolioInspect = { extend, started, token, init };
+  window.FolioInspect = { extend, started, token, reset, init };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
   else init();
 })();
