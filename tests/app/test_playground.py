@@ -115,6 +115,11 @@ def test_playground_shows_errors_at_the_field_within_the_servers_limits(server: 
     page.wait_for_function(INFO_LOADED)
     assert page.get_attribute("#max_new_tokens", "max") == str(limit)  # the server's limit, from /info
     assert page.get_attribute("#truncate", "max") == str(block)
+    # inputs a thumb can hit, with text a phone does not zoom into
+    for field in ("#max_new_tokens", "#temperature", "#seed", "#truncate", "#api_key", "#go", "#prompt"):
+        box = page.evaluate(f"(() => {{ const e = document.querySelector('{field}'); return "
+                            "[e.getBoundingClientRect().height, parseFloat(getComputedStyle(e).fontSize)]; })()")
+        assert box[0] >= 40 and box[1] >= 16, (field, box)
 
     # past the limit, or empty: said at the field before anything is sent (empty is not "got 0")
     page.fill("#max_new_tokens", str(limit + 1))
