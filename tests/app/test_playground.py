@@ -489,3 +489,59 @@ def test_chat_wraps_a_long_word_inside_the_conversation(server: str, page, width
     assert box[0] <= box[1], f"the conversation scrolls sideways: content {box[0]} px wide in a {box[1]} px box"
     page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     assert page_width[0] <= page_width[1], f"the page scrolls sideways at {width} px: {page_width}"
+
+
+@SIZES
+def test_playground_has_what_people_expect(server: str, browser, width: int, height: int,  # noqa: ANN001
+                                           tmp_path: Path) -> None:
+    context = browser.new_context(viewport={"width": width, "height": height}, color_scheme="dark")
+    context.grant_permissions(["clipboard-read", "clipboard-write"])
+    try:
+        page = context.new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/generate_stream") else None)
+        page.goto(server + "/")
+        page.wait_for_function(INFO_LOADED)
+        # a favicon in the page (no /favicon.ico asked for, none 404 on load)
+        assert missing == [] and page.get_attribute("link[rel=icon]", "href").startswith("data:image/svg+xml")
+        assert page.get_attribute("#docs_link", "href") == "/docs" and page.is_visible("#keys_hint")
+        assert "Ctrl+Enter" in page.text_content("#keys_hint")
+        # the system's dark preference is followed
+        background = page.evaluate("getComputedStyle(document.documentElement).backgroundColor")
+        assert background == "rgb(18, 21, 27)", background
+
+        # stop sequences and the repetition penalty go to the server; Ctrl+Enter generates
+        page.fill("#prompt", "Hello")
+        page.fill("#max_new_tokens", "24")
+        page.fill("#repetition_penalty", "1.3")
+        page.fill("#stop_at", "zz\\n\\n|qq")
+        page.press("#prompt", "Control+Enter")
+        page.wait_for_function(SETTLED)
+        params = sent[-1]["parameters"]
+        assert params["repetition_penalty"] == 1.3 and params["stop"] == ["zz\n\n", "qq"]
+        seed = page.get_attribute("#reuse_seed", "data-seed")
+        text = page.text_content("#output")
+
+        # copy: the prompt and the output, as text
+        page.click("#copy")
+        assert page.evaluate("navigator.clipboard.readText()") == text
+
+        # share: a link that opens the page with the prompt, the settings and the run's seed
+        page.click("#share")
+        url = page.input_value("#share_url")
+        assert url.startswith(server + "/#share=") and page.evaluate("navigator.clipboard.readText()") == url
+        page.screenshot(path=str(tmp_path / f"extras-{width}px.png"), full_page=True)
+        again = context.new_page()
+        again.goto(url)
+        again.wait_for_function(INFO_LOADED)
+        restored = {f: again.input_value(f"#{f}") for f in ("prompt", "max_new_tokens", "repetition_penalty",
+                                                             "stop_at", "seed")}
+        assert restored == {"prompt": "Hello", "max_new_tokens": "24", "repetition_penalty": "1.3",
+                            "stop_at": "zz\\n\\n|qq", "seed": seed}
+        again.click("#go")
+        again.wait_for_function(SETTLED)
+        assert again.text_content("#output") == text  # the same text again
+    finally:
+        context.close()

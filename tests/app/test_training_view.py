@@ -113,9 +113,13 @@ def test_training_view_reads_well_on_a_phone_and_a_desktop(server: str, run: Pat
                                                            tmp_path: Path) -> None:
     with launched() as browser:
         page = browser.new_context(viewport={"width": width, "height": height}).new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
         page.goto(f"{server}/training")
         page.wait_for_function("document.querySelectorAll('#chart circle.val').length > 0", timeout=30_000)
         page.screenshot(path=str(tmp_path / f"training-{width}px.png"), full_page=True)
+        assert missing == [] and page.get_attribute("link[rel=icon]", "href").startswith("data:image/svg+xml")
+        assert page.locator("a[href='/docs']").count() == 1  # the API docs linked
         # nothing widens the page (the dataset's 64-character hash breaks)
         assert page.evaluate("document.documentElement.scrollWidth") <= width
         # the chart's text is as large as the page's small print, and its axes are named
