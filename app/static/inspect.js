@@ -1,6 +1,7 @@
 // Looking inside the model, in the playground: each generated token's probability, alternatives and attention
 // (streamed with it: parameters.attention), an attention heatmap and a logit-lens grid (POST /inspect).
-// playground.html calls the four hooks of window.FolioInspect; everything else lives here.
+// playground.html calls the five hooks of window.FolioInspect (reset, extend, started, token, init); everything
+// else lives here.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);

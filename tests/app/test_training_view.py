@@ -1,7 +1,9 @@
 """The playground's training view (/training) in headless Chromium, against a real server with --watch on the
 directory `python -m model.train` writes to: the loss curve and provenance equal the run's metrics.jsonl and
 config.json, each checkpoint swapped in adds a sample whose weights are the ones served, and the compare view
-shows two models' answers to one prompt and seed, equal to /v1/completions'. Screenshots in bench/results/."""
+shows two models' answers to one prompt and seed, equal to /v1/completions' (and says when only one is
+served); at a desktop and a phone width nothing scrolls sideways, the chart's text and the inputs are readable
+and the numbers formatted. Screenshots in bench/results/."""
 
 from __future__ import annotations
 
