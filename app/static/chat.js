@@ -8,9 +8,6 @@
   const $ = (id) => document.getElementById(id);
   const page = window.FolioPage;
   const TOP_LOGPROBS = 5;  // alternatives per token, shown in its tooltip
-  // the page's field for a request field an error names (param in OpenAI's error body)
-  const FIELDS = { max_completion_tokens: "max_new_tokens", max_tokens: "max_new_tokens", temperature: "temperature",
-                   top_k: "top_k", top_p: "top_p", seed: "seed", messages: "user_input" };
   let turns = [];  // the conversation so far, as sent: {role, content}; the system prompt is read at each send
 
   function bubble(role, text = "") {
@@ -71,13 +68,14 @@
       page.say("your message: type something to send", true); page.markInvalid("user_input");
       return;
     }
+    page.clearNotes();
     const system = $("system").value;
     const messages = [...(system.trim() ? [{ role: "system", content: system }] : []), ...turns,
                       { role: "user", content: text }];
     let body;
     try { body = requestBody(messages); } catch (e) {
       if (!(e instanceof page.InputError)) throw e;
-      page.say(e.message, true); $("seed").focus();
+      page.fail(e);
       return;
     }
     page.say("");
@@ -121,10 +119,7 @@
         asked.remove(); reply.remove();
         if (!input.value) input.value = text;
         if (e.name === "AbortError") page.say("stopped before a token came");
-        else {
-          page.say(String(e.message || e), true);
-          if (FIELDS[e.param]) page.markInvalid(FIELDS[e.param]);
-        }
+        else page.fail(e);
       }
     } finally {
       reply.classList.remove("pending");

@@ -1,6 +1,7 @@
 // Looking inside the model, in the playground: each generated token's probability, alternatives and attention
 // (streamed with it: parameters.attention), an attention heatmap and a logit-lens grid (POST /inspect).
-// playground.html calls the four hooks of window.FolioInspect; everything else lives here.
+// playground.html calls the five hooks of window.FolioInspect (reset, extend, started, token, init); everything
+// else lives here.
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
@@ -23,9 +24,11 @@
   // -- the panel ---------------------------------------------------------------------------------------
   function build() {
     const section = $("inspect");
-    const look = el("label", {}, el("input", { type: "checkbox", id: "look", checked: true }), " look inside");
-    const layer = el("label", {}, "layer ", el("select", { id: "attn_layer" }));
-    const head = el("label", {}, "head ", el("select", { id: "attn_head" }));
+    const look = el("label", {}, el("input", { type: "checkbox", id: "look", checked: true }), " look inside",
+      el("span", { id: "look_cost", className: "hint", textContent: " · each token then carries its alternatives " +
+                   "and attention weights: the stream runs several times slower (uncheck for full speed)" }));
+    const layer = el("label", { className: "attn-pick" }, "layer ", el("select", { id: "attn_layer" }));
+    const head = el("label", { className: "attn-pick" }, "head ", el("select", { id: "attn_head" }));
     const tabs = el("div", { className: "tabs", role: "tablist", ariaLabel: "views" });
     for (const [id, name] of [["tokens", "Tokens"], ["heatmap", "Attention map"], ["lens", "Logit lens"]]) {
       tabs.append(el("button", { type: "button", id: `tab_${id}`, role: "tab", textContent: name,
@@ -35,16 +38,27 @@
       el("div", { id: "token_info", className: "info", ariaLive: "polite",
                   textContent: "Generate, then hover, tap or focus a generated token (← → move between them)." }));
     const heatView = el("div", { id: "view_heatmap", role: "tabpanel", hidden: true },
-      el("canvas", { id: "heatmap", tabIndex: 0, role: "img", ariaLabel: "attention heatmap: query by key" }),
+      el("div", { className: "heat-grid" },
+        el("div", { id: "heat_keys", className: "axis keys", textContent: "keys: the tokens attended to →" }),
+        el("div", { id: "heat_queries", className: "axis queries", textContent: "queries: each token ↓" }),
+        el("canvas", { id: "heatmap", tabIndex: 0, role: "img", ariaLabel: "attention heatmap: query by key" })),
       el("div", { className: "legend", textContent: "rows: each token as the query · columns: the tokens it " +
-                  "attends to · the deeper the blue, the larger the weight (colour by its square root)" }),
+                  "attends to · the deeper the blue, the larger the weight (colour by its square root) · the " +
+                  "cell under the pointer names its query and key on the axes and marks them in the text " +
+                  "(query red, key blue); the dotted underline marks the tokens analysed" }),
       el("div", { id: "heat_info", className: "info", ariaLive: "polite" }));
     const lensView = el("div", { id: "view_lens", role: "tabpanel", hidden: true },
+      el("div", { id: "lens_explain", className: "legend", textContent: "What the model would predict next if it " +
+                  "stopped after each layer: a row per layer (the top one is its real prediction), a column per " +
+                  "position in the text; each cell is the likeliest next token, on blue as deep as its " +
+                  "probability (white 0 → deep blue 1)." }),
+      el("div", { id: "lens_scroll_hint", className: "scroll-hint", hidden: true }),
       el("div", { className: "lens-scroll" }, el("table", { id: "lens" })),
       el("div", { id: "lens_info", className: "info", ariaLive: "polite" }));
     section.append(el("div", { className: "inspect-controls" }, look, layer, head), tabs, tokenView, heatView,
                    lensView);
     section.hidden = false;
+    section.dataset.built = "true";
     tabs.addEventListener("click", (e) => { if (e.target.role === "tab") select(e.target.id.slice(4)); });
     tabs.addEventListener("keydown", moveTab);
     for (const id of ["attn_layer", "attn_head"]) $(id).addEventListener("change", redraw);
@@ -63,6 +77,9 @@
       $(`tab_${name}`).ariaSelected = String(name === view);
       $(`view_${name}`).hidden = name !== view;
     }
+    for (const pick of document.querySelectorAll(".attn-pick")) pick.hidden = view === "lens";  // the lens ignores it
+    clearHighlight();
+    state.active = -1;
     if (view !== "tokens") load();
   }
 
@@ -101,6 +118,19 @@
   }
 
   // -- tokens: probability, alternatives, attention as highlight over the text ---------------------------
+  // a run begins: nothing of the previous run stays on show (its tokens, heatmap and lens)
+  function reset() {
+    if (!$("inspect").dataset.built) return;
+    clearHighlight();
+    Object.assign(state, { promptText: "", promptTokens: null, generated: [], active: -1, inspected: null,
+                           inspectedKey: "" });
+    $("token_info").textContent = "Generate, then hover, tap or focus a generated token (← → move between them).";
+    for (const id of ["heat_info", "lens_info"]) $(id).textContent = "";
+    $("lens").replaceChildren();
+    const canvas = $("heatmap");
+    canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  }
+
   async function started(promptSpan, prompt, headers) {
     Object.assign(state, { promptText: prompt, promptTokens: null, generated: [], active: -1,
                            inspected: null, inspectedKey: "" });
@@ -140,8 +170,9 @@
   }
 
   function clearHighlight() {
-    for (const s of document.querySelectorAll("#output .attended, #output .active")) {
-      s.classList.remove("attended", "active");
+    const marked = "#output .attended, #output .active, #output .attn-query, #output .attn-key";
+    for (const s of document.querySelectorAll(marked)) {
+      s.classList.remove("attended", "active", "attn-query", "attn-key");
       delete s.dataset.attention;
     }
   }
@@ -183,6 +214,13 @@
     const out = $("output");
     const target = (e) => e.target.closest?.("#output span.token");
     out.addEventListener("mouseover", (e) => { const t = target(e); if (t) showToken(Number(t.dataset.index)); });
+    // the attention shown while the pointer is on a token goes when it leaves the tokens (focus keeps its own)
+    out.addEventListener("mouseout", (e) => {
+      if (!target(e) || e.relatedTarget?.closest?.("#output span.token")) return;
+      if (document.activeElement?.closest?.("#output span.token")) return;
+      clearHighlight();
+      state.active = -1;
+    });
     out.addEventListener("click", (e) => { const t = target(e); if (t) { t.focus(); showToken(Number(t.dataset.index)); } });
     out.addEventListener("focusin", (e) => { const t = target(e); if (t) showToken(Number(t.dataset.index)); });
     out.addEventListener("keydown", (e) => {
@@ -273,9 +311,24 @@
     const tok = state.inspected.tokens;
     const w = grid[q * n + k];
     Object.assign(canvas.dataset, { query: q, key: k, weight: w, size: n });
+    markInText(n, q, k);
+    $("heat_keys").textContent = `key ${k}: ${shown(tok[k].text)} (the token attended to) →`;
+    $("heat_queries").textContent = `query ${q}: ${shown(tok[q].text)} ↓`;
     const what = `layer ${$("attn_layer").value}, head ${$("attn_head").value}`;
     $("heat_info").textContent = `query ${q} ${shown(tok[q].text)} → key ${k} ${shown(tok[k].text)}: ` +
       `${w.toFixed(4)} (${what}; ${state.inspected.attention.format}; arrow keys move)`;
+  }
+
+  // the analysed window (the last n tokens) underlined in the text, the cell's query and key marked in it
+  function markInText(n, q, k) {
+    clearHighlight();
+    for (const s of document.querySelectorAll("#output .analysed")) s.classList.remove("analysed");
+    const total = state.promptTokens ? state.promptTokens.length + state.generated.length : 0;
+    if (!total || shownText() === "") return;
+    const first = total - n;
+    for (let i = Math.max(0, first); i < total; i++) spanAt(i)?.classList.add("analysed");
+    spanAt(first + q)?.classList.add("attn-query");
+    spanAt(first + k)?.classList.add("attn-key");
   }
 
   function bindHeatmap() {
@@ -315,6 +368,9 @@
         style: `background: rgba(37, 99, 235, ${p.toFixed(3)})`, dataset: { r, c, id, p } }))));
     table.replaceChildren(el("thead", {}, head), el("tbody", {}, ...rows));
     focusLens(state.lensCursor.r, state.lensCursor.c, false);
+    const box = table.parentElement, hint = $("lens_scroll_hint");
+    hint.hidden = box.scrollWidth <= box.clientWidth;  // a table wider than its box says so
+    hint.textContent = `${tokens.length} positions: scroll sideways (or use ← →) to see them all →`;
   }
 
   function focusLens(r, c, focus = true) {
@@ -363,7 +419,7 @@
     }
   }
 
-  window.FolioInspect = { extend, started, token, init };
+  window.FolioInspect = { extend, started, token, reset, init };
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", init);
   else init();
 })();

@@ -246,3 +246,49 @@ def test_each_view_fits_a_phone(bundled_server: str, browser: Any, view: str, tm
         photograph(page, tmp_path, f"phone_{view}")
     finally:
         context.close()
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)], ids=["desktop", "phone"])
+def test_each_picture_explains_itself(bundled_server: str, page: Any, width: int, height: int,
+                                      tmp_path: Path) -> None:
+    page.set_viewport_size({"width": width, "height": height})
+    generate(page, bundled_server, PROMPT, 40, seed=9)
+    text = PROMPT + "".join(s.text_content() for s in page.query_selector_all("#output span.token"))
+    # the probability colouring has its key, and looking inside says what it costs
+    assert page.is_visible("#prob_legend") and page.locator("#prob_legend .swatch").count() == 5
+    assert "slower" in page.text_content("#look_cost") and page.is_visible("#look_cost")
+
+    # a token's attention painted over the text goes when the pointer leaves the tokens
+    page.hover("#output span.token >> nth=12")
+    assert page.locator("#output .attended").count() > 0
+    page.hover("h1")
+    assert page.locator("#output .attended, #output .active").count() == 0
+
+    # the heatmap: the hovered cell's query and key named on its axes and marked in the text, the window underlined
+    page.click("#tab_heatmap")
+    page.wait_for_function("document.getElementById('heatmap').dataset.size > 0")
+    n = int(page.get_attribute("#heatmap", "data-size"))
+    assert n == len(text)  # one character a token, all inside the context
+    q, k = 20, 5
+    page.locator("#heatmap").scroll_into_view_if_needed()
+    box = page.locator("#heatmap").bounding_box()
+    page.mouse.move(box["x"] + (k + 0.5) * box["width"] / n, box["y"] + (q + 0.5) * box["height"] / n)
+    assert (page.get_attribute("#heatmap", "data-query"), page.get_attribute("#heatmap", "data-key")) == ("20", "5")
+    assert page.text_content("#output .attn-query") == text[q] and page.text_content("#output .attn-key") == text[k]
+    assert page.text_content("#heat_queries").startswith(f"query {q}: ")
+    assert page.text_content("#heat_keys").startswith(f"key {k}: ")
+    assert page.locator("#output .analysed").count() == n
+    assert page.is_visible("#attn_layer") and page.is_visible("#attn_head")
+    photograph(page, tmp_path, f"heatmap_axes_{width}px")
+
+    # the lens: explained, its sideways scroll announced, the layer and head choices (which it ignores) hidden
+    page.click("#tab_lens")
+    page.wait_for_function("document.querySelectorAll('#lens td').length > 0")
+    assert page.is_visible("#lens_explain") and "each layer" in page.text_content("#lens_explain")
+    scrolls = page.evaluate("(() => { const b = document.querySelector('.lens-scroll');"
+                            " return b.scrollWidth > b.clientWidth; })()")
+    assert scrolls and page.is_visible("#lens_scroll_hint")
+    assert page.text_content("#lens_scroll_hint").startswith(f"{n} positions: scroll sideways")
+    assert page.is_hidden("#attn_layer") and page.is_hidden("#attn_head")
+    assert page.locator("#output .attended, #output .attn-query").count() == 0
+    photograph(page, tmp_path, f"lens_explained_{width}px")

@@ -90,11 +90,93 @@ def test_playground_streams_tokens_coloured_by_probability(server: str, page, tm
     assert sum(batches) >= n + 1 and len(batches) > 1  # prompt span + tokens, arriving over several reads
 
 
-def test_playground_shows_validation_errors(server: str, page) -> None:  # noqa: ANN001
+SIZES = pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)], ids=["desktop", "phone"])
+INFO_LOADED = "document.getElementById('model').textContent.includes('parameters')"
+
+
+def field_note(page, field: str) -> str:  # noqa: ANN001
+    """The error shown under `field`, which is marked invalid; it must be on screen and inside the page's width."""
+    assert page.get_attribute(f"#{field}", "aria-invalid") == "true"
+    assert page.is_visible(f"#{field}_msg")
+    box = page.eval_on_selector(f"#{field}_msg", "e => e.getBoundingClientRect().right")
+    assert box <= page.evaluate("window.innerWidth"), f"#{field}_msg runs off the page"
+    return page.text_content(f"#{field}_msg")
+
+
+@SIZES
+def test_playground_shows_errors_at_the_field_within_the_servers_limits(server: str, page, width: int,  # noqa: ANN001
+                                                                        height: int, tmp_path: Path) -> None:
+    info = httpx.get(f"{server}/info", timeout=30).json()
+    limit, block = info["max_new_tokens_limit"], info["block_size"]
+    sent: list[str] = []
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/generate_stream") else None)
+    page.set_viewport_size({"width": width, "height": height})
     page.goto(server + "/")
-    page.fill("#max_new_tokens", "0")
+    page.wait_for_function(INFO_LOADED)
+    assert page.get_attribute("#max_new_tokens", "max") == str(limit)  # the server's limit, from /info
+    assert page.get_attribute("#truncate", "max") == str(block)
+    # inputs a thumb can hit, with text a phone does not zoom into
+    for field in ("#max_new_tokens", "#temperature", "#seed", "#truncate", "#api_key", "#go", "#prompt"):
+        box = page.evaluate(f"(() => {{ const e = document.querySelector('{field}'); return "
+                            "[e.getBoundingClientRect().height, parseFloat(getComputedStyle(e).fontSize)]; })()")
+        assert box[0] >= 40 and box[1] >= 16, (field, box)
+
+    # past the limit, or empty: said at the field before anything is sent (empty is not "got 0")
+    page.fill("#max_new_tokens", str(limit + 1))
+    generate(page)
+    assert field_note(page, "max_new_tokens") == f"max tokens: from 1 to {limit}, got {limit + 1}"
+    assert page.evaluate("document.activeElement.id") == "max_new_tokens"
+    page.fill("#max_new_tokens", "")
+    assert page.is_hidden("#max_new_tokens_msg")  # editing the field takes its note away
+    generate(page)
+    assert field_note(page, "max_new_tokens") == f"max tokens: empty; type a whole number from 1 to {limit}"
+    assert sent == []
+
+    # the server's 422 goes to the field it names (TGI names it at the start of its message)
+    page.fill("#max_new_tokens", "5")
+    page.fill("#prompt", "x" * (block + 10))
     status = generate(page)
-    assert status.startswith("422") and "max_new_tokens" in status
+    assert status.startswith("422: inputs:") and field_note(page, "prompt") .startswith(status)
+    page.screenshot(path=str(tmp_path / f"too-long-{width}px.png"), full_page=True)
+    # a prompt past the context: one click keeps its last tokens (parameters.truncate) and generates
+    assert page.text_content("#keep_last") == f"keep the last {block} tokens and generate"
+    page.click("#keep_last")
+    page.wait_for_function(SETTLED)
+    assert "5 tokens ·" in page.text_content("#status") and page.input_value("#truncate") == str(block)
+    assert page.is_hidden("#prompt_msg") and page.get_attribute("#prompt", "aria-invalid") is None
+
+    # greedy decoding samples nothing: its controls are greyed out
+    page.check("#greedy")
+    assert [page.is_disabled(f"#{f}") for f in ("temperature", "top_k", "top_p")] == [True] * 3
+    page.uncheck("#greedy")
+    assert [page.is_disabled(f"#{f}") for f in ("temperature", "top_k", "top_p")] == [False] * 3
+
+
+@SIZES
+def test_playground_marks_the_characters_the_model_does_not_know(server: str, page, width: int,  # noqa: ANN001
+                                                                 height: int, tmp_path: Path) -> None:
+    page.set_viewport_size({"width": width, "height": height})
+    page.goto(server + "/")
+    page.wait_for_function(INFO_LOADED)
+    page.fill("#max_new_tokens", "6")
+    page.check("#greedy")
+    assert "6 tokens ·" in generate(page)
+    page.hover("#output span.token >> nth=2")
+    assert "token 3" in page.text_content("#token_info")
+
+    # a snowman and an invisible variation selector, named by its code point where it stands in the prompt
+    page.fill("#prompt", "Hi \u2603\ufe0f there\u200b")
+    assert page.is_visible("#prompt_marks")
+    assert [m.text_content() for m in page.query_selector_all("#prompt_marks mark")] == ["\u2603", "U+FE0F", "U+200B"]
+    assert page.text_content("#prompt_marks div:last-child") == "Hi \u2603U+FE0F thereU+200B"
+    status = generate(page)
+    assert status.startswith("422: inputs:") and "vocabulary" in field_note(page, "prompt")
+    page.screenshot(path=str(tmp_path / f"unknown-{width}px.png"), full_page=True)
+    # the failed run leaves nothing of the run before it on show
+    assert output_tokens(page) == ""
+    assert "token 3" not in page.text_content("#token_info")
+    page.fill("#prompt", "Hi there")
+    assert page.is_hidden("#prompt_marks")
 
 
 def test_playground_asks_for_the_api_key_and_sends_it_as_bearer(keyed_server: str, page, tmp_path: Path) -> None:  # noqa: ANN001
@@ -310,7 +392,7 @@ def test_chat_shows_a_bad_request_takes_the_turn_back_and_clears(server: str, pa
     assert error.status_code == 422 and error.json()["error"]["param"] == "temperature"
     assert status == f"422: {error.json()['error']['message']}"
     assert page.get_attribute("#status", "class") == "error"
-    assert page.get_attribute("#temperature", "aria-invalid") == "true"
+    assert field_note(page, "temperature") == status  # under the field, by the completion tab's code
     assert page.evaluate("document.activeElement.id") == "temperature"
     assert shown_turns(page) == [("user", "Hi"), ("assistant", reply)]
     assert page.input_value("#user_input") == "Yo"  # to send again
@@ -407,3 +489,59 @@ def test_chat_wraps_a_long_word_inside_the_conversation(server: str, page, width
     assert box[0] <= box[1], f"the conversation scrolls sideways: content {box[0]} px wide in a {box[1]} px box"
     page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
     assert page_width[0] <= page_width[1], f"the page scrolls sideways at {width} px: {page_width}"
+
+
+@SIZES
+def test_playground_has_what_people_expect(server: str, browser, width: int, height: int,  # noqa: ANN001
+                                           tmp_path: Path) -> None:
+    context = browser.new_context(viewport={"width": width, "height": height}, color_scheme="dark")
+    context.grant_permissions(["clipboard-read", "clipboard-write"])
+    try:
+        page = context.new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+        sent: list[dict] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/generate_stream") else None)
+        page.goto(server + "/")
+        page.wait_for_function(INFO_LOADED)
+        # a favicon in the page (no /favicon.ico asked for, none 404 on load)
+        assert missing == [] and page.get_attribute("link[rel=icon]", "href").startswith("data:image/svg+xml")
+        assert page.get_attribute("#docs_link", "href") == "/docs" and page.is_visible("#keys_hint")
+        assert "Ctrl+Enter" in page.text_content("#keys_hint")
+        # the system's dark preference is followed
+        background = page.evaluate("getComputedStyle(document.documentElement).backgroundColor")
+        assert background == "rgb(18, 21, 27)", background
+
+        # stop sequences and the repetition penalty go to the server; Ctrl+Enter generates
+        page.fill("#prompt", "Hello")
+        page.fill("#max_new_tokens", "24")
+        page.fill("#repetition_penalty", "1.3")
+        page.fill("#stop_at", "zz\\n\\n|qq")
+        page.press("#prompt", "Control+Enter")
+        page.wait_for_function(SETTLED)
+        params = sent[-1]["parameters"]
+        assert params["repetition_penalty"] == 1.3 and params["stop"] == ["zz\n\n", "qq"]
+        seed = page.get_attribute("#reuse_seed", "data-seed")
+        text = page.text_content("#output")
+
+        # copy: the prompt and the output, as text
+        page.click("#copy")
+        assert page.evaluate("navigator.clipboard.readText()") == text
+
+        # share: a link that opens the page with the prompt, the settings and the run's seed
+        page.click("#share")
+        url = page.input_value("#share_url")
+        assert url.startswith(server + "/#share=") and page.evaluate("navigator.clipboard.readText()") == url
+        page.screenshot(path=str(tmp_path / f"extras-{width}px.png"), full_page=True)
+        again = context.new_page()
+        again.goto(url)
+        again.wait_for_function(INFO_LOADED)
+        restored = {f: again.input_value(f"#{f}") for f in ("prompt", "max_new_tokens", "repetition_penalty",
+                                                             "stop_at", "seed")}
+        assert restored == {"prompt": "Hello", "max_new_tokens": "24", "repetition_penalty": "1.3",
+                            "stop_at": "zz\\n\\n|qq", "seed": seed}
+        again.click("#go")
+        again.wait_for_function(SETTLED)
+        assert again.text_content("#output") == text  # the same text again
+    finally:
+        context.close()

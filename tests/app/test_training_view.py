@@ -1,7 +1,9 @@
 """The playground's training view (/training) in headless Chromium, against a real server with --watch on the
 directory `python -m model.train` writes to: the loss curve and provenance equal the run's metrics.jsonl and
 config.json, each checkpoint swapped in adds a sample whose weights are the ones served, and the compare view
-shows two models' answers to one prompt and seed, equal to /v1/completions'. Screenshots in bench/results/."""
+shows two models' answers to one prompt and seed, equal to /v1/completions' (and says when only one is
+served); at a desktop and a phone width nothing scrolls sideways, the chart's text and the inputs are readable
+and the numbers formatted. Screenshots in bench/results/."""
 
 from __future__ import annotations
 
@@ -106,3 +108,49 @@ def test_the_playground_links_to_the_training_view(server: str, page: Any) -> No
     page.click("#training_link")
     page.wait_for_url(f"{server}/training")
     page.wait_for_function("document.getElementById('cmpB').options.length === 2", timeout=30_000)
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)], ids=["desktop", "phone"])
+def test_training_view_reads_well_on_a_phone_and_a_desktop(server: str, run: Path, width: int, height: int,
+                                                           tmp_path: Path) -> None:
+    with launched() as browser:
+        page = browser.new_context(viewport={"width": width, "height": height}).new_page()
+        missing: list[str] = []
+        page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+        page.goto(f"{server}/training")
+        page.wait_for_function("document.querySelectorAll('#chart circle.val').length > 0", timeout=30_000)
+        page.screenshot(path=str(tmp_path / f"training-{width}px.png"), full_page=True)
+        assert missing == [] and page.get_attribute("link[rel=icon]", "href").startswith("data:image/svg+xml")
+        assert page.locator("a[href='/docs']").count() == 1  # the API docs linked
+        # nothing widens the page (the dataset's 64-character hash breaks)
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+        # the chart's text is as large as the page's small print, and its axes are named
+        sizes = page.evaluate("[...document.querySelectorAll('#chart text')].map(t => t.getBoundingClientRect()"
+                              ".height)")
+        assert min(sizes) >= 12, sizes
+        titles = page.locator("#chart .axis-title").all_text_contents()
+        assert titles == ["training step", "loss (cross-entropy)"]
+        # inputs a thumb can hit, with text a phone does not zoom into
+        for field in ("#model", "#prompt", "#seed", "#cmpA", "#cmpPrompt", "#compare"):
+            box = page.evaluate(f"(() => {{ const e = document.querySelector('{field}'); return "
+                                "[e.getBoundingClientRect().height, parseFloat(getComputedStyle(e).fontSize)]; })()")
+            assert box[0] >= 40 and box[1] >= 16, (field, box)
+        # numbers as a person reads them
+        training = json.loads((run / "config.json").read_text())["training"]
+        shown = {k: page.locator(f"td[data-key={k}]").inner_text()
+                 for k in ("tokens_seen", "train_loss", "wall_time_s")}
+        wall = round(training["wall_time_s"])
+        assert shown == {"tokens_seen": f"{training['tokens_seen']:,}", "train_loss": f"{training['train_loss']:.4f}",
+                         "wall_time_s": (f"{wall // 60} min " if wall >= 60 else "") + f"{wall % 60} s"}
+
+
+def test_compare_says_when_only_one_model_is_served(server: str, page: Any) -> None:
+    one = {"object": "list", "data": [{"id": "mine", "object": "model", "created": 0, "owned_by": "folio"}]}
+    page.route("**/v1/models", lambda route: route.fulfill(status=200, json=one))
+    page.goto(f"{server}/training")
+    page.wait_for_function("document.getElementById('cmpB').options.length === 1", timeout=30_000)
+    assert page.is_visible("#cmp_note") and "Only one model is served here (mine)" in page.inner_text("#cmp_note")
+    page.click("#compare")
+    assert page.inner_text("#compared") == ("A and B are both mine: pick two different models to compare "
+                                            "(only one is served here)")
+    assert page.locator("#compared .card").count() == 0

@@ -23,7 +23,7 @@ from app.api.tokenizer.protocol import (
 from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import ServiceDep
 from model.sampling_params import ValidationError, preview
-from model.tokenizer import Tokenizer
+from model.tokenizer import CharTokenizer, Tokenizer
 
 router = APIRouter(tags=["Tokenizer"], route_class=ThreadedBodyRoute)
 ERRORS = error_docs(401, 413, 422, 429, 503)
@@ -63,11 +63,13 @@ async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> Detokenize
 @router.get("/tokenizer_info")
 async def tokenizer_info(service: ServiceDep) -> dict[str, object]:
     """vLLM's tokenizer facts: the end-of-text token (null for a character vocabulary, which has none), the
-    vocabulary size and the context."""
+    vocabulary size and the context. Folio's `characters`: a character vocabulary's characters, in id order (the
+    playground marks a prompt's others before sending it); null for byte-level BPE, which encodes any text."""
     tok = service.tokenizer
     eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else None
+    chars = "".join(tok.chars) if isinstance(tok, CharTokenizer) else None
     return {"tokenizer_class": type(tok).__name__, "eos_token": eos, "bos_token": None, "pad_token": None,
-            "vocab_size": tok.n_vocab, "model_max_length": service.engine.block_size}
+            "vocab_size": tok.n_vocab, "model_max_length": service.engine.block_size, "characters": chars}
 
 
 def _encode(tokenizer: Tokenizer, text: str, field: str) -> list[int]:

@@ -136,6 +136,14 @@ def test_tokenize_gives_ids_texts_and_character_offsets(client: TestClient) -> N
     assert r.json() == [{"id": CHARS.index(c), "text": c, "start": i, "stop": i + 1} for i, c in enumerate("Hi, you!")]
 
 
+def test_tokenizer_info_lists_a_character_vocabulary_and_none_for_bpe(client: TestClient,
+                                                                       bpe_client: TestClient) -> None:
+    """The playground marks the prompt's characters outside `characters` before it sends the prompt."""
+    info = client.get("/tokenizer_info").json()
+    assert info["characters"] == "".join(CHARS) and info["vocab_size"] == len(CHARS)
+    assert bpe_client.get("/tokenizer_info").json()["characters"] is None  # byte-level BPE encodes any text
+
+
 def test_metrics_exposes_every_folio_series(client: TestClient) -> None:
     generate(client, max_new_tokens=3)
     r = client.get("/metrics")
