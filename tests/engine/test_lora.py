@@ -13,6 +13,7 @@ import torch
 from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.lora import batched as lora
+from model.lora.adapter import LoRAConfig, add_lora, merge_adapter, read_adapter, save_adapter
 from model.quantize import quantize
 from model.sampling_params import SamplingParams, ValidationError
 from model.testing import tiny_checkpoint
@@ -117,3 +118,26 @@ def test_a_mixed_batch_on_cuda_equals_each_request_alone(make_engine, adapters, 
     else:  # bf16 sums depend on the batch's shape: most first tokens agree, and the adapters change the output
         assert sum(m.token_ids[0] == a.token_ids[0] for m, a in zip(mixed, alone)) >= len(jobs) - 2
     assert len({tuple(r.token_ids) for r in mixed[:3]}) == 3
+
+
+def test_an_adapter_folio_trained_serves_as_its_merge(make_engine, tmp_path: Path) -> None:
+    """An adapter as `folio train --lora` writes it (model/lora/adapter.py's LoRA modules, saved in PEFT's format)
+    and served beside its base answers as the base with it merged (`folio merge`'s fold) answers alone."""
+    ck = tiny_checkpoint()
+    trained = copy.deepcopy(ck.model)
+    torch.manual_seed(5)
+    config = LoRAConfig(r=4, lora_alpha=8, target_modules=("c_attn", "c_proj", "c_fc"))
+    for module in add_lora(trained, config).values():  # B starts at zero: give it what training would
+        torch.nn.init.normal_(module.lora_B.weight, std=0.2)
+    path = save_adapter(tmp_path / "trained", trained, config)
+    merged = copy.deepcopy(ck)
+    merge_adapter(merged.model, read_adapter(path))
+    engine = make_engine(ck, max_loras=1)
+    adapter = engine.load_adapter("trained", path)
+    reference = make_engine(merged)
+    outputs = set()
+    for prompt in PROMPTS:
+        served = engine.generate(prompt, replace(GREEDY, adapter=adapter)).token_ids
+        assert served == reference.generate(prompt, GREEDY).token_ids
+        outputs.add((tuple(served), tuple(engine.generate(prompt, GREEDY).token_ids)))
+    assert all(a != b for a, b in outputs)  # the adapter changes the answers
