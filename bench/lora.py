@@ -15,18 +15,19 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from bench import RESULTS
 from bench.engine_decode import gpt2_124m_checkpoint, prompts
-from bench.report import write_json
+from bench.quantize import cpu_name
+from bench.report import pyplot, save_figure, write_json
 from model.config import GPTConfig
 from model.engine import Engine
 from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoRAConfig, block_linears, peft_key
@@ -90,15 +91,41 @@ def main() -> None:
             best[name] = max(best[name], tokens_per_s(engine, jobs))
     engine.stop()
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
                     "threads": engine.config.threads},
         "settings": vars(args),
         "tokens_per_s": {k: round(v, 1) for k, v in best.items()},
         "mixed_over_base": round(best["concurrent_mixed"] / best["concurrent_base"], 3),
         "batch1_adapter_over_base": round(best["batch1_adapter"] / best["batch1_base"], 3),
     }
-    print(json.dumps(report, indent=2))
+    print(f"{'case':<18}{'tokens/s':>10}")
+    for name, value in report["tokens_per_s"].items():
+        print(f"{name:<18}{value:>10.1f}")
+    print(f"mixed / base at {args.concurrency} concurrent: {report['mixed_over_base']:.1%} (target 80%); "
+          f"batch 1 adapter / base: {report['batch1_adapter_over_base']:.1%} (target 85%)")
     write_json(RESULTS / "lora.json", report)
+    plot(report, RESULTS / "lora.png")
+
+
+def plot(report: dict[str, Any], png: Path) -> None:
+    """The two ratios against their targets."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    cases = [(f"{report['settings']['concurrency']} concurrent over base + {report['settings']['adapters']} "
+              f"adapters\nvs all on base", report["mixed_over_base"], 80),
+             ("batch 1 through an adapter\nvs the base", report["batch1_adapter_over_base"], 85)]
+    bars = ax.bar(range(len(cases)), [100 * r for _, r, _ in cases], color="#4c72b0")
+    ax.bar_label(bars, fmt="%.0f%%")
+    for i, (_, _, target) in enumerate(cases):
+        ax.hlines(target, i - 0.4, i + 0.4, colors="#c44e52", linestyles="--", linewidth=1,
+                  label="target" if i == 0 else None)
+    ax.set_xticks(range(len(cases)), [c for c, _, _ in cases], fontsize=8)
+    ax.set_ylabel("tokens/s, % of the base alone")
+    ax.set_ylim(0, 110)
+    ax.set_title(f"LoRA adapters' cost, rank {report['settings']['rank']} ({report['machine']['cpu']})",
+                 fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    save_figure(fig, png)
 
 
 if __name__ == "__main__":
