@@ -89,7 +89,8 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app = FastAPIOffline(
         title="Folio",
         version=VERSION,
-        summary="Text generation for small GPT models: TGI-native and OpenAI-compatible APIs.",
+        summary="Text generation for small GPT models: TGI's, OpenAI's and Anthropic's APIs.",
+        description="Back to the [playground](/) or the [training view](/training).",
         lifespan=lifespan,
         default_response_class=StrictJSONResponse,
     )

@@ -1,6 +1,7 @@
 """/docs (Swagger UI) and /redoc in a real browser that can reach nothing but the server: they render the API from
 the server's own copies of their scripts and styles (fastapi-offline), with no request to a CDN. (ReDoc's footer
-asks for its maker's logo image from a CDN, hard-coded in its script, and hides it when that fails.)"""
+asks for its maker's logo image from a CDN, hard-coded in its script, and hides it when that fails.) /docs links back
+to the playground and the training view."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_docs_and_redoc_render_the_routes_offline(server: str, tmp_path: Path) -
             page.wait_for_selector(".opblock-summary-path[data-path='/generate']", timeout=20_000)
             swagger = set(page.eval_on_selector_all(".opblock-summary-path", "es => es.map(e => e.dataset.path)"))
             title = page.text_content(".info .title")
+            back = page.eval_on_selector_all(".info a", "es => es.map(e => e.getAttribute('href'))")
             page.screenshot(path=str(tmp_path / "docs.png"))
             current[0] = "/redoc"
             page.goto(server + "/redoc")
@@ -46,4 +48,5 @@ def test_docs_and_redoc_render_the_routes_offline(server: str, tmp_path: Path) -
     assert {kind for kind, _ in elsewhere["/redoc"]} <= {"image"}, elsewhere
     assert ROUTES <= swagger
     assert title is not None and title.startswith("Folio")
+    assert "/" in back and "/training" in back  # the way back to the pages people came from
     assert all(route in redoc for route in ROUTES)
