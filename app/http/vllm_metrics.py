@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.api.openai.protocol import FINISH_REASONS  # vLLM's finish reasons are OpenAI's
 from app.http.requestlog import RequestRecord
 from model.engine import Engine
 
@@ -42,7 +43,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
 TGI_DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # TGI's router: 35 buckets from 0.15 ms
-FINISHED_REASON = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}  # Folio's -> vLLM's
 
 
 @dataclass
@@ -74,7 +74,7 @@ class VllmMetrics:
         """Start exporting for `engine` serving `model_name`; call it once the warm-up is done."""
         values = (model_name, ENGINE_INDEX)
         self._bound = _Bound(self.ttft.labels(*values), self.itl.labels(*values), self.e2e.labels(*values),
-                             {r: self.success.labels(*values, r) for r in sorted(set(FINISHED_REASON.values()))})
+                             {r: self.success.labels(*values, r) for r in sorted(set(FINISH_REASONS.values()))})
         self.registry.register(EngineGauges(engine, values))
 
     def token_gap(self, seconds: float) -> None:
@@ -89,7 +89,7 @@ class VllmMetrics:
             return
         if (ttft := record.ttft) is not None:
             bound.ttft.observe(ttft)
-        reason = FINISHED_REASON.get(record.finish_reason or "")
+        reason = FINISH_REASONS.get(record.finish_reason or "")
         if reason is not None:
             bound.e2e.observe(record.total)
             bound.success[reason].inc()

@@ -26,7 +26,7 @@ from model.engine import Engine, EngineError, EngineStopped, Finished, Generatio
 from model.lora.batched import LoraAdapter
 from model.registry import ModelRegistry
 from model.sampling_params import SamplingParams, ValidationError
-from model.structured import ConstraintError, compile_constraint_async
+from model.structured import Constraint, ConstraintError, compile_constraint_async
 from model.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -151,17 +151,20 @@ class GenerationService:
         except ValueError as e:
             raise ValidationError(api.field("prompt"), str(e)) from None
 
-    async def constrained(self, params: SamplingParams, requested: Requested | None) -> SamplingParams:
-        """`params` with the request's output constraint compiled for this model's tokenizer (off the event loop
-        and the engine thread, bounded in time, the same spec compiled once): a constraint the model's vocabulary
-        cannot produce, or one that is invalid or too big, is a 422 naming the field it came from."""
-        if requested is None:
-            return params
+    async def compile(self, requested: Requested) -> Constraint:
+        """The request's output constraint compiled for this model's tokenizer (off the event loop and the engine
+        thread, bounded in time, the same spec compiled once): a constraint the model's vocabulary cannot produce,
+        or one that is invalid or too big, is a 422 naming the field it came from."""
         try:
-            constraint = await compile_constraint_async(requested.spec, self.engine.tokenizer)
+            return await compile_constraint_async(requested.spec, self.engine.tokenizer)
         except ConstraintError as e:
             raise ValidationError(requested.field, e.message) from None
-        return replace(params, constraint=constraint)
+
+    async def constrained(self, params: SamplingParams, requested: Requested | None) -> SamplingParams:
+        """`params` with the request's output constraint (`compile`), if it asked for one."""
+        if requested is None:
+            return params
+        return replace(params, constraint=await self.compile(requested))
 
     async def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                           add_generation_prompt: bool, api: Api) -> str:
@@ -253,17 +256,36 @@ class GenerationService:
         async for batch in self.event_batches(stream, record):
             yield [("", ev) if isinstance(ev, Finished) else (ev.text, ev.finished) for ev in batch]
 
-    async def pump(self, stream: GenerationStream, index: int, record: RequestRecord | None,
-                   out: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None]) -> None:
-        """Put stream `index`'s event batches into `out` (a stream of several choices reads them interleaved), then
-        its error if it fails, then None."""
+    async def interleaved(self, streams: list[GenerationStream], record: RequestRecord | None,
+                          ) -> AsyncIterator[tuple[int, list[TokenEvent | Finished]] | EngineError]:
+        """The event batches of several streams (a request's choices) as they come, each with its stream's index;
+        a stream that fails ends it (its error is the last item). Close it (`aclose`) when done: its readers stop
+        then; cancelling the streams stays the caller's (`cancel_all`)."""
+        queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | EngineError | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: GenerationStream) -> None:
+            try:
+                async for batch in self.event_batches(stream, record):
+                    await queue.put((index, batch))
+            except EngineError as e:
+                await queue.put(e)
+            finally:
+                await queue.put(None)
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        running = len(streams)
         try:
-            async for batch in self.event_batches(stream, record):
-                await out.put((index, batch))
-        except EngineError as e:
-            await out.put(e)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                yield item
+                if isinstance(item, EngineError):
+                    return
         finally:
-            await out.put(None)
+            for p in pumps:
+                p.cancel()
 
     async def result(self, request: Request, stream: GenerationStream) -> Result:
         """Await a whole generation, cancelling it if the client disconnects meanwhile (`ClientGone`: 499). Woken

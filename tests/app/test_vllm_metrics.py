@@ -128,3 +128,17 @@ def test_gauges_follow_a_running_request_and_a_cancelled_one_ends_no_e2e(base: s
     for name in ("vllm:e2e_request_latency_seconds_count", "tgi_request_duration_count"):
         assert metric(after, name, **(LABELS if name.startswith("vllm") else {})) == metric(
             before, name, **(LABELS if name.startswith("vllm") else {}))  # a cancelled request did not finish
+
+
+def test_a_request_ended_by_its_constraint_counts_as_a_stop(base: str) -> None:
+    """Structured output ends a generation with the engine's "stop" (its grammar is done): a success like an EOS,
+    counted under vLLM's finished_reason "stop" and in the end-to-end latency."""
+    before = scrape(base)
+    with httpx.Client(base_url=base, timeout=60, trust_env=False) as client:
+        r = client.post("/v1/completions", json={"prompt": "Call", "max_tokens": 20,
+                                                 "structured_outputs": {"regex": "[0-9]{3}"}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+    after = scrape(base)
+    for name, labels in (("vllm:request_success_total", {"finished_reason": "stop"}),
+                         ("vllm:e2e_request_latency_seconds_count", {})):
+        assert metric(after, name, **LABELS, **labels) - metric(before, name, **LABELS, **labels) == 1, name

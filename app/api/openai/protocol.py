@@ -11,8 +11,9 @@ from pydantic_core import PydanticCustomError
 from app.api import structured
 from app.api.protocol import MAX_N, STOP_DOC, Api, StrictModel
 from app.api.structured import Requested
+from model.engine import Finished
 from model.sampling_params import MAX_LOGIT_BIAS, MAX_SEED, SamplingParams, ValidationError, preview
-from model.stopping import MAX_STOP_STRINGS
+from model.stopping import CONSTRAINT_DONE, MAX_STOP_STRINGS
 
 
 class StreamOptions(StrictModel):
@@ -104,6 +105,14 @@ class SamplingRequest(StrictModel):
                 frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias.items()),
                 min_tokens=self.min_tokens, stop_at_eos=not self.ignore_eos, **extra,
             )
+
+
+# the engine's finish reasons -> OpenAI's (and vLLM's metrics'): a done constraint ("stop") is a stop too
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", CONSTRAINT_DONE: "stop"}
+
+
+def finish_reason(fin: Finished) -> str:
+    return FINISH_REASONS.get(fin.finish_reason, "length")  # max_tokens 0: the prompt is scored, nothing generated
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -19,7 +19,7 @@ from app.http.sse import SSE_HEADERS, SSE_OR_JSON_DOC
 from app.serving.deps import request_service
 from app.serving.samples import sample_params
 from app.serving.service import GenerationService
-from model.sampling_params import SamplingParams, ValidationError
+from model.sampling_params import ValidationError
 from model.structured import ConstraintSpec
 
 
@@ -34,7 +34,7 @@ async def check_auto_tools(service: GenerationService, body: ChatCompletionReque
                               f"generate the call under its schema")
     for i, tool in enumerate(body.tools or ()):
         spec = ConstraintSpec.json_schema(tool["function"].get("parameters") or {"type": "object"}, strict=False)
-        await service.constrained(SamplingParams(), Requested(spec, f"tools[{i}].function.parameters"))
+        await service.compile(Requested(spec, f"tools[{i}].function.parameters"))
 
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=ThreadedBodyRoute)

@@ -5,7 +5,6 @@ with `logprobs.content` in OpenAI's shape (token, logprob, bytes, top_logprobs).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -13,19 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.openai.chat.protocol import ChatCompletionRequest, ToolPlan
-from app.api.openai.protocol import usage
+from app.api.openai.protocol import finish_reason, usage
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
 from app.serving.service import GenerationService, cancel_all
 from model.engine import Finished, GenerationStream, Result, TokenEvent
 from model.stopping import CONSTRAINT_DONE
-
-FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "stop": "stop"}  # "stop": a constraint done
-
-
-def finish_reason(fin: Finished) -> str:
-    return FINISH.get(fin.finish_reason, "length")
 
 
 def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dict[str, Any]:
@@ -111,18 +104,13 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
                         record: RequestRecord | None) -> AsyncIterator[bytes]:
     """Every choice's role, then its content as it comes, interleaved (each chunk names its `index`). A tool call
     comes whole in one chunk once its arguments are complete (they are generated under their schema)."""
-    queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
-    pumps = [asyncio.ensure_future(service.pump(s, i, record, queue)) for i, s in enumerate(streams)]
     top = body.top_logprobs is not None
-    completion_tokens, running = 0, len(streams)
+    completion_tokens = 0
     held = [""] * len(streams)  # a tool call's text until it is whole
+    items = service.interleaved(streams, record)
     try:
         yield b"".join(chunks.chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(streams)))
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-                continue
+        async for item in items:
             if isinstance(item, Exception):
                 yield sse(exception_body("/v1/chat/completions", item)[1])
                 break
@@ -155,6 +143,5 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
                 yield chunks.usage(streams[0].prompt_tokens, completion_tokens)
         yield sse("[DONE]")
     finally:
+        await items.aclose()  # its readers stop
         cancel_all(streams)
-        for p in pumps:
-            p.cancel()

@@ -5,7 +5,6 @@ it) submits."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from app.api.openai.completions.protocol import CompletionRequest
-from app.api.openai.protocol import usage
+from app.api.openai.protocol import finish_reason, usage
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
@@ -21,8 +20,6 @@ from app.serving.samples import ranked
 from app.serving.service import GenerationService, cancel_all
 from model.engine import Finished, GenerationStream, Result, TokenEvent
 from model.scoring import PromptToken
-
-FINISH = {"length": "length", "eos_token": "stop", "stop_sequence": "stop", "stop": "stop"}  # "stop": a constraint done
 
 
 @dataclass
@@ -75,14 +72,10 @@ async def complete(request: Request, service: GenerationService, body: Completio
         for result in best(mine, body.n):
             lp = choice_logprobs(result, body.echo, service.token_text) if body.logprobs is not None else None
             choices.append({"text": echo + result.text, "index": len(choices), "logprobs": lp,
-                            "finish_reason": _finish(result.finished)})
+                            "finish_reason": finish_reason(result.finished)})
     return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
             "system_fingerprint": service.fingerprint, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def _finish(fin: Finished) -> str:
-    return FINISH.get(fin.finish_reason, "length")  # max_tokens 0: the prompt is scored, nothing generated
 
 
 def _prompt_scores(ev: TokenEvent | Finished) -> list[Scored] | None:
@@ -118,18 +111,13 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
-    queue: asyncio.Queue[tuple[int, list[TokenEvent | Finished]] | Exception | None] = asyncio.Queue()
-    pumps = [asyncio.ensure_future(service.pump(s, i, record, queue)) for i, s in enumerate(flat)]
     offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
-    completion_tokens, running = 0, len(flat)
+    completion_tokens = 0
     echoed = [False] * len(flat)
+    items = service.interleaved(flat, record)
     try:
-        while running:
-            item = await queue.get()
-            if item is None:
-                running -= 1
-                continue
+        async for item in items:
             if isinstance(item, Exception):
                 yield sse(exception_body("/v1/completions", item)[1])
                 break
@@ -143,9 +131,9 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
                     out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
             for ev in batch:
                 if isinstance(ev, Finished):  # max_tokens 0: the echo was all, and the end is the only event
-                    out.append(chunks.chunk(index, "", _finish(ev)))
+                    out.append(chunks.chunk(index, "", finish_reason(ev)))
                     break
-                finish = _finish(ev.finished) if ev.finished else None
+                finish = finish_reason(ev.finished) if ev.finished else None
                 if ev.text or finish or logprobs:
                     lp = logprobs_block([Scored.of(ev)], service.token_text, offsets[index]) if logprobs else None
                     out.append(chunks.chunk(index, ev.text, finish, lp))
@@ -158,6 +146,5 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
                 yield chunks.usage(prompt_tokens, completion_tokens)
         yield sse("[DONE]")
     finally:
+        await items.aclose()  # its readers stop
         cancel_all(flat)
-        for p in pumps:
-            p.cancel()
