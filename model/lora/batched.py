@@ -31,8 +31,6 @@ import torch.nn as nn
 from model.config import GPTConfig
 from model.lora.adapter import BLOCK_LINEARS, Adapter, AdapterError, check_adapter, merge_adapter, read_adapter
 
-# a target's path inside a block (Folio's module names are GPT-2's)
-TARGETS = tuple(BLOCK_LINEARS)
 # largest rank accepted (an adapter is a low-rank change; this bounds what one file can make the server allocate)
 MAX_RANK = 1024
 
@@ -80,7 +78,7 @@ def load_adapter(path: str | Path, config: GPTConfig, *, name: str | None = None
 def _target_modules(model: nn.Module) -> Iterator[tuple[tuple[int, str], nn.Module]]:
     """Each block's target linears of a GPT, keyed as `LoraAdapter.weights` is."""
     for layer, block in enumerate(model.transformer.h):
-        for target in TARGETS:
+        for target in BLOCK_LINEARS:  # a target's path inside a block
             yield (layer, target), block.get_submodule(target)
 
 
