@@ -6,8 +6,8 @@ inside `forward`:
   embedding), computed by `ops.linear`, with a packed copy of its weight as a buffer that is not saved;
 - quantized weights (`model/quantize`: int8, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
 - a model's `Blocks` whose every block (head size a multiple of 8) has such products become `FusedBlocks`: a
-  cached forward of up to `FUSED_MAX_TOKENS` tokens at inference runs all the blocks in one kernel call;
-  anything else (a forward applying a LoRA adapter among them: model/lora.py) runs `Blocks.forward` (each
+  cached forward of up to `FUSED_MAX_TOKENS` tokens at inference runs all the blocks in one kernel call, LoRA
+  adapters applied to some rows included (model/lora/batched.py); anything else runs `Blocks.forward` (each
   `Block.forward`).
 Parameter names and the state dict are unchanged. Within `kernels.disabled()` both serve torch's ops.
 """
@@ -141,19 +141,21 @@ class FusedBlocks(Blocks):
     the B x T new tokens as rows, each attending to its own cache row up to its position, as `Blocks.forward`
     computes it. Where the kernels do not apply (no cache or a read-only one, training, autograd, more than
     FUSED_MAX_TOKENS tokens, not fp32 on CPU, a cache neither fp32 nor fp16, the kernels disabled, a product no
-    longer kernel-backed, a LoRA adapter applied to some row: `lora.active()`) it is `Blocks.forward`."""
+    longer kernel-backed) it is `Blocks.forward`. The LoRA adapters a forward applies (`lora.applying`) are added
+    inside the kernel call, for their rows, as the hooks of model/lora/batched.py add them to `Blocks.forward`."""
 
     def forward(self, x: torch.Tensor, cache: CacheStep | None = None) -> torch.Tensor:
         lib = library()
         B, T, C = x.size()
         if (lib is None or cache is None or not cache.write or self.training or torch.is_grad_enabled()
                 or B * T > FUSED_MAX_TOKENS or x.device.type != "cpu" or x.dtype != torch.float32
-                or cache.cache.k.dtype not in KERNEL_KV_DTYPES or lora.active()):
+                or cache.cache.k.dtype not in KERNEL_KV_DTYPES):
             return super().forward(x, cache)
         stack = self.stack(lib)
         if stack is None:
             return super().forward(x, cache)
-        y = stack.forward(x.reshape(B * T, C), cache.cache.k, cache.cache.v, cache.token_rows, cache.token_pos)
+        y = stack.forward(x.reshape(B * T, C), cache.cache.k, cache.cache.v, cache.token_rows, cache.token_pos,
+                          lora.stack_groups(T, len(self)))
         return y.view(B, T, C)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -12,9 +12,9 @@ so PEFT sets `fan_in_fan_out`, but A and B have these shapes either way: the del
 Serving many adapters over one base (`attach`, then a forward inside `applying(rows)`): a forward hook on each
 target linear adds, for the rows of each adapter present, their low-rank product (rows gathered, x @ A^T @ B^T *
 scaling, added back with `index_add`), in fp32 whatever the base computes in (int8 or bf16 weights, fp32 or bf16
-activations). Rows without an adapter (None) get the base alone. The kernels' fused blocks cannot add the deltas:
-while a forward of this thread applies an adapter (`active()`), they run the torch blocks (model/kernels/modules.py),
-whose kernel-backed linears still compute the base products.
+activations). Rows without an adapter (None) get the base alone. The kernels' fused blocks (model/kernels/modules.py)
+add the same deltas inside their one call (`stack_groups`: each adapter's token rows and factors, csrc/block.cpp);
+where the fused blocks do not apply the hooks do it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,6 +45,20 @@ class LoraAdapter:
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     source: Adapter | None = None  # as read (model/lora/adapter.py)
+    _stack: list[torch.Tensor | None] | None = field(default=None, repr=False)
+
+    def stack_factors(self, n_layer: int) -> list[torch.Tensor | None]:
+        """The factors as the kernels' `Stack` takes them (csrc/ops.h, LoraGroup): per block, per target linear in
+        BLOCK_LINEARS' order, A (r, in) and B transposed (r, out), fp32 and contiguous; None, None for a linear the
+        adapter leaves alone. Made once."""
+        if self._stack is None:
+            factors: list[torch.Tensor | None] = []
+            for layer in range(n_layer):
+                for target in BLOCK_LINEARS:
+                    pair = self.weights.get((layer, target))
+                    factors += [None, None] if pair is None else [pair[0], pair[1].T.contiguous()]
+            self._stack = factors
+        return self._stack
 
     def to(self, device: torch.device | str) -> LoraAdapter:
         """This adapter with its factors on `device` (itself where they already are)."""
@@ -98,6 +112,12 @@ class _Rows:
         self.groups = [(adapter, torch.tensor(rows, dtype=torch.long, device=device))
                        for adapter, rows in groups.values()]
 
+    def stack_groups(self, tokens: int, n_layer: int) -> list[tuple[torch.Tensor, float, list[torch.Tensor | None]]]:
+        """The groups as the kernels' `Stack` takes them (csrc/ops.h, LoraGroup) for a forward of `tokens` tokens a
+        row, flattened to rows of tokens: each adapter's token rows, scaling and factors."""
+        return [((idx[:, None] * tokens + torch.arange(tokens, device=idx.device)).reshape(-1), adapter.scaling,
+                 adapter.stack_factors(n_layer)) for adapter, idx in self.groups]
+
 
 _local = threading.local()
 
@@ -105,6 +125,13 @@ _local = threading.local()
 def active() -> bool:
     """Whether a forward of this thread applies an adapter to some row now (inside `applying`)."""
     return getattr(_local, "rows", None) is not None
+
+
+def stack_groups(tokens: int, n_layer: int) -> list[tuple[torch.Tensor, float, list[torch.Tensor | None]]]:
+    """The adapters this thread's forward applies now, as the kernels' fused blocks take them (`_Rows.stack_groups`;
+    a forward of `tokens` tokens a row); [] outside `applying`."""
+    rows: _Rows | None = getattr(_local, "rows", None)
+    return [] if rows is None else rows.stack_groups(tokens, n_layer)
 
 
 @contextmanager

@@ -9,7 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<folio::Stack>(m, "Stack", py::module_local())  // each variant's library its own type
       .def(py::init<const std::vector<std::vector<folio::OptionalTensor>>&, int64_t>())
-      .def("forward", &folio::Stack::forward, release_gil());
+      .def("forward", &folio::Stack::forward, py::arg("x"), py::arg("k_cache"), py::arg("v_cache"), py::arg("rows"),
+           py::arg("pos"), py::arg("lora") = std::vector<folio::LoraGroup>{}, release_gil());
   m.def("linear", &folio::linear, release_gil());
   m.def("bf16_gemm", &folio::bf16_gemm);
   m.def("int8_gemm", &folio::int8_gemm);

@@ -112,12 +112,19 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits
 // A GPT-2 model's transformer blocks for B new tokens in one call (block.cpp): made once from the blocks'
 // parameters, each block's as ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, then the four products' (qkv,
 // attention projection, MLP up and down) weight, bias, scale and packed copy each (None where a block has none).
+// One LoRA adapter's share of a Stack forward: the token rows (int64 indices into its B rows) it applies to, its
+// scaling, and for each block's four products in order the factors A (r, I) and B transposed (r, O), fp32 and
+// contiguous (None, None where the adapter leaves a product alone): 8 per block. Each product's output rows in
+// `rows` get scaling * (x @ A^T) @ B^T added, x being the product's input rows, fp32 whatever the weight's type.
+using LoraGroup = std::tuple<at::Tensor, double, std::vector<OptionalTensor>>;
+
 class Stack {
  public:
   Stack(const std::vector<std::vector<OptionalTensor>>& blocks, int64_t n_head);
-  // x (B, C) -> (B, C) after every block; k_cache, v_cache: (n_layer, cache rows, n_head, L, hs), fp32 or fp16
+  // x (B, C) -> (B, C) after every block; k_cache, v_cache: (n_layer, cache rows, n_head, L, hs), fp32 or fp16;
+  // `lora`: the adapters applied to some rows (each row in at most one group), none for the base alone
   at::Tensor forward(const at::Tensor& x, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& rows,
-                     const at::Tensor& pos) const;
+                     const at::Tensor& pos, const std::vector<LoraGroup>& lora) const;
 
  private:
   struct Block {

@@ -1,5 +1,6 @@
-"""LoRA adapters in PEFT's format over a Folio GPT (model/lora.py): parity with PEFT on Hugging Face's GPT-2, the
-merged weights, several adapters in one batch, and the checks against the base."""
+"""LoRA adapters in PEFT's format over a Folio GPT (model/lora/batched.py): parity with PEFT on Hugging Face's GPT-2,
+the merged weights, several adapters in one batch (through the torch blocks' hooks and inside the kernels' fused
+blocks), and the checks against the base."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model import kernels
+from model.config import GPTConfig
 from model.convert import load_hf_gpt2
+from model.gpt import GPT, Block, Blocks, KVCache
 from model.lora import batched as lora
-from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, BLOCK_LINEARS
+from model.quantize import quantize
 from tests.conftest import make_peft_adapter
 
 
@@ -98,3 +103,71 @@ def test_mismatches_are_refused_naming_what_differs(base_and_adapter, tmp_path: 
         lora.load_adapter(adapter_dir, config)
     with pytest.raises(ValueError, match="adapter directory not found"):
         lora.load_adapter(tmp_path / "nowhere", config)
+
+
+def _random_adapter(cfg: GPTConfig, rank: int, targets: tuple[str, ...], seed: int) -> lora.LoraAdapter:
+    """Random factors (large enough to move the output) for `targets` of every block of a base of `cfg`."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg.n_layer):
+        for target in targets:
+            n_in, n_out = (cfg.n_embd * k for k in BLOCK_LINEARS[target])
+            weights[(layer, target)] = (torch.randn(rank, n_in, generator=g) / n_in ** 0.5,
+                                        torch.randn(n_out, rank, generator=g) / rank ** 0.5)
+    return lora.LoraAdapter(f"r{rank}", Path("."), rank, 2.0, weights)
+
+
+# how far the fused call and the torch blocks may differ: summation order for fp32 weights; for int8 and bf16 also a
+# product's input rounded (to int16 or int8 for an int8 GEMM, to bf16 for a bf16 one) to its neighbour, where the two
+# computed it a few ulps apart (the adapters' deltas themselves move the outputs by ~1)
+TOLERANCE = {"fp32": 1e-4, "int8": 2e-2, "bf16": 2e-2}
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", "bf16"])
+def test_fused_kernels_add_each_rows_adapter_as_the_hooks_do(kernel_variant, weights: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' fused blocks (one `Stack` call) add each row's adapter inside the call: a 9-token chunk of
+    three rows (adapter one of rank 4 on every linear, the base, adapter two of rank 8 on c_attn alone) and then a
+    decode step, in every variant this CPU runs, over fp32, int8 and bf16 base weights, equal the torch blocks
+    whose hooks add the deltas (the same kernel-backed products underneath); the base row equals a forward without
+    adapters. Widths 72, 216 and 288 are no multiple of the kernels' 16 lanes or 64-column pieces."""
+    cfg = GPTConfig(block_size=32, vocab_size=50, n_layer=2, n_head=3, n_embd=72, bias=True)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    if weights != "fp32":
+        quantize(model, weights)
+    kernels.install(model)
+    lora.attach(model)
+    one = _random_adapter(cfg, 4, tuple(BLOCK_LINEARS), seed=1)
+    two = _random_adapter(cfg, 8, ("attn.c_attn",), seed=2)
+    blocks, rows, tol = model.transformer.h, torch.tensor([2, 0, 1]), TOLERANCE[weights]
+    assert isinstance(blocks, kernels.FusedBlocks)
+    caches = {name: KVCache(cfg, 3) for name in ("fused", "hooks", "base")}
+    with torch.inference_mode():
+        for pos in (torch.arange(9).expand(3, -1), torch.full((3, 1), 9)):
+            x = torch.randn(3, pos.shape[1], cfg.n_embd)
+            with monkeypatch.context() as m, lora.applying([one, None, two], "cpu"):
+                m.setattr(Block, "forward", lambda *_: pytest.fail("the fused blocks fell back to torch's"))
+                fused = blocks(x, caches["fused"].step(pos, rows))
+                m.undo()
+                hooks = Blocks.forward(blocks, x, caches["hooks"].step(pos, rows))
+            base = blocks(x, caches["base"].step(pos, rows))
+            torch.testing.assert_close(fused, hooks, rtol=tol, atol=tol)
+            torch.testing.assert_close(fused[1], base[1], rtol=tol, atol=tol)
+            assert min((fused[r] - base[r]).abs().max() for r in (0, 2)) > 0.1  # the adapters apply
+
+
+def test_fused_kernels_refuse_lora_rows_outside_the_batch_or_in_two_groups(built) -> None:
+    cfg = GPTConfig(block_size=8, vocab_size=50, n_layer=1, n_head=2, n_embd=32, bias=True)
+    model = GPT(cfg).eval()
+    kernels.install(model)
+    stack = model.transformer.h.stack(kernels.library())
+    one = _random_adapter(cfg, 2, ("attn.c_attn",), seed=1).stack_factors(1)
+    cache = KVCache(cfg, 2)
+    step = cache.step(torch.zeros(2, 1, dtype=torch.long))
+    x = torch.randn(2, 32)
+    for rows, why in ((torch.tensor([2]), "LoRA rows within the batch"), (torch.tensor([0, 0]), "in one group")):
+        with pytest.raises(RuntimeError, match=why):
+            stack.forward(x, cache.k, cache.v, step.token_rows, step.token_pos, [(rows, 1.0, one)])
+    with pytest.raises(RuntimeError, match="factors"):
+        stack.forward(x, cache.k, cache.v, step.token_rows, step.token_pos, [(torch.tensor([0]), 1.0, one[:2])])
