@@ -79,6 +79,7 @@
     }
     for (const pick of document.querySelectorAll(".attn-pick")) pick.hidden = view === "lens";  // the lens ignores it
     clearHighlight();
+    clearAnalysed();  // the window is the heatmap's: drawHeatmap underlines it again
     state.active = -1;
     if (view !== "tokens") load();
   }
@@ -319,10 +320,14 @@
       `${w.toFixed(4)} (${what}; ${state.inspected.attention.format}; arrow keys move)`;
   }
 
+  function clearAnalysed() {
+    for (const s of document.querySelectorAll("#output .analysed")) s.classList.remove("analysed");
+  }
+
   // the analysed window (the last n tokens) underlined in the text, the cell's query and key marked in it
   function markInText(n, q, k) {
     clearHighlight();
-    for (const s of document.querySelectorAll("#output .analysed")) s.classList.remove("analysed");
+    clearAnalysed();
     const total = state.promptTokens ? state.promptTokens.length + state.generated.length : 0;
     if (!total || shownText() === "") return;
     const first = total - n;

@@ -292,3 +292,44 @@ def test_each_picture_explains_itself(bundled_server: str, page: Any, width: int
     assert page.is_hidden("#attn_layer") and page.is_hidden("#attn_head")
     assert page.locator("#output .attended, #output .attn-query").count() == 0
     photograph(page, tmp_path, f"lens_explained_{width}px")
+
+
+@pytest.fixture(params=[(1280, 800), (390, 844)], ids=["desktop", "phone"])
+def touch_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A page on a touch screen (a phone, or a desktop-sized touch screen), which a mouse can drive too."""
+    width, height = request.param
+    context = browser.new_context(viewport={"width": width, "height": height}, has_touch=True,
+                                  is_mobile=width < 600)
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page
+        assert errors == [], errors
+    finally:
+        context.close()
+
+
+def test_the_analysed_window_is_underlined_only_on_the_heatmap(bundled_server: str, touch_page: Any,
+                                                               tmp_path: Path) -> None:
+    page = touch_page
+    width = page.viewport_size["width"]
+    generate(page, bundled_server, PROMPT, 110, seed=3)
+    tokens = page.locator("#output .ptok, #output span.token")
+    page.tap("#tab_heatmap")
+    page.wait_for_function("document.getElementById('heatmap').dataset.size > 0")
+    n = int(page.get_attribute("#heatmap", "data-size"))
+    analysed = "[...document.querySelectorAll('#output .ptok, #output span.token')].map(s => " \
+               "s.classList.contains('analysed'))"
+    total = tokens.count()
+    assert n == 128 < total and page.evaluate(analysed) == [False] * (total - n) + [True] * n
+    page.tap("#tab_lens")
+    page.wait_for_function("document.querySelectorAll('#lens td').length > 0")
+    photograph(page, tmp_path, f"lens_underline_{width}px")
+    assert page.locator("#output .analysed").count() == 0  # the lens covers every position: no window to mark
+    page.tap("#tab_tokens")
+    page.tap("#output span.token >> nth=50")
+    assert page.locator("#output .analysed").count() == 0
+    page.tap("#tab_heatmap")
+    page.wait_for_function("document.querySelectorAll('#output .analysed').length > 0")
+    assert page.evaluate(analysed) == [False] * (total - n) + [True] * n
