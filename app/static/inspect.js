@@ -15,10 +15,18 @@
   const shown = (t) => (t === "" ? "∅" : t.replace(/ /g, "␣").replace(/\n/g, "⏎").replace(/\t/g, "⇥"));
   const fmt = (p) => (p >= 0.001 || p === 0 ? p.toFixed(3) : p.toExponential(1));
   const layerName = (l) => (l === 0 ? "0 (embeddings)" : String(l));
+  // a weight in [0, 1] as the heatmap's blue: the square root shows the small ones
+  const heatColour = (w) => {
+    const t = Math.sqrt(w);
+    return `rgb(${Math.round(255 - 218 * t)}, ${Math.round(255 - 156 * t)}, ${Math.round(255 - 20 * t)})`;
+  };
+  const ZOOM_CELL = 26;  // px: a magnified cell's least side, a fingertip's target (WCAG's minimum is 24)
+  const ZOOM_MAX = 16;   // cells a side of the magnified window, where the screen has room
 
   const state = {
     limits: null, promptText: "", promptTokens: null, generated: [], active: -1,
     inspected: null, inspectedKey: "", cursor: { q: 0, k: 0 }, lensCursor: { r: 0, c: 0 },
+    zoom: null,  // the heatmap's magnified window, opened by a tap: { q0, k0, size }
   };
 
   // -- the panel ---------------------------------------------------------------------------------------
@@ -41,11 +49,20 @@
       el("div", { className: "heat-grid" },
         el("div", { id: "heat_keys", className: "axis keys", textContent: "keys: the tokens attended to →" }),
         el("div", { id: "heat_queries", className: "axis queries", textContent: "queries: each token ↓" }),
-        el("canvas", { id: "heatmap", tabIndex: 0, role: "img", ariaLabel: "attention heatmap: query by key" })),
+        el("canvas", { id: "heatmap", tabIndex: 0, role: "img", ariaLabel: "attention heatmap: query by key" }),
+        el("div", { id: "heat_zoom", role: "group", ariaLabel: "the heatmap magnified", hidden: true },
+          el("div", { className: "zoom-bar" },
+            ...[["up", "▲", "earlier queries"], ["down", "▼", "later queries"], ["left", "◀", "earlier keys"],
+                ["right", "▶", "later keys"]].map(([pan, text, label]) =>
+              el("button", { type: "button", textContent: text, ariaLabel: label, title: label, dataset: { pan } })),
+            el("button", { type: "button", id: "zoom_close", textContent: "✕ whole map" }),
+            el("span", { id: "zoom_where", className: "hint" })),
+          el("div", { id: "zoom_cells" }))),
       el("div", { className: "legend", textContent: "rows: each token as the query · columns: the tokens it " +
                   "attends to · the deeper the blue, the larger the weight (colour by its square root) · the " +
                   "cell under the pointer names its query and key on the axes and marks them in the text " +
-                  "(query red, key blue); the dotted underline marks the tokens analysed" }),
+                  "(query red, key blue); on a touch screen, tap the map to magnify the cells around the tap, " +
+                  "then tap a cell · the dotted underline marks the tokens analysed" }),
       el("div", { id: "heat_info", className: "info", ariaLive: "polite" }));
     const lensView = el("div", { id: "view_lens", role: "tabpanel", hidden: true },
       el("div", { id: "lens_explain", className: "legend", textContent: "What the model would predict next if it " +
@@ -79,6 +96,7 @@
     }
     for (const pick of document.querySelectorAll(".attn-pick")) pick.hidden = view === "lens";  // the lens ignores it
     clearHighlight();
+    clearAnalysed();  // the window is the heatmap's: drawHeatmap underlines it again
     state.active = -1;
     if (view !== "tokens") load();
   }
@@ -124,6 +142,7 @@
     clearHighlight();
     Object.assign(state, { promptText: "", promptTokens: null, generated: [], active: -1, inspected: null,
                            inspectedKey: "" });
+    closeZoom();
     $("token_info").textContent = "Generate, then hover, tap or focus a generated token (← → move between them).";
     for (const id of ["heat_info", "lens_info"]) $(id).textContent = "";
     $("lens").replaceChildren();
@@ -257,6 +276,7 @@
       const answer = await r.json();
       if (!r.ok) throw new Error(`${r.status}: ${answer.error || JSON.stringify(answer)}`);
       Object.assign(state, { inspected: answer, inspectedKey: key, cursor: { q: 0, k: 0 }, lensCursor: { r: 0, c: 0 } });
+      closeZoom();  // a new text: its window is elsewhere
       draw();
     } catch (e) {
       for (const id of ["heat_info", "lens_info"]) $(id).textContent = String(e.message || e);
@@ -292,22 +312,9 @@
     const canvas = $("heatmap");
     if (!state.inspected || $("view_heatmap").hidden) return;
     const { n, grid } = matrix();
-    const css = canvas.clientWidth || 320, ratio = window.devicePixelRatio || 1;
-    canvas.width = canvas.height = Math.round(css * ratio);
-    const ctx = canvas.getContext("2d"), cell = canvas.width / n;
-    ctx.fillStyle = "#f3f4f6";
-    ctx.fillRect(0, 0, canvas.width, canvas.height);
-    for (let q = 0; q < n; q++) {
-      for (let k = 0; k <= q; k++) {
-        const t = Math.sqrt(grid[q * n + k]);  // weights are in [0, 1]: the square root shows the small ones
-        ctx.fillStyle = `rgb(${Math.round(255 - 218 * t)}, ${Math.round(255 - 156 * t)}, ${Math.round(255 - 20 * t)})`;
-        ctx.fillRect(k * cell, q * cell, Math.ceil(cell), Math.ceil(cell));
-      }
-    }
+    if (state.zoom) drawZoom(n, grid);
+    else paintMap(n, grid);
     const { q, k } = state.cursor;
-    ctx.strokeStyle = "#b00020";
-    ctx.lineWidth = Math.max(1, ratio * 1.5);
-    ctx.strokeRect(k * cell, q * cell, cell, cell);
     const tok = state.inspected.tokens;
     const w = grid[q * n + k];
     Object.assign(canvas.dataset, { query: q, key: k, weight: w, size: n });
@@ -315,14 +322,101 @@
     $("heat_keys").textContent = `key ${k}: ${shown(tok[k].text)} (the token attended to) →`;
     $("heat_queries").textContent = `query ${q}: ${shown(tok[q].text)} ↓`;
     const what = `layer ${$("attn_layer").value}, head ${$("attn_head").value}`;
+    const moves = state.zoom ? "tap a cell" : "arrow keys move";
     $("heat_info").textContent = `query ${q} ${shown(tok[q].text)} → key ${k} ${shown(tok[k].text)}: ` +
-      `${w.toFixed(4)} (${what}; ${state.inspected.attention.format}; arrow keys move)`;
+      `${w.toFixed(4)} (${what}; ${state.inspected.attention.format}; ${moves})`;
+  }
+
+  // the whole map on the canvas, the cursor's cell outlined
+  function paintMap(n, grid) {
+    const canvas = $("heatmap");
+    const css = canvas.clientWidth || 320, ratio = window.devicePixelRatio || 1;
+    canvas.width = canvas.height = Math.round(css * ratio);
+    const ctx = canvas.getContext("2d"), cell = canvas.width / n;
+    ctx.fillStyle = "#f3f4f6";
+    ctx.fillRect(0, 0, canvas.width, canvas.height);
+    for (let q = 0; q < n; q++) {
+      for (let k = 0; k <= q; k++) {
+        ctx.fillStyle = heatColour(grid[q * n + k]);
+        ctx.fillRect(k * cell, q * cell, Math.ceil(cell), Math.ceil(cell));
+      }
+    }
+    const { q, k } = state.cursor;
+    ctx.strokeStyle = "#b00020";
+    ctx.lineWidth = Math.max(1, ratio * 1.5);
+    ctx.strokeRect(k * cell, q * cell, cell, cell);
+  }
+
+  // the magnified window: its cells large enough to tap, its rows and columns labelled with their tokens (the
+  // cursor's query red, its key blue, as in the text); the cells above the diagonal (the future) stay blank
+  function drawZoom(n, grid) {
+    const { q0, k0, size } = state.zoom, { q, k } = state.cursor, tok = state.inspected.tokens;
+    const label = (i, axis) => el("div", {
+      className: `label ${axis}${(axis === "q" ? q : k) === i ? " at" : ""}`, textContent: shown(tok[i].text),
+      title: `${axis === "q" ? "query" : "key"} ${i}: ${shown(tok[i].text)}` });
+    const cells = [el("div", { className: "label corner", textContent: "q\\k",
+                               title: "rows: queries, columns: keys" })];
+    for (let c = k0; c < k0 + size; c++) cells.push(label(c, "k"));
+    for (let r = q0; r < q0 + size; r++) {
+      cells.push(label(r, "q"));
+      for (let c = k0; c < k0 + size; c++) {
+        if (c > r) { cells.push(el("div", { className: "future" })); continue; }
+        const w = grid[r * n + c], at = r === q && c === k;
+        const cell = el("button", { type: "button", className: at ? "cell at" : "cell", tabIndex: at ? 0 : -1,
+                                    ariaLabel: `query ${r} ${shown(tok[r].text)}, key ${c} ${shown(tok[c].text)}: ` +
+                                               w.toFixed(4), dataset: { q: r, k: c, w } });
+        cell.style.background = heatColour(w);
+        cells.push(cell);
+      }
+    }
+    const box = $("zoom_cells");
+    box.style.setProperty("--side", size + 1);
+    box.replaceChildren(...cells);
+    Object.assign($("heat_zoom").dataset, { q0, k0, size });
+    $("zoom_where").textContent = `queries ${q0}–${q0 + size - 1} · keys ${k0}–${k0 + size - 1} of ${n}`;
+    const bar = $("heat_zoom").querySelector(".zoom-bar");
+    const can = { up: q0 > 0, down: q0 + size < n, left: k0 > 0, right: k0 + size < n };
+    for (const b of bar.querySelectorAll("[data-pan]")) b.disabled = !can[b.dataset.pan];
+  }
+
+  // a tap on the map: the window of cells around it, magnified in the map's place
+  function openZoom() {
+    const n = state.inspected?.tokens.length ?? 0;
+    if (!n) return;
+    $("heatmap").hidden = true;
+    $("heat_zoom").hidden = false;
+    // size + 1 columns (one of labels) and size 1 px lines between them in the box's width, each at least ZOOM_CELL
+    const side = $("zoom_cells").clientWidth;
+    const size = Math.min(n, ZOOM_MAX, Math.max(2, Math.floor((side - ZOOM_CELL) / (ZOOM_CELL + 1))));
+    const around = (i) => Math.min(n - size, Math.max(0, i - Math.floor(size / 2)));
+    state.zoom = { q0: around(state.cursor.q), k0: around(state.cursor.k), size };
+    drawHeatmap();
+  }
+
+  function closeZoom() {
+    if (!state.zoom) return;
+    state.zoom = null;
+    $("heat_zoom").hidden = true;
+    $("heatmap").hidden = false;
+    drawHeatmap();
+  }
+
+  function panZoom(direction) {
+    const n = state.inspected.tokens.length, { size } = state.zoom, step = Math.ceil(size / 2);
+    const [dq, dk] = { up: [-step, 0], down: [step, 0], left: [0, -step], right: [0, step] }[direction];
+    const clamp = (i) => Math.min(n - size, Math.max(0, i));
+    Object.assign(state.zoom, { q0: clamp(state.zoom.q0 + dq), k0: clamp(state.zoom.k0 + dk) });
+    drawHeatmap();
+  }
+
+  function clearAnalysed() {
+    for (const s of document.querySelectorAll("#output .analysed")) s.classList.remove("analysed");
   }
 
   // the analysed window (the last n tokens) underlined in the text, the cell's query and key marked in it
   function markInText(n, q, k) {
     clearHighlight();
-    for (const s of document.querySelectorAll("#output .analysed")) s.classList.remove("analysed");
+    clearAnalysed();
     const total = state.promptTokens ? state.promptTokens.length + state.generated.length : 0;
     if (!total || shownText() === "") return;
     const first = total - n;
@@ -352,7 +446,23 @@
       if (n) moveTo(Math.floor((e.clientY - box.top) / box.height * n), Math.floor((e.clientX - box.left) / box.width * n));
     };
     canvas.addEventListener("mousemove", pointer);
-    canvas.addEventListener("click", pointer);
+    // a mouse's click picks the cell under it; a finger's (a touch or a pen: the cells are a few px) magnifies
+    // the cells around it, where one can be tapped
+    let finger = false;  // the last press's pointer (a click's own pointerType where the browser gives none)
+    const isFinger = (type) => type === "touch" || type === "pen";
+    canvas.addEventListener("pointerdown", (e) => { finger = isFinger(e.pointerType); });
+    canvas.addEventListener("click", (e) => {
+      pointer(e);
+      if (e.pointerType ? isFinger(e.pointerType) : finger) openZoom();
+    });
+    const zoom = $("heat_zoom");
+    zoom.addEventListener("click", (e) => {
+      const cell = e.target.closest?.("button.cell"), pan = e.target.closest?.("[data-pan]");
+      if (cell) moveTo(Number(cell.dataset.q), Number(cell.dataset.k));
+      else if (pan) panZoom(pan.dataset.pan);
+      else if (e.target.closest?.("#zoom_close")) closeZoom();
+    });
+    zoom.addEventListener("keydown", (e) => { if (e.key === "Escape") closeZoom(); });
   }
 
   function drawLens() {

@@ -292,3 +292,129 @@ def test_each_picture_explains_itself(bundled_server: str, page: Any, width: int
     assert page.is_hidden("#attn_layer") and page.is_hidden("#attn_head")
     assert page.locator("#output .attended, #output .attn-query").count() == 0
     photograph(page, tmp_path, f"lens_explained_{width}px")
+
+
+def heatmap_cursor(page: Any) -> tuple[int, int]:
+    """The heatmap's chosen cell: (query, key)."""
+    return int(page.get_attribute("#heatmap", "data-query")), int(page.get_attribute("#heatmap", "data-key"))
+
+
+def shown(character: str) -> str:
+    """A character as the page labels it (inspect.js' `shown`): spaces and newlines made visible."""
+    return {" ": "␣", "\n": "⏎", "\t": "⇥"}.get(character, character)
+
+
+@pytest.fixture(params=[(1280, 800), (390, 844)], ids=["desktop", "phone"])
+def touch_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A page on a touch screen (a phone, or a desktop-sized touch screen), which a mouse can drive too."""
+    width, height = request.param
+    context = browser.new_context(viewport={"width": width, "height": height}, has_touch=True,
+                                  is_mobile=width < 600)
+    try:
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        yield page
+        assert errors == [], errors
+    finally:
+        context.close()
+
+
+def test_a_tap_on_the_heatmap_magnifies_the_cells_around_it(bundled_server: str, touch_page: Any,
+                                                             tmp_path: Path) -> None:
+    page = touch_page
+    width = page.viewport_size["width"]
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/inspect") else None)
+    generate(page, bundled_server, PROMPT, 110, seed=3)  # 135 characters: the map is the last 128
+    text = PROMPT + "".join(s.text_content() for s in page.query_selector_all("#output span.token"))
+    page.select_option("#attn_layer", "2")
+    page.select_option("#attn_head", "1")
+    page.tap("#tab_heatmap")
+    page.wait_for_function("document.getElementById('heatmap').dataset.size > 0")
+    n = int(page.get_attribute("#heatmap", "data-size"))
+    first = len(text) - n
+    assert n == 128 and bodies[-1]["layers"] == [2]
+    weights = next(m for m in inspect(bundled_server, **bodies[-1])["attention"]["maps"] if m["head"] == 1)["weights"]
+    page.locator("#heatmap").scroll_into_view_if_needed()
+    box = page.locator("#heatmap").bounding_box()
+    assert box["width"] / n < 5  # a cell of the whole map: a few px, too small for a finger
+
+    def at(q: int, k: int) -> tuple[float, float]:  # the centre of a cell of the whole map
+        return box["x"] + (k + 0.5) * box["width"] / n, box["y"] + (q + 0.5) * box["height"] / n
+
+    # a mouse, as before: hovering and clicking pick the cell under it, nothing is magnified
+    page.mouse.move(*at(60, 50))
+    page.mouse.click(*at(61, 52))
+    assert heatmap_cursor(page) == (61, 52)
+    assert page.is_hidden("#heat_zoom") and page.is_visible("#heatmap")
+
+    # a finger: the tap magnifies the cells around it, in the map's place
+    page.touchscreen.tap(*at(100, 90))
+    photograph(page, tmp_path, f"heatmap_tapped_{width}px")
+    page.wait_for_selector("#heat_zoom:not([hidden])", timeout=5000)
+    assert page.is_hidden("#heatmap")
+    zoom = page.evaluate("Object.assign({}, document.getElementById('heat_zoom').dataset)")
+    q0, k0, size = int(zoom["q0"]), int(zoom["k0"]), int(zoom["size"])
+    assert size >= 8 and q0 <= 100 < q0 + size and k0 <= 90 < k0 + size
+    # each cell large enough for a fingertip, its weight /inspect's, its row and column labelled with their tokens
+    sides = page.eval_on_selector_all("#zoom_cells .cell", "cs => cs.map(c => c.getBoundingClientRect().width)")
+    assert min(sides) >= 26 - 0.5, sides  # inspect.js' ZOOM_CELL, less the rounding of fractional px
+    drawn = page.eval_on_selector_all("#zoom_cells .cell", "cs => cs.map(c => [+c.dataset.q, +c.dataset.k, "
+                                      "+c.dataset.w])")
+    assert {(q, k) for q, k, _ in drawn} == {(q, k) for q in range(q0, q0 + size)
+                                             for k in range(k0, k0 + size) if k <= q}
+    assert [w for *_, w in drawn] == pytest.approx([weights[q][k] for q, k, _ in drawn], abs=1e-9)
+    assert page.eval_on_selector_all("#zoom_cells .label.q", "ls => ls.map(l => l.textContent)") == \
+        [shown(text[first + q]) for q in range(q0, q0 + size)]
+    assert page.eval_on_selector_all("#zoom_cells .label.k", "ls => ls.map(l => l.textContent)") == \
+        [shown(text[first + k]) for k in range(k0, k0 + size)]
+    page_width = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    assert page_width[0] <= page_width[1], page_width  # no sideways scroll
+
+    # a tap on a magnified cell shows what hovering shows: the query and key in the text, the weight
+    q, k = q0 + size - 1, k0 + 1
+    page.tap(f"#zoom_cells .cell[data-q='{q}'][data-k='{k}']")
+    assert heatmap_cursor(page) == (q, k)
+    marked = "[...document.querySelectorAll('#output .ptok, #output span.token')].findIndex(s => " \
+             "s.classList.contains('attn-{}'))"
+    assert (page.evaluate(marked.format("query")), page.evaluate(marked.format("key"))) == (first + q, first + k)
+    assert f"{weights[q][k]:.4f}" in page.text_content("#heat_info")
+    assert page.text_content("#heat_queries").startswith(f"query {q}: ")
+    assert page.text_content("#heat_keys").startswith(f"key {k}: ")
+    assert page.get_attribute("#zoom_cells .cell.at", "data-q") == str(q)
+    assert page.text_content("#zoom_cells .label.q.at") == shown(text[first + q])
+    assert page.text_content("#zoom_cells .label.k.at") == shown(text[first + k])
+    photograph(page, tmp_path, f"heatmap_zoom_{width}px")
+
+    # the window moves by half its side; "whole map" gives the map back, the cell chosen kept
+    page.tap("#heat_zoom [data-pan='up']")
+    assert int(page.get_attribute("#heat_zoom", "data-q0")) == max(0, q0 - (size + 1) // 2)
+    page.tap("#zoom_close")
+    assert page.is_hidden("#heat_zoom") and page.is_visible("#heatmap")
+    assert heatmap_cursor(page) == (q, k)
+
+
+def test_the_analysed_window_is_underlined_only_on_the_heatmap(bundled_server: str, touch_page: Any,
+                                                               tmp_path: Path) -> None:
+    page = touch_page
+    width = page.viewport_size["width"]
+    generate(page, bundled_server, PROMPT, 110, seed=3)
+    tokens = page.locator("#output .ptok, #output span.token")
+    page.tap("#tab_heatmap")
+    page.wait_for_function("document.getElementById('heatmap').dataset.size > 0")
+    n = int(page.get_attribute("#heatmap", "data-size"))
+    analysed = "[...document.querySelectorAll('#output .ptok, #output span.token')].map(s => " \
+               "s.classList.contains('analysed'))"
+    total = tokens.count()
+    assert n == 128 < total and page.evaluate(analysed) == [False] * (total - n) + [True] * n
+    page.tap("#tab_lens")
+    page.wait_for_function("document.querySelectorAll('#lens td').length > 0")
+    photograph(page, tmp_path, f"lens_underline_{width}px")
+    assert page.locator("#output .analysed").count() == 0  # the lens covers every position: no window to mark
+    page.tap("#tab_tokens")
+    page.tap("#output span.token >> nth=50")
+    assert page.locator("#output .analysed").count() == 0
+    page.tap("#tab_heatmap")
+    page.wait_for_function("document.querySelectorAll('#output .analysed').length > 0")
+    assert page.evaluate(analysed) == [False] * (total - n) + [True] * n
