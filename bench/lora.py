@@ -4,9 +4,9 @@ weights, random rank-`--rank` adapters on c_attn, c_proj and c_fc, written in PE
 
     python -m bench.lora [--concurrency 32] [--adapters 4] [--rank 16] [--new-tokens 64] [--repeats 2]
 
-Rows of a step that use an adapter run the torch blocks (their kernel-backed products still compute the base)
-plus the adapters' low-rank products; a step of base rows alone runs the fused kernels. Prints the figures and
-writes bench/results/lora.json. Ratios are what matter: absolute figures depend on the machine.
+Every step runs the kernels' fused blocks, which add the adapters' low-rank products for their rows inside the
+same call (csrc/block.cpp). Prints the figures and writes bench/results/lora.json and lora.png. Ratios are what
+matter: absolute figures depend on the machine.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from model.checkpoint import load_checkpoint
 from model.data import get_batch
 from model.distributed import DistEnv, dist_env
+from model.lora.adapter import ADAPTER_WEIGHTS_FILE
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.train.__main__ import main
@@ -47,16 +48,18 @@ STEPS = 20
 TOLERANCE = 1e-5
 
 # one layer, 32 wide; evaluation and checkpoints every 10 steps over 3 batches (split 2 + 1 across the ranks)
+SHAPE = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32"]  # a base's under --init-from
 TINY = [
-    "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
-    "--dropout", "0", "--learning-rate", "3e-3", "--min-lr", "3e-4", "--warmup-iters", "5",
+    *SHAPE, "--batch-size", "8", "--dropout", "0", "--learning-rate", "3e-3", "--min-lr", "3e-4", "--warmup-iters", "5",
     "--eval-interval", "10", "--eval-iters", "3", "--log-interval", "5", "--device", "cpu", "--no-progress",
     "--max-iters", str(STEPS),
 ]
 
 
 def argv(text: Path, out: Path, accumulation: int, *extra: str) -> list[str]:
-    return ["--data", str(text), "--out", str(out), *TINY, "--gradient-accumulation-steps", str(accumulation),
+    """A tiny run's flags; with --init-from among `extra`, without the shape flags (the base's)."""
+    tiny = TINY[len(SHAPE):] if "--init-from" in extra else TINY
+    return ["--data", str(text), "--out", str(out), *tiny, "--gradient-accumulation-steps", str(accumulation),
             *extra]
 
 
@@ -84,12 +87,13 @@ class SameBatchesAsTwoRanks(Trainer):
         return get_batch(self.ds.train, self.cfg.batch_size, self.cfg.block_size, stream, self.device)
 
 
-def reference(text: Path, out: Path, accumulation: int, trainer: type[Trainer] = SameBatchesAsTwoRanks) -> Path:
+def reference(text: Path, out: Path, accumulation: int, trainer: type[Trainer] = SameBatchesAsTwoRanks,
+              *extra: str) -> Path:
     """A single-process run in this process, on one thread like the torchrun workers."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg, _ = resolve_config(argv(text, out, accumulation))
+        cfg, _ = resolve_config(argv(text, out, accumulation, *extra))
         trainer(cfg).run()
     finally:
         torch.set_num_threads(threads)
@@ -162,6 +166,23 @@ def test_resumed_ddp_run_is_bit_exact(text_file: Path, tmp_path: Path) -> None:
     assert metrics(out) == metrics(ref)
     for name in ("last", "."):  # the latest and the best-validation checkpoint
         assert max_weight_difference(out / name, ref / name) == 0.0
+
+
+def test_a_lora_run_on_two_ranks_matches_one_process(ddp_run: Path, text_file: Path, tmp_path: Path) -> None:
+    """`--init-from` a base with `--lora` under torchrun (one micro-batch per rank; only the adapter's parameters
+    have gradients for DDP to reduce): the adapter and the metrics equal, bit for bit, one process accumulating the
+    same two micro-batches; the base is not written, the adapter moved from its start."""
+    lora = ("--init-from", str(ddp_run), "--lora", "--lora-rank", "4", "--lora-targets", "c_attn,c_fc",
+            "--learning-rate", "1e-2")
+    out = tmp_path / "lora"
+    torchrun(argv(text_file, out, 2, *lora))
+    ref = reference(text_file, tmp_path / "ref", 2, SameBatchesAsTwoRanks, *lora)
+    assert metrics(out) == metrics(ref)
+    got, want = (load_file(d / "last" / ADAPTER_WEIGHTS_FILE) for d in (out, ref))
+    assert sorted(got) == sorted(want) and len(got) == 2 * 2  # A and B of c_attn and c_fc in the one layer
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert all(got[k].abs().max() > 0 for k in got if "lora_B" in k)  # B starts at zero: it trained
+    assert not (out / "last" / "model.safetensors").exists()
 
 
 # -- the checkpoint -------------------------------------------------------------------------------------
