@@ -23,8 +23,8 @@ from bench.peers import LLAMA_CPP_PYTHON, VLLM_CPU
 from bench.peers import __doc__ as DESCRIPTION
 from bench.peers.builds import Setup, SetupError
 from bench.peers.measure import Prompts, agreement, ignore_eos_option, measure
-from bench.peers.report import cpu_info, plot, print_table, summarise
-from bench.peers.servers import VARIANTS_OF_FOLIO, Server, server_factories, start, stop, stop_all
+from bench.peers.report import cpu_info, plot, print_table, summarise, tier
+from bench.peers.servers import TIERS, VARIANTS_OF_FOLIO, Server, server_factories, start, stop, stop_all
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--list", action="store_true", help="print the server names and exit")
     p.add_argument("--folio-variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="another Folio to measure, e.g. 'folio-int8=--quantize int8' (repeatable)")
+    p.add_argument("--tier", choices=TIERS, default="native",
+                   help="avx2: Folio and torch held to AVX2 (on any AVX-512 CPU), llama.cpp's AVX2 build, no vLLM")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -84,7 +86,8 @@ def run_server(name: str, factory: Callable[[], Server], setup: Setup, prompts: 
 
 def new_report(args: argparse.Namespace, setup: Setup) -> dict[str, Any]:
     return {
-        "machine": {"cpu": cpu_info(), "load_avg_at_start": os.getloadavg()},
+        "machine": {"cpu": (cpu := cpu_info()), "tier": tier(args.tier, cpu["flags"]),
+                    "load_avg_at_start": os.getloadavg()},
         "threads": args.threads, "repeats": args.repeats, "smoke": args.smoke,
         "workload": {"new_tokens": args.new_tokens, "concurrency": args.concurrency,
                      "concurrent_new_tokens": args.concurrent_new_tokens, "prompt_tokens": args.prompt_tokens,
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p, args = parse_args(argv)
     cache = Path(args.cache_dir).expanduser()
     setup = Setup(cache, Path(args.bpe_dir))
-    factories = server_factories(setup, args.threads, args.concurrency)
+    factories = server_factories(setup, args.threads, args.concurrency, args.tier)
     if args.list:
         print("\n".join(factories))
         return 0

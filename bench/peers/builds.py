@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
-from bench.peers import LLAMA_CPP_PYTHON, SEED, VLLM_CPU
+from bench.peers import LLAMA_CPP_PYTHON, LLAMA_QUANTIZED, SEED, VLLM_CPU
 
 
 class SetupError(RuntimeError):
@@ -132,10 +132,12 @@ class Setup:
                   build)
         return tree / "vendor" / "llama.cpp"
 
-    def llama_server(self, native: bool) -> Path:
+    def llama_tool(self, native: bool, tool: str = "llama-server") -> Path:
+        """llama.cpp's `tool` (llama-server, llama-quantize), built from the vendored source for this machine's best
+        instruction set (`native`) or llama.cpp's generic x86-64 one (AVX2, FMA, F16C: GGML_NATIVE=OFF)."""
         variant = "native" if native else "generic"
         build_dir = self.cache / f"llama.cpp-{LLAMA_CPP_PYTHON}-{variant}"
-        binary = build_dir / "bin" / "llama-server"
+        binary = build_dir / "bin" / tool
 
         def build() -> None:
             source = self.llama_source()  # already there: a need of this step
@@ -145,15 +147,27 @@ class Setup:
                      "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF",
                      # no web UI: neither built with npm nor fetched from a bucket (no network here)
                      "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
-            self.run(f"cmake-{variant}", ["cmake", "-S", str(source), "-B", str(build_dir), *flags])
-            self.run(f"build-{variant}", ["cmake", "--build", str(build_dir), "--target", "llama-server",
-                                          "-j", str(os.cpu_count() or 2)])
+            if not (build_dir / "CMakeCache.txt").exists():
+                self.run(f"cmake-{variant}", ["cmake", "-S", str(source), "-B", str(build_dir), *flags])
+            self.run(f"build-{variant}-{tool}", ["cmake", "--build", str(build_dir), "--target", tool,
+                                                 "-j", str(os.cpu_count() or 2)])
 
-        return self.step(f"llama-server build (GGML_NATIVE={'ON' if native else 'OFF'})", binary, build,
+        return self.step(f"{tool} build (GGML_NATIVE={'ON' if native else 'OFF'})", binary, build,
                          needs=[self.llama_source])
 
     def gguf(self, outtype: str) -> Path:
+        """The model as GGUF: f32 and q8_0 by llama.cpp's converter, the 4-bit formats (LLAMA_QUANTIZED) by its
+        `llama-quantize` from the f32 file, as llama.cpp's users make them."""
         out = self.models / f"gguf-{outtype}.gguf"
+        if outtype in LLAMA_QUANTIZED:
+            def quantize() -> None:
+                tool, source = self.llama_tool(native=False, tool="llama-quantize"), self.gguf("f32")  # needs: there
+                tmp = out.with_suffix(".tmp")
+                self.run(f"quantize-gguf-{outtype}", [str(tool), str(source), str(tmp), LLAMA_QUANTIZED[outtype]])
+                tmp.rename(out)
+
+            return self.step(f"GGUF {outtype} (llama-quantize)", out, quantize, needs=[
+                lambda: self.llama_tool(native=False, tool="llama-quantize"), lambda: self.gguf("f32")])
 
         def build() -> None:
             hf, source, python = self.hf_model(), self.llama_source(), self.convert_python()  # needs: there

@@ -25,6 +25,18 @@ def cpu_info() -> dict[str, Any]:
             "simd_flags": [f for f in flags if SIMD_FLAG.match(f)]}
 
 
+def tier(name: str, flags: list[str]) -> str:
+    """The CPU tier the run measured, in words: the instruction sets Folio's kernels and torch's GEMMs used."""
+    from model.kernels.build import best_variant  # the kernels' own choice (loader.py), as the servers make it
+
+    if name == "avx2":
+        held = " on a CPU with more, Folio and torch held to it" if "avx512f" in flags else ""
+        return f"AVX2{held} (llama.cpp: its generic AVX2 build)"
+    variant = best_variant(frozenset(flags))
+    amx = " + AMX (oneDNN's int8 and bf16 GEMMs)" if "amx_int8" in flags else ""
+    return f"{variant.name if variant else 'no kernels'}{amx}"
+
+
 # (key in the report, column title, higher is better)
 FIGURES = [("batch1", "batch 1 tok/s", True), ("concurrent", "{c} conc. tok/s", True),
            ("ttft_fresh_ms", "fresh {p} ms", False), ("ttft_again_ms", "same again ms", False)]
@@ -51,6 +63,7 @@ def summarise(report: dict[str, Any]) -> None:
 def print_table(report: dict[str, Any]) -> None:
     cpu = report["machine"]["cpu"]
     print(f"\nCPU: {cpu['model']} ({cpu['cpus']} cpus); SIMD flags: {' '.join(cpu['simd_flags'])}")
+    print(f"tier: {report['machine']['tier']}")
     print(f"{report['threads']} threads per server; x = ratio to the best peer (> 1: better than every peer)")
     titles = [t.format(c=report["workload"]["concurrency"], p=report["workload"]["prompt_tokens"])
               for _, t, _ in FIGURES]
@@ -86,6 +99,7 @@ def plot(report: dict[str, Any], png: Path) -> None:
         ax.set_title(title.format(c=report["workload"]["concurrency"], p=report["workload"]["prompt_tokens"]) +
                      (" (higher is better)" if higher else " (lower is better)"), fontsize=9)
         ax.tick_params(axis="x", rotation=60, labelsize=8)
-    fig.suptitle(f"{report['machine']['cpu']['model']}, {report['threads']} threads per server"
+    fig.suptitle(f"{report['machine']['cpu']['model']} ({report['machine']['tier']}), {report['threads']} threads"
+                 " per server"
                  + (" - SMOKE RUN, not a result" if report["smoke"] else ""), fontsize=10)
     save_figure(fig, png)

@@ -13,7 +13,7 @@ from pathlib import Path
 from app.testing import ServerError, free_port, launch, wait_healthy
 from app.testing import stop as stop_process
 from bench import REPO
-from bench.peers import CONTEXT, MODEL_ID
+from bench.peers import CONTEXT, LLAMA_QUANTIZED, MODEL_ID
 from bench.peers.builds import Setup, SetupError
 
 # Folio as served: (name, extra `python -m app` flags), one line per variant: ("folio-int8", ["--quantize", "int8"])
@@ -22,7 +22,8 @@ VARIANTS_OF_FOLIO: list[tuple[str, list[str]]] = [
     ("folio-int8", ["--quantize", "int8"]),
     ("folio-bf16", ["--quantize", "bf16"]),
 ]
-LLAMA_OUTTYPES = ("f32", "q8_0")
+TIERS = ("native", "avx2")
+LLAMA_OUTTYPES = ("f32", "q8_0", *LLAMA_QUANTIZED)
 VLLM_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 
@@ -34,24 +35,31 @@ class Server:
     cwd: Path = REPO
 
 
-def server_factories(setup: Setup, threads: int, slots: int) -> dict[str, Callable[[], Server]]:
+# `--tier avx2` on a CPU with more: Folio's kernels (model/kernels/loader.py) and torch's own (ATen's vectorised
+# ops, oneDNN's GEMMs, which would use AVX-512 or AMX) held to AVX2 and FMA, as on an AVX2-only CPU
+AVX2_TIER_ENV = {"FOLIO_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def server_factories(setup: Setup, threads: int, slots: int, tier: str = "native") -> dict[str, Callable[[], Server]]:
     """Each server by name, as a function that sets up what it needs and returns its `Server`; the order is the
-    order they run in (Folio first: the others' greedy text is compared with its)."""
+    order they run in (Folio first: the others' greedy text is compared with its). `tier` "avx2": Folio held to
+    AVX2 (AVX2_TIER_ENV), llama.cpp's generic builds alone (GGML_NATIVE=OFF: AVX2), no vLLM (whose CPU build
+    picks its instruction set itself)."""
     host = ["--host", "127.0.0.1", "--port", "{port}"]
     out: dict[str, Callable[[], Server]] = {}
     for name, extra in VARIANTS_OF_FOLIO:
         out[name] = lambda name=name, extra=extra: Server(name, [
             sys.executable, "-m", "app", "--checkpoint", str(setup.folio_checkpoint()), *host, "--model-id", MODEL_ID,
             "--threads", str(threads), "--max-batch-size", str(slots), "--max-waiting", str(4 * slots),
-            "--log-level", "warning", *extra])
-    for native in (False, True):
+            "--log-level", "warning", *extra], env=AVX2_TIER_ENV if tier == "avx2" else {})
+    for native in (False,) if tier == "avx2" else (False, True):
         for outtype in LLAMA_OUTTYPES:
             name = f"llama{'-native' if native else ''}-{outtype}"
             # -np slots of the full context each (-c is shared by the slots); continuous batching is on by default
             out[name] = lambda name=name, native=native, outtype=outtype: Server(name, [
-                str(setup.llama_server(native)), "-m", str(setup.gguf(outtype)), *host, "--alias", MODEL_ID,
+                str(setup.llama_tool(native)), "-m", str(setup.gguf(outtype)), *host, "--alias", MODEL_ID,
                 "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT), "-cb"])
-    for suffix, dtype in VLLM_DTYPES.items():
+    for suffix, dtype in VLLM_DTYPES.items() if tier == "native" else ():
         name = f"vllm-{suffix}"
         out[name] = lambda name=name, dtype=dtype: Server(name, [
             str(setup.vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(setup.hf_model()),
