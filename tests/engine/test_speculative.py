@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import pytest
 
 from model.quantize import quantize
-from model.sampling_params import SamplingParams
+from model.sampling_params import AttentionSpec, SamplingParams
+from model.structured import ConstraintCompiler, ConstraintSpec
 from tests.engine.references import naive, together
 from tests.sampling.distributions import same_distribution_ok
 
@@ -120,6 +122,11 @@ def test_requests_that_cannot_or_will_not_speculate_decode_plainly(make_checkpoi
     prompt = ck.tokenizer.encode("abcabcabcab")
     spec.generate(prompt, SamplingParams(max_new_tokens=20, speculate=False))
     assert drafted(spec) == (0, 0)
+    watched = spec.generate(prompt, SamplingParams(max_new_tokens=20, attention=AttentionSpec(layers=(0,))))
+    assert drafted(spec) == (0, 0) and all(t.attention is not None for t in watched.tokens)  # one token a step
+    constraint = ConstraintCompiler().compile(ConstraintSpec.regex("(ab)+c"), ck.tokenizer)
+    constrained = spec.generate(prompt, SamplingParams(max_new_tokens=20, constraint=constraint))
+    assert drafted(spec) == (0, 0) and re.fullmatch("(ab)*a?b?c?", constrained.text), constrained.text
     spec.generate(prompt, SamplingParams(max_new_tokens=20))
     assert drafted(spec)[0] > 0
 
