@@ -21,6 +21,7 @@ from model.chat_template import load_chat_template
 from model.cli import DEFAULT_CHECKPOINT, check_threads
 from model.devices import resolve_device
 from model.engine import EngineConfig
+from model.engine.config import MAX_SPECULATIVE_TOKENS
 
 ENV_PREFIX = "FOLIO_"
 # FOLIO_* variables that are not server options: read by other parts of Folio, or by docker compose on the host.
@@ -132,6 +133,17 @@ class Settings(BaseSettings):
         "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "
         "where the weights are quantized (--quantize, or a quantized checkpoint) and computed in fp32, else the "
         "model's dtype (model/engine/runner.py)")
+    speculative_model: Literal["[ngram]"] | None = Field(
+        None, description="speculative decoding (vLLM's flag): [ngram] drafts tokens by prompt lookup, from the "
+        "n-grams of each request's prompt and output, and verifies them together in one forward; the output is the "
+        "same as without (docs/engine.md). Unset: off")
+    num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="with --speculative-model: "
+                                        "the most tokens drafted per request and step (each request's own number "
+                                        "adapts to how many of its drafts are taken)")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="with --speculative-model "
+                                         "[ngram]: the longest n-gram looked up")
+    ngram_prompt_lookup_min: int = Field(1, ge=1, le=MAX_SPECULATIVE_TOKENS, description="with --speculative-model "
+                                         "[ngram]: the shortest n-gram looked up")
     fault_injection: bool = Field(False, description="testing aid, never in production: prompts holding "
                                   "'<fault:prefill>' or '<fault:decode>' fail inside the model step (app/faults.py)")
 
@@ -182,6 +194,10 @@ class Settings(BaseSettings):
             threads=self.threads or None,
             kv_cache_dtype=self.kv_cache_dtype,
             max_loras=self.max_loras if self.lora_enabled else 0,
+            speculative_model=self.speculative_model,
+            num_speculative_tokens=self.num_speculative_tokens,
+            ngram_prompt_lookup_max=self.ngram_prompt_lookup_max,
+            ngram_prompt_lookup_min=self.ngram_prompt_lookup_min,
         )
 
     @property
@@ -220,6 +236,9 @@ class Settings(BaseSettings):
         if self.max_new_tokens_default > self.max_new_tokens_limit:
             raise ValueError(f"--max-new-tokens-default ({self.max_new_tokens_default}) is larger than "
                              f"--max-new-tokens-limit ({self.max_new_tokens_limit})")
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"--ngram-prompt-lookup-min ({self.ngram_prompt_lookup_min}) is larger than "
+                             f"--ngram-prompt-lookup-max ({self.ngram_prompt_lookup_max})")
         return self
 
 

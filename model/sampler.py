@@ -154,6 +154,51 @@ class Sampler:
         # each row's argmax and log-sum-exp in one pass (a log-probability is a logit minus the latter)
         argmax, lse = row_argmax_logsumexp(masked)
         tokens, errors = self._choose(masked, rows, argmax)
+        return self._output(masked, lse, rows, tokens, errors)
+
+    def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int]) -> SamplerOutput:
+        """Speculative decoding: which of one request's `draft` tokens it takes, and its next token after them.
+        `logits[i]` (len(draft) + 1 positions) are the model's after the request's tokens and draft[:i], `rows[i]`
+        its `SampleRow` there (history and output holding draft[:i]). The tokens out are the accepted draft tokens
+        then one token of the model's own (or fewer where a row's choice failed: its error is then in `errors`).
+
+        Each position's token is chosen exactly as `__call__` would choose it there (steps 1-12, the same draw from
+        the request's generator), and a drafted token is accepted where it is that token; the first position whose
+        token differs from the draft ends the step with that token. Greedy, that is plain greedy decoding. Sampled,
+        it is rejection sampling with a point-mass draft t (Leviathan et al. 2023): t is accepted with probability
+        p(t), and when it is not, the token is distributed as p with t removed, renormalised; drawn this way, the
+        draws are moreover the ones plain sampling makes, one per token kept, so a seeded request gives the same
+        text with or without speculation, whatever was drafted."""
+        masked = mask_unusable(logits.float(), self.n_vocab)
+        argmax, lse = row_argmax_logsumexp(masked)
+        picks = argmax.tolist()
+        tokens: list[int] = []
+        errors: dict[int, Exception] = {}
+        for i, row in enumerate(rows):
+            drafted = draft[i] if i < len(draft) else None
+            try:
+                token = self._verify_one(masked[i], row, picks[i])
+            except Exception as e:  # this position's own failure: the request fails, the batch does not
+                errors[len(tokens)] = e
+                tokens.append(-1)
+                break
+            tokens.append(token)
+            if token != drafted:
+                break
+        used = len(tokens)
+        return self._output(masked[:used], lse[:used], rows[:used], tokens, errors)
+
+    def _verify_one(self, logits: torch.Tensor, row: SampleRow, argmax: int) -> int:
+        """One position of `verify`: the token `__call__` would choose there."""
+        adjusted = adjust(logits, row, self.eos_id)
+        if row.params.is_greedy:
+            return argmax if adjusted is logits else int(adjusted.argmax())
+        return sample_row(adjusted, row)
+
+    @staticmethod
+    def _output(masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], tokens: list[int],
+                errors: dict[int, Exception]) -> SamplerOutput:
+        """The chosen tokens with their log-probabilities and each row's top-n alternatives."""
         chosen = torch.tensor([max(t, 0) for t in tokens], device=masked.device)
         logprobs = masked.gather(1, chosen[:, None])[:, 0] - lse
         out = SamplerOutput(tokens, logprobs.tolist(), [[] for _ in rows], errors)

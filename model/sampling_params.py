@@ -112,6 +112,9 @@ class SamplingParams:
     # the LoRA adapter the request runs through (model/lora.py; loaded by its engine: `Engine.load_adapter`); None:
     # the base model
     adapter: LoraAdapter | None = None
+    # speculative decoding (where the engine has it: `EngineConfig.speculative_model`): False decodes this request
+    # one token a step (model/speculative/speculator.py says which requests cannot speculate anyway)
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
@@ -137,7 +140,7 @@ class SamplingParams:
         _int("min_tokens", self.min_tokens, 0, self.max_new_tokens)
         self._check_logit_bias()
         _int("top_n_tokens", self.top_n_tokens, 0, MAX_TOP_N)
-        for name in ("do_sample", "greedy", "stop_at_eos"):
+        for name in ("do_sample", "greedy", "stop_at_eos", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"must be true or false, got {preview(getattr(self, name))}")
         check_stop_strings(self.stop)

@@ -17,6 +17,10 @@ model id, and `engine`, "0"):
 - `vllm:e2e_request_latency_seconds` (histogram): from arrival to the end of the response; once per request whose
   generation finished (not cancelled, not failed), which `vllm:request_success_total{finished_reason}` counts by
   vLLM's reason: `stop` (end of text or a stop string) or `length`.
+- `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
+  `vllm:spec_decode_num_accepted_tokens_total` (counters, only where the server speculates: --speculative-model):
+  drafts verified, the tokens they held and those accepted (acceptance rate: accepted / draft tokens), the engine's
+  counters less the warm-up's.
 TGI's (no labels): `tgi_queue_size`, `tgi_batch_current_size` (gauges), `tgi_request_duration` (histogram, TGI's
 buckets: the same end-to-end time, of the same requests).
 """
@@ -42,6 +46,12 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+# speculative decoding's counters (vLLM's names and help, without the _total the exposition adds)
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
 TGI_DURATION_BUCKETS = tuple(0.0001 * 1.5**k for k in range(1, 36))  # TGI's router: 35 buckets from 0.15 ms
 
 
@@ -104,6 +114,8 @@ class EngineGauges(Collector):
         self.values = list(values)
         self.prompt_base = engine.stats.prompt_tokens_total
         self.generated_base = engine.stats.generated_tokens_total
+        self.speculates = engine.config.speculative_model is not None
+        self.spec_base = {name: getattr(engine.stats, name + "_total") for name in SPEC_DECODE_COUNTERS}
 
     def _family(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
                 value: float) -> Metric:
@@ -123,5 +135,9 @@ class EngineGauges(Collector):
                            s.prompt_tokens_total - self.prompt_base)
         yield self._family(CounterMetricFamily, "vllm:generation_tokens", "Number of generation tokens processed.",
                            s.generated_tokens_total - self.generated_base)
+        if self.speculates:
+            for name, doc in SPEC_DECODE_COUNTERS.items():
+                yield self._family(CounterMetricFamily, f"vllm:{name}", doc,
+                                   getattr(s, name + "_total") - self.spec_base[name])
         yield GaugeMetricFamily("tgi_queue_size", "Current queue size", value=s.waiting)
         yield GaugeMetricFamily("tgi_batch_current_size", "Current batch size", value=s.running)

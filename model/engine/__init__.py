@@ -3,7 +3,8 @@
 - `engine.Engine`: the public API (submit / reserve / generate / cancel);
 - `config.EngineConfig`: its configuration, one object handed down whole;
 - `scheduler.Scheduler`: the queues, the capacity rule and the engine thread's loop (admission, prefill, decode);
-- `output.OutputProcessor`: a step's logits into tokens, stops and events (sampling, stopping, prompt scores);
+- `output.OutputProcessor`: a step's logits into tokens, stops and events (sampling, stopping, prompt scores,
+  speculative decoding's verification: the drafts themselves are model/speculative/'s);
 - `events`: what it hands back (token events, the final result), its counters and its domain errors;
 - `stream`: the hand-off to asyncio (an event stream per request, a mailbox per event loop, reservations);
 - `request`, `batch`, `prefill`: one request's state, the batch (every slot and cache row), prefill packing;

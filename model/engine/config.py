@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+NGRAM = "[ngram]"  # `speculative_model` for prompt lookup (vLLM's name)
+MAX_SPECULATIVE_TOKENS = 16  # num_speculative_tokens and the n-gram sizes at most
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,10 +25,25 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
     prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
     max_loras: int = 0  # LoRA adapters loaded at once (`Engine.load_adapter`); 0: adapters off (no hooks at all)
+    # speculative decoding (model/speculative/; vLLM's option names): "[ngram]" drafts by prompt lookup; None: off
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4  # the most tokens drafted and verified per request and step
+    ngram_prompt_lookup_max: int = 4  # the longest n-gram looked up (tried first)
+    ngram_prompt_lookup_min: int = 1  # the shortest
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_waiting < 0 or self.prefill_chunk < 1 or self.max_loras < 0:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting and max_loras >= 0")
+        if self.speculative_model not in (None, NGRAM):
+            raise ValueError(f"speculative_model must be {NGRAM!r} (prompt lookup) or unset, got "
+                             f"{self.speculative_model!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.ngram_prompt_lookup_min <= self.ngram_prompt_lookup_max <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError("the n-gram sizes must satisfy 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max "
+                             f"<= {MAX_SPECULATIVE_TOKENS}, got {self.ngram_prompt_lookup_min} and "
+                             f"{self.ngram_prompt_lookup_max}")
 
     def window_shift_for(self, block_size: int) -> int:
         """`window_shift`, or its default for a context of `block_size`; ValueError outside [1, block_size - 1]."""

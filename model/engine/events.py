@@ -41,6 +41,10 @@ class EngineStats:
     generated_tokens_total: int = 0
     prompt_tokens_total: int = 0  # prompt tokens of the requests that began prefilling
     cached_prompt_tokens_total: int = 0  # of those, the ones found in the cache (prefix reuse), not computed
+    # speculative decoding (vLLM's counters): drafts verified, the tokens they held, and of those the ones accepted
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
 
 
 @dataclass(frozen=True)

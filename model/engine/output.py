@@ -1,8 +1,8 @@
 """The output processor (vLLM v1's `OutputProcessor`): what a step's logits become for each request. It chooses
 the next tokens (one `Sampler` pass for all rows, the constrained ones under their grammar's mask, computed for
 all of them at once), advances each constrained row's matcher, checks stopping, captures streamed attention,
-scores prompts, counts tokens, and makes the events: a `TokenEvent` per token, the last carrying the `Finished`
-that ends the generation (model/engine/events.py).
+scores prompts, counts tokens, verifies a speculating request's drafted tokens (`verify`), and makes the events:
+a `TokenEvent` per token, the last carrying the `Finished` that ends the generation (model/engine/events.py).
 
 It decides nothing about slots, rows or queues (model/engine/scheduler.py): it hands each request's event back,
 and the scheduler lets a request that ended leave the batch before its event goes out.
@@ -71,6 +71,33 @@ class OutputProcessor:
                 req.warn(log, "request %d failed choosing a token: %s", req.id, e)
                 events.append((req, GenerationError(f"generation failed: {e}")))
         return events
+
+    def verify(self, req: Request, logits: torch.Tensor, draft: list[int]) -> tuple[list[TokenEvent], int,
+                                                                                   EngineError | None]:
+        """Speculative decoding: `req`'s `draft` verified from `logits`, (len(draft) + 1, vocab), the model's after
+        its tokens and each draft prefix (`Sampler.verify`). The events of the tokens it takes (the accepted drafted
+        ones, then the model's own), up to the one that ends its generation; how many drafted tokens were accepted;
+        the error it failed with, after those events, if any."""
+        rows = [req.sample_row(ahead=draft[:i]) for i in range(len(draft) + 1)]
+        out = self.sampler.verify(logits, rows, draft)
+        accepted = 0
+        while accepted < min(len(draft), len(out.tokens)) and out.tokens[accepted] == draft[accepted]:
+            accepted += 1
+        self.stats.spec_decode_num_drafts_total += 1
+        self.stats.spec_decode_num_draft_tokens_total += len(draft)
+        self.stats.spec_decode_num_accepted_tokens_total += accepted
+        events: list[TokenEvent] = []
+        try:
+            for i in range(len(out.tokens)):
+                if i in out.errors:
+                    raise out.errors[i]
+                events.append(self._token(req, out, i, None))
+                if events[-1].finished is not None:
+                    break
+        except Exception as e:
+            req.warn(log, "request %d failed choosing a token: %s", req.id, e)
+            return events, accepted, GenerationError(f"generation failed: {e}")
+        return events, accepted, None
 
     def _masks(self, reqs: list[Request], width: int) -> tuple[dict[int, torch.Tensor], set[int]]:
         """The ids each constrained row may choose next, by row; the rows whose constraint allows none."""

@@ -14,6 +14,7 @@ from model.engine.events import Event, PromptToken
 from model.sampler import SampleRow
 from model.sampling_params import SamplingParams
 from model.scoring import PromptScorer
+from model.speculative import Speculation
 from model.stopping import StoppingCriteria
 from model.structured.matcher import RowMatcher
 
@@ -38,6 +39,7 @@ class Request:
     stopping: StoppingCriteria | None = None
     scorer: PromptScorer | None = None  # with `params.prompt_logprobs`
     matcher: RowMatcher | None = None  # with `params.constraint`: its output's state in the grammar
+    speculation: Speculation | None = None  # its drafting state, where it speculates (model/speculative/)
     submitted_at: float = field(default_factory=time.perf_counter)
     # the submitter's context (made where the request is made): log lines about the request are written in it, so
     # they carry what the caller keeps there, such as the server's request ID (app/http/requestlog.py)
@@ -55,9 +57,11 @@ class Request:
         """`log.warning(message, *args)` about this request, in its submitter's context."""
         self.caller.run(log.warning, message, *args)
 
-    def sample_row(self, allowed: torch.Tensor | None = None) -> SampleRow:
-        """What the sampler needs of this request; `allowed`: the ids its constraint allows next."""
+    def sample_row(self, allowed: torch.Tensor | None = None, ahead: list[int] | None = None) -> SampleRow:
+        """What the sampler needs of this request; `allowed`: the ids its constraint allows next; `ahead`: drafted
+        tokens taken as already generated (speculative decoding verifies the position after them)."""
         p = self.params
+        output = self.output + ahead if ahead else self.output
         # the repetition penalty sees every id so far (prompt and output): `context` is only the window once slid
-        history = self.prompt + self.output if p.repetition_penalty not in (None, 1.0) else ()
-        return SampleRow(p, self.generator, history, self.output if p.penalises_output else (), allowed)
+        history = self.prompt + output if p.repetition_penalty not in (None, 1.0) else ()
+        return SampleRow(p, self.generator, history, output if p.penalises_output else (), allowed)

@@ -10,6 +10,10 @@ One iteration of the loop:
    therefore takes several iterations, and running streams get a decode step between its chunks;
 4. one decode step for every running request of the `Batch`: each row at its own position, with its own
    sampling parameters, generator and stopping criteria (the `OutputProcessor` chooses for all rows in one pass).
+   With speculative decoding (`EngineConfig.speculative_model`), a request's drafted tokens (model/speculative/)
+   are more rows of that forward, in its cache row at the positions after its last token, and the output processor
+   verifies them (`OutputProcessor.verify`): the request takes the drafted tokens the model agrees with, then one of
+   its own; the others advance by one token as without.
 
 Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
 position `block_size`, the window slides: the row keeps its last `block_size - window_shift + 1` tokens,
@@ -38,6 +42,7 @@ from model.engine.prefill import plan_prefill
 from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
+from model.speculative import Speculator, speculates
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("folio.engine")
@@ -55,6 +60,8 @@ class Scheduler:
         self.max_batch_size, self.max_waiting = config.max_batch_size, config.max_waiting
         self.prefill_chunk, self.window_shift = config.prefill_chunk, config.window_shift
         self.prefix_cache = config.prefix_cache
+        self.speculator = None if config.speculative_model is None else Speculator(
+            config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
         self.stats = EngineStats()
         self.output = OutputProcessor(runner, tokenizer, self.stats)
         self.batch = Batch(config.max_batch_size, prefix_cache=config.prefix_cache)
@@ -193,6 +200,8 @@ class Scheduler:
         self.stats.cached_prompt_tokens_total += req.prefilled
         req.context = list(req.prompt)
         self.output.begin(req)
+        if self.speculator is not None and speculates(req.params):
+            req.speculation = self.speculator.begin()
         self.stats.prompt_tokens_total += len(req.prompt)
 
     def _reuses(self, req: Request) -> bool:
@@ -283,17 +292,63 @@ class Scheduler:
         if not reqs:
             return
         normal = [req for req in reqs if req.id not in slid]
+        drafts = self._drafts(normal)
         logits = None
+        first: dict[int, int] = {}  # by request id: its first row among the forward's
         if normal:
-            rows, tokens = [r.row for r in normal], [r.context[-1] for r in normal]
-            positions = [r.pos - 1 for r in normal]
+            # each request's last token, then its drafted ones (speculative decoding), as rows of one forward: each
+            # at its own position of the request's cache row, attending to the tokens before it there
+            rows, tokens, positions, adapters = [], [], [], []
+            for r in normal:
+                fed = [r.context[-1], *drafts.get(r.id, ())]
+                first[r.id] = len(tokens)
+                rows += [r.row] * len(fed)
+                tokens += fed
+                positions += range(r.pos - 1, r.pos - 1 + len(fed))
+                adapters += [r.params.adapter] * len(fed)
             with self.batch.writing(rows, positions, [[t] for t in tokens]):
-                logits = self.runner.decode(rows, tokens, positions, [r.params.adapter for r in normal])
-        if slid:  # rare: the slid rows' logits between the others' (`normal` keeps the rows' order)
-            others = iter(() if logits is None else logits)
-            logits = torch.stack([slid[r.id] if r.id in slid else next(others) for r in reqs])
-        assert logits is not None
-        self._emit(reqs, logits)
+                logits = self.runner.decode(rows, tokens, positions, adapters)
+        plain = [r for r in reqs if r.id not in drafts]
+        if plain:
+            if slid or drafts:  # the plain rows' logits, the slid rows' among them (`plain` keeps the rows' order)
+                self._emit(plain, torch.stack([slid[r.id] if r.id in slid else logits[first[r.id]] for r in plain]))
+            else:
+                self._emit(plain, logits)
+        for r in normal:
+            if r.id in drafts:
+                draft = drafts[r.id]
+                self._emit_verified(r, logits[first[r.id]: first[r.id] + len(draft) + 1], draft)
+
+    def _drafts(self, reqs: list[Request]) -> dict[int, list[int]]:
+        """The tokens each speculating request drafts this step, by request id (only those that draft some): at
+        most what it may still generate and its window still holds, less the token the step yields anyway; fewer,
+        or none, the more requests share the step (`Speculator.draft`)."""
+        if self.speculator is None:
+            return {}
+        drafts = {}
+        for r in reqs:
+            if r.speculation is not None:
+                room = min(r.params.max_new_tokens - len(r.output) - 1, self.block_size - r.pos)
+                if room > 0 and (draft := self.speculator.draft(r.speculation, r.prompt, r.output, room, len(reqs))):
+                    drafts[r.id] = draft
+        return drafts
+
+    def _emit_verified(self, req: Request, logits: torch.Tensor, draft: list[int]) -> None:
+        """Stream the tokens a speculating request takes from its verified `draft`. Its cache row is recorded as
+        holding its last token and the drafted ones accepted, never one rejected: their keys and values, left in the
+        row past its position, are overwritten by the next steps' tokens before any query reads them."""
+        start, last = req.pos - 1, req.context[-1]
+        events, accepted, error = self.output.verify(req, logits, draft)
+        assert req.speculation is not None
+        Speculator.verified(req.speculation, accepted)
+        if req.row >= 0:  # the drafted tokens it took (one that ended it, not those accepted after)
+            self.batch.contents.wrote(req.row, start, [last, *draft[:min(accepted, len(events))]])
+        for ev in events:
+            if ev.finished is not None:
+                self._leave(req)
+            req.sink(ev)
+        if error is not None:
+            self._fail(req, error)
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Stream each row's next token (`OutputProcessor.process`); a request that ends leaves the batch first, a
@@ -302,6 +357,8 @@ class Scheduler:
             if isinstance(ev, EngineError):
                 self._fail(req, ev)
                 continue
+            if req.speculation is not None:
+                Speculator.chose(req.speculation, ev.id)  # what its proposal would have drafted: a sample of its rate
             if ev.finished is not None:
                 self._leave(req)
             req.sink(ev)

@@ -80,6 +80,11 @@ BAD_STARTS = {
     "chat template file that is not there": ({"FOLIO_CHAT_TEMPLATE": "templates/chat.jinja"}, [],
                                              ["FOLIO_CHAT_TEMPLATE", "no file 'templates/chat.jinja' found"]),
     "bad FOLIO_KV_CACHE_DTYPE": ({"FOLIO_KV_CACHE_DTYPE": "bf16"}, [], ["FOLIO_KV_CACHE_DTYPE", "got 'bf16'"]),
+    "a draft model it lacks": ({}, ["--speculative-model", "gpt2"], ["--speculative-model", "'[ngram]'",
+                                                                      "got 'gpt2'"]),
+    "too many speculative tokens": ({}, ["--num-speculative-tokens", "17"], ["--num-speculative-tokens", "16"]),
+    "n-gram sizes the wrong way round": ({}, ["--ngram-prompt-lookup-min", "5"],
+                                         ["--ngram-prompt-lookup-min (5)", "--ngram-prompt-lookup-max (4)"]),
 }
 
 

@@ -142,3 +142,28 @@ def test_a_request_ended_by_its_constraint_counts_as_a_stop(base: str) -> None:
     for name, labels in (("vllm:request_success_total", {"finished_reason": "stop"}),
                          ("vllm:e2e_request_latency_seconds_count", {})):
         assert metric(after, name, **LABELS, **labels) - metric(before, name, **LABELS, **labels) == 1, name
+
+
+def test_speculative_decodings_counters_where_the_server_speculates(base: str, char_checkpoint: Path,
+                                                                    tmp_path: Path) -> None:
+    """vLLM's spec-decode counters: absent without --speculative-model; with it, they count the drafts a request
+    verified (not the warm-up's), none for a request that opted out, and the text is the one plain decoding gives."""
+    assert "vllm:spec_decode" not in scrape(base)
+    prompt = "To be, or not to be, that is the question: To be, or not"
+    with httpx.Client(base_url=base, timeout=60, trust_env=False) as client:
+        plain = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0}).json()
+    with serving(char_checkpoint, tmp_path / "server.log", "--speculative-model", "[ngram]") as (url, _), \
+            httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+        before = scrape(url)
+        assert vllm(before, "vllm:spec_decode_num_draft_tokens_total") == 0  # the warm-up's are left out
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0}
+        opted_out = client.post("/v1/completions", json={**body, "speculate": False}).json()
+        middle = scrape(url)
+        spec = client.post("/v1/completions", json=body).json()
+        after = scrape(url)
+    assert spec["choices"][0]["text"] == opted_out["choices"][0]["text"] == plain["choices"][0]["text"]
+    counts = {name: [vllm(text, f"vllm:{name}_total") for text in (before, middle, after)]
+              for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")}
+    assert all(c[0] == c[1] for c in counts.values())  # nothing drafted for the request that opted out
+    drafts, tokens, accepted = (counts[name][2] for name in counts)
+    assert 0 < drafts <= tokens and 0 <= accepted <= tokens

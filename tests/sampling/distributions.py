@@ -58,3 +58,33 @@ def chi_square_ok(counts: list[int], probs: list[float]) -> tuple[bool, str]:
     except ImportError:
         critical = CHI2_CRITICAL_P001[df]
     return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} counts={counts}"
+
+
+def same_distribution_ok(a: list[int], b: list[int]) -> tuple[bool, str]:
+    """Pearson's two-sample test (homogeneity) at p = 0.001 that counts `a` and `b` over the same cells come from one
+    distribution; cells where either side expects fewer than 5 are pooled into one."""
+    na, nb = sum(a), sum(b)
+    cells, pooled = [], [0, 0]
+    for x, y in zip(a, b):
+        if not x + y:
+            continue
+        if min(na, nb) * (x + y) / (na + nb) < 5:
+            pooled = [pooled[0] + x, pooled[1] + y]
+        else:
+            cells.append((x, y))
+    if sum(pooled):
+        cells.append((pooled[0], pooled[1]))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            e = n * total / (na + nb)
+            stat += (observed - e) ** 2 / e
+    df = len(cells) - 1
+    try:
+        from scipy.stats import chi2
+
+        critical = float(chi2.isf(0.001, df))
+    except ImportError:
+        critical = CHI2_CRITICAL_P001[df]
+    return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} a={a} b={b}"

@@ -54,6 +54,8 @@ class SamplingRequest(StrictModel):
                                                 description="token id (as a string) -> bias in [-100, 100]")
     min_tokens: int = Field(0, ge=0, description="extension (vLLM): neither EOS nor a stop ends generation sooner")
     ignore_eos: bool = Field(False, description="extension (vLLM): keep generating past EOS")
+    speculate: bool = Field(True, description="extension (Folio): false decodes this request one token a step where"
+                            " the server speculates (--speculative-model); the output is distributed alike either way")
     user: str | None = None
     response_format: dict[str, Any] | None = Field(None, description="{type: text | json_object | json_schema "
                                                    "(json_schema: {name, schema, strict})}: the output follows it")
@@ -103,7 +105,7 @@ class SamplingRequest(StrictModel):
                 greedy=greedy, repetition_penalty=self.repetition_penalty, seed=self.seed, stop=tuple(stop),
                 top_n_tokens=top_n_tokens, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias.items()),
-                min_tokens=self.min_tokens, stop_at_eos=not self.ignore_eos, **extra,
+                min_tokens=self.min_tokens, stop_at_eos=not self.ignore_eos, speculate=self.speculate, **extra,
             )
 
 

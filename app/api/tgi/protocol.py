@@ -50,6 +50,8 @@ class GenerateParameters(StrictModel):
                                                                           "generated")
     attention: AttentionRequest | None = Field(None, description="Folio: each token's attention weights, in its "
                                                "stream event (/generate: in details, which it needs)")
+    speculate: bool = Field(True, description="Folio: false decodes this request one token a step where the "
+                            "server speculates (--speculative-model); the output is distributed the same either way")
     # accepted for TGI client compatibility; only their 'off' values are supported
     typical_p: float | None = Field(None, description="not supported (must be unset)")
     watermark: bool = Field(False, description="not supported (must be false)")
@@ -74,7 +76,7 @@ class GenerateParameters(StrictModel):
                 seed=self.seed, stop=tuple(self.stop), top_n_tokens=self.top_n_tokens or 0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 prompt_logprobs=0 if self.details and self.decoder_input_details else None,
-                attention=None if self.attention is None else self.attention.to_spec(),
+                attention=None if self.attention is None else self.attention.to_spec(), speculate=self.speculate,
             )
 
     def samples(self, params: SamplingParams, stream: bool, defaults: ServerDefaults) -> int:

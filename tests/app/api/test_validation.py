@@ -188,7 +188,7 @@ def test_a_large_body_of_bad_fields_or_items_is_one_error(make_client: Callable[
     assert_tgi_error(r, 422, "validation", "body: has 150001 fields, more than the 3 it may hold (inputs, parameters, "
                      "stream); unknown fields include ['k0', 'k1', 'k2']")
     r = client.post("/generate", json={"inputs": PROMPT, "parameters": unknown})
-    assert_tgi_error(r, 422, "validation", "parameters: has 150000 fields, more than the 21")
+    assert_tgi_error(r, 422, "validation", "parameters: has 150000 fields, more than the 22")
     r = client.post("/v1/completions", json={"prompt": PROMPT, **unknown})
     message = assert_openai_error(r, 422, "invalid_request_error", "body", "has 150001 fields")
     assert "more error" not in message

@@ -1,0 +1,47 @@
+"""Prompt lookup (n-gram) drafting: the tokens that followed the last occurrence of the text's latest n tokens.
+
+`NgramIndex` keeps, for every n in [n_min, n_max], where each n-gram of a token history last ended (the index of the
+token that followed it), and grows with the history one token at a time (O(n_max) per token), so that a draft costs
+a few dictionary look-ups whatever the history's length. `propose(k)` takes the longest n first (vLLM's ngram
+proposer does too: a longer match predicts better) and, among its occurrences, the latest one (the most recent
+context; vLLM v0 took the first). The draft is the k tokens that followed it; where they run into the end of the
+history, the draft goes on as the text it matched did (a period repeats: "abcab" drafts "cabca...").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    def __init__(self, n_min: int, n_max: int) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= n_min <= n_max, got {n_min} and {n_max}")
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        # per n (index n - n_min): n-gram -> the index of the token that followed its latest occurrence
+        self._follow: list[dict[tuple[int, ...], int]] = [{} for _ in range(n_max - n_min + 1)]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append `tokens` to the history."""
+        for token in tokens:
+            # the n-grams ending just before this token are followed by it
+            i = len(self.tokens)
+            tail = tuple(self.tokens[-self.n_max:])
+            for n in range(self.n_min, min(self.n_max, i) + 1):
+                self._follow[n - self.n_min][tail[-n:]] = i
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the history's longest matching suffix
+        (n_max tokens down to n_min); [] where none occurred before."""
+        history = self.tokens
+        tail = tuple(history[-self.n_max:])
+        for n in range(min(self.n_max, len(history)), self.n_min - 1, -1):
+            start = self._follow[n - self.n_min].get(tail[-n:])
+            if start is not None:
+                draft = history[start:start + k]
+                while len(draft) < k:  # the match's continuation reaches the end: the pattern repeats on
+                    draft.append(draft[start + len(draft) - len(history)])
+                return draft
+        return []
