@@ -41,6 +41,7 @@ BF16_GEMM_MIN_ROWS = 16
 # natively (VNNI, AMX): oneDNN's; fewer rows are bandwidth-bound and keep the kernels' products
 INT8_GEMM_MIN_ROWS = 8
 VNNI_GEMM_MIN_ROWS = 4  # ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp)
+AVX2_GEMM_MIN_ROWS = 1  # ... or from this many in the AVX2 builds, whose own int8 GEMM (vnni_gemm.cpp) decodes too
 INT8_GEMM_MIN_WEIGHTS = 256 * 1024  # ... and only for weights of this many values or more (small ones: the kernels)
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
@@ -69,11 +70,14 @@ class Variant:
 
 
 # from the least to the most capable; every variant builds from the same sources, which pick their code by the
-# compiler's flags (simd.h): "avx2" computes in 8 fp32 lanes, "avx512" in 16 (and 12-row panel tiles), and
-# "avx512vnni" also multiplies int8 weights with int16-rounded activations in VNNI's vpdpwssd. Each reads an fp16 KV
-# cache with F16C's conversions (every AVX2 CPU has them).
+# compiler's flags (simd.h): "avx2" computes in 8 fp32 lanes and multiplies int8 weights with int8-rounded
+# activations (vpmaddubsw, as llama.cpp's q8_0), "avx2vnni" the same in AVX-VNNI's 256-bit vpdpbusd (Intel from Alder
+# Lake on), "avx512" in 16 lanes (and 12-row panel tiles), and "avx512vnni" also multiplies int8 weights with
+# int16-rounded activations in VNNI's vpdpwssd. Each reads an fp16 KV cache with F16C's conversions (every AVX2 CPU
+# has them).
 VARIANTS = (
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+    Variant("avx2vnni", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), frozenset({"avx2", "fma", "f16c", "avx_vnni"})),
     Variant("avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"),
             frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"})),
     Variant("avx512vnni", ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
@@ -107,7 +111,8 @@ def cflags(variant: Variant) -> list[str]:
     return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}",
             f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}",
             f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}", f"-DFOLIO_VNNI_GEMM_MIN_ROWS={VNNI_GEMM_MIN_ROWS}",
-            f"-DFOLIO_INT8_GEMM_MIN_WEIGHTS={INT8_GEMM_MIN_WEIGHTS}"]
+            f"-DFOLIO_INT8_GEMM_MIN_WEIGHTS={INT8_GEMM_MIN_WEIGHTS}",
+            f"-DFOLIO_AVX2_GEMM_MIN_ROWS={AVX2_GEMM_MIN_ROWS}"]
 
 
 def sources() -> list[Path]:

@@ -9,8 +9,9 @@ keeps the fp32 table (it reads one row a token).
 
 The products run in the CPU kernels' `linear` (the stored values widened to fp32 in registers, so the sum is the
 fp32 product with the weight as stored) for up to `MAX_ROWS` rows, and through torch with the dequantized weight
-otherwise (a long prompt's prefill, or without the kernels); on CPUs that multiply int8 natively, int8 products of
-8 rows or more round each activation row to int8 for torch's int8 GEMM (W8A8; docs/quantization.md, and
+otherwise (a long prompt's prefill, or without the kernels); where the kernels or the CPU multiply int8 natively,
+int8 products round each activation row to integers first: to int8 for an int8 GEMM (W8A8; batched steps and
+prompts) and in the AVX2 kernels' own products, to int16 in the avx512vnni kernels' (docs/quantization.md, and
 linear.cpp). Quality is measured, not assumed: `bench/quantize.py`, tests/model/test_quantize.py.
 
 `python -m model.quantize` (`__main__.py`) writes a checkpoint quantized.

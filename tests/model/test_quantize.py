@@ -18,6 +18,7 @@ from model.checkpoint import load_checkpoint
 from model.engine import Engine
 from model.eval import score
 from model.kernels import build
+from model.kernels.ops import linear, pack
 from model.quantize import SWAPS, Bf16Linear, Int8Linear, quantize, quantize_rows
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
@@ -70,16 +71,16 @@ def test_stored_linear_equals_the_dequantized_product(kernel_variant: build.Vari
         got = q(x)
         with kernels.disabled():
             plain = q(x)
-    # int8 weights: the rows are rounded to integers where the kernels say so (to int8 in the int8 GEMM, to int16
-    # in the avx512vnni variant's own products, for the rows it takes); elsewhere, as for bf16 weights below 16
-    # rows, the fp32 product up to summation order; bf16 weights from 16 rows, and int8 ones for more rows than
-    # the kernels and the int8 GEMM take, run in torch's bf16 GEMM where the CPU multiplies bf16 (within its
-    # rounding's bound); without the kernels always the fp32 product
+    # int8 weights: the rows are rounded to integers where the kernels say so (to int8 in the int8 GEMM and in the
+    # AVX2 variants' own products, to int16 in the avx512vnni variant's, for the rows they take); elsewhere, as for
+    # bf16 weights below 16 rows, the fp32 product up to summation order; bf16 weights from 16 rows, and int8 ones
+    # for more rows than the kernels and the int8 GEMM take, run in torch's bf16 GEMM where the CPU multiplies bf16
+    # (within its rounding's bound); without the kernels always the fp32 product
     slack: torch.Tensor | float = 1e-4
     limit = rows_rounded_to(rows, q.stored, packed)
     if kind == "int8":
-        int16 = kernel_variant.name == "avx512vnni" and rows <= kernels.MAX_ROWS
-        assert limit == (127 if gemm(rows, q.stored) in INT8_GEMMS else 32767 if int16 else None)
+        own = {"avx512vnni": 32767, "avx2": 127, "avx2vnni": 127}.get(kernel_variant.name)
+        assert limit == (127 if gemm(rows, q.stored) in INT8_GEMMS else own if rows <= kernels.MAX_ROWS else None)
         want = int8_product_as_served(x, q.stored, q.scale, lin.bias if bias else None, packed)
     if gemm(rows, q.stored) == "bf16":
         slack = bf16_gemm_bound(x, q.dequantized())
@@ -93,11 +94,11 @@ def test_stored_linear_equals_the_dequantized_product(kernel_variant: build.Vari
 @pytest.mark.parametrize("rows", [8, 40, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_int8_gemm_is_the_w8a8_product(kernel_variant: build.Variant, rows: int, bias: bool) -> None:
-    """Where the kernels send int8 weights to an int8 GEMM (the avx512vnni variant's own VNNI GEMM on a CPU without
-    AMX, else oneDNN's), in every variant this CPU runs: each row of x rounded to int8 (scale max |x_m| / 127,
-    torch.round of x / scale), the integer products summed exactly, times both scales, plus the bias: that formula
-    in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the pool; a row
-    holding a NaN or an infinity comes out NaN and leaves the others alone."""
+    """Where the kernels send int8 weights to an int8 GEMM (their own: the AVX2 variants', the avx512vnni variant's
+    on a CPU without AMX; else oneDNN's), in every variant this CPU runs: each row of x rounded to int8 (scale
+    max |x_m| / 127, torch.round of x / scale), the integer products summed exactly, times both scales, plus the
+    bias: that formula in float64, up to fp32's rounding of the last multiply-add, on one thread and split over the
+    pool; a row holding a NaN or an infinity comes out NaN and leaves the others alone."""
     torch.manual_seed(rows)
     q = Int8Linear(torch.nn.Linear(768, 384, bias=bias))  # big enough for the int8 GEMM (INT8_GEMM_MIN_WEIGHTS)
     if gemm(rows, q.stored) not in INT8_GEMMS:
@@ -148,6 +149,30 @@ def test_int8_products_of_the_largest_values_do_not_overflow(kernel_variant: bui
         got = q(torch.full((rows, 4104), 3.0))
     want = lin.weight.sum(dim=1).detach() * 3.0  # +-6156
     torch.testing.assert_close(got, want.expand(rows, -1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 40])
+@pytest.mark.parametrize("width", [776, 784, 792])
+def test_int8_products_take_any_int8_weight(kernel_variant: build.Variant, rows: int, width: int) -> None:
+    """Weights of -128 (int8's least, which `quantize_rows` never makes but an int8 tensor may hold) and 127 in
+    every third column, against rows whose largest values round to +-127: the AVX2 variants multiply bytes as |w|
+    (128 for -128) times x with w's sign (llama.cpp's q8_0 on AVX2), whose pairs (2 * 128 * 127) stay within
+    vpmaddubsw's int16. In every variant this CPU runs, from the weight and from its packed copy, the product as
+    served (the rows rounded as the kernels say) up to fp32's rounding; widths 8, 16 and 24 columns past a
+    multiple of 32; rows for the dot products and for the int8 GEMM (400 x 776 weights are big enough for it)."""
+    torch.manual_seed(rows + width)
+    stored = torch.randint(-128, 128, (400, width), dtype=torch.int8)
+    stored[:, ::3], stored[:, 1::3] = -128, 127
+    scale, bias = torch.rand(400) / 100 + 1e-3, torch.randn(400)
+    x = torch.randn(rows, width)
+    x[:, ::3], x[:, 1::3] = -5.0, 5.0
+    # fp32's rounding: of the sums' conversion (integer paths) or of the summation itself (the fp32 ones)
+    slack = 4e-6 * (x.double().abs() @ (stored.double().abs() * scale.double()[:, None]).T) + 1e-5
+    with torch.inference_mode():
+        for packed in (None, pack(stored)):
+            want = int8_product_as_served(x, stored, scale, bias, packed is not None)
+            got = linear(x, stored, bias, packed, scale)
+            assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16"])

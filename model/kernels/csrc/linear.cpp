@@ -12,6 +12,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "copies.h"
@@ -28,17 +29,18 @@ static const W* weight_data(const at::Tensor& w) {
   else return w.data_ptr<W>();
 }
 
-// one tile of dot products: fp32 activations (any weight type), or int16 ones with a scale per row (int8 weights)
+// one tile of dot products: fp32 activations (any weight type), or integer ones with a scale per row (int8 weights:
+// int16 rows in avx512vnni, int8 rows in the AVX2 builds)
 template <int R, int MB, typename W>
 static inline void tile(const W* w, const float* x, const float*, float* y, const float* s, const float* b, int64_t I,
                         int64_t O) {
   dot_tile<R, MB>(w, x, y, s, b, I, O);
 }
-#ifdef FOLIO_INT16_ACTIVATIONS
-template <int R, int MB>
-static inline void tile(const int8_t* w, const int16_t* x, const float* xs, float* y, const float* s, const float* b,
+#if defined(FOLIO_INT16_ACTIVATIONS) || defined(FOLIO_INT8_ACTIVATIONS)
+template <int R, int MB, typename X, typename = std::enable_if_t<std::is_integral_v<X>>>
+static inline void tile(const int8_t* w, const X* x, const float* xs, float* y, const float* s, const float* b,
                         int64_t I, int64_t O) {
-  dot_tile_i16<R, MB>(w, x, xs, y, s, b, I, O);
+  dot_tile_int<R, MB>(w, x, xs, y, s, b, I, O);
 }
 #endif
 
@@ -81,9 +83,10 @@ static void dot_products(const W* w, const X* x, const float* xs, float* y, cons
 }
 
 // x (M, I) rounded per row to integers: scale max |x_m| / limit, each value round(x / scale) (to nearest even, as
-// torch.round), stored as T plus `offset` (oneDNN takes int8 rows as uint8 + 128). A row holding a NaN or an
-// infinity gets scale NaN and zeros, so that its products come out NaN. Rows are split over the pool from 8K values
-// a task (a decode batch's 32 rows of 768 went to one thread, ~4% of an int8 GPT-2 step).
+// torch.round), stored as T plus `offset` (oneDNN takes int8 rows as uint8 + 128; with offset 0 a uint8 holds the
+// int8's bits). A row holding a NaN or an infinity gets scale NaN and zeros, so that its products come out NaN. Rows
+// are split over the pool from 8K values a task (a decode batch's 32 rows of 768 went to one thread, ~4% of an int8
+// GPT-2 step).
 template <typename T>
 struct QuantizedRows {
   QuantizedRows(const float* x, int64_t M, int64_t I, float limit, int offset = 0) : values(M * I), scales(M) {
@@ -127,9 +130,15 @@ struct QuantizedRows {
     if constexpr (sizeof(T) == 1) _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(n));
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(n));
 #else
-    alignas(32) float f[LANES];
-    vstore(f, v);
-    for (int k = 0; k < LANES; k++) q[k] = T(int(f[k]) + offset);
+    // to int16 with signed saturation (the values fit), then to bytes: unsigned where offset (1..255), else signed
+    const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(offset));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    if constexpr (sizeof(T) == 2) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), words);
+    } else {
+      const __m128i bytes = offset ? _mm_packus_epi16(words, words) : _mm_packs_epi16(words, words);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q), bytes);
+    }
 #endif
   }
   std::vector<T> values;
@@ -144,13 +153,17 @@ struct Int16Rows : QuantizedRows<int16_t> {
 };
 #endif
 
-// whether the kernels' own products of int8 weights round the rows to int16 first (the avx512vnni build, for VNNI's
-// vpdpwssd): through the packed panels at any width, in the dot products up to INT16_MAX_WIDTH columns
-static bool int16_activations(bool packed, int64_t I) {
-#ifdef FOLIO_INT16_ACTIVATIONS
-  return packed || I <= INT16_MAX_WIDTH;
+// the largest integer the kernels' own products of int8 weights (`packed`: through the packed panels) round each row
+// to first: 127 in the AVX2 builds (int8 rows, in dot products from the weight as stored, up to INT8_ROWS_MAX_WIDTH
+// columns), 32767 in the avx512vnni build (int16 for VNNI's vpdpwssd: through the packed panels at any width, in the
+// dot products up to INT16_MAX_WIDTH columns), else 0: the rows as they are, the weights widened to fp32
+static int64_t kernel_rows_limit(bool packed, int64_t I) {
+#if defined(FOLIO_INT16_ACTIVATIONS)
+  return packed || I <= INT16_MAX_WIDTH ? 32767 : 0;
+#elif defined(FOLIO_INT8_ACTIVATIONS)
+  return (void)packed, I <= INT8_ROWS_MAX_WIDTH ? 127 : 0;
 #else
-  return (void)packed, (void)I, false;
+  return (void)packed, (void)I, 0;
 #endif
 }
 
@@ -319,36 +332,59 @@ static void kernel_product(const Weight& w, const float* x, int64_t M, float* y)
   const float* s = w.scale ? w.scale->data_ptr<float>() : nullptr;
   const float* b = w.bias ? w.bias->data_ptr<float>() : nullptr;
   const bool packed = M >= PACKED_MIN_ROWS && w.packed;
-#ifdef FOLIO_INT16_ACTIVATIONS
   if constexpr (std::is_same_v<W, int8_t>) {
-    if (int16_activations(packed, w.I)) {
+#ifdef FOLIO_INT16_ACTIVATIONS
+    if (kernel_rows_limit(packed, w.I) == 32767) {
       const Int16Rows xq(x, M, w.I);
       if (packed) panel_products(weight_data<W>(*w.packed), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
       else dot_products(weight_data<W>(w.w), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
       return;
     }
-  }
 #endif
+#ifdef FOLIO_INT8_ACTIVATIONS
+    // int8 rows: the dot products read the weight as stored (the packed panels interleave outputs, not columns)
+    if (kernel_rows_limit(packed, w.I) == 127) {
+      const QuantizedRows<int8_t> xq(x, M, w.I, 127.f);
+      dot_products(weight_data<W>(w.w), xq.values.data(), xq.scales.data(), y, s, b, M, w.I, w.O);
+      return;
+    }
+#endif
+  }
   if (packed) panel_products(weight_data<W>(*w.packed), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
   else dot_products(weight_data<W>(w.w), x, static_cast<const float*>(nullptr), y, s, b, M, w.I, w.O);
 }
 
-// whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16)
+// whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16). An AVX2 build decides as on a CPU of its
+// tier, none of which has either: FOLIO_CPU_KERNELS=avx2 then measures that tier's products on any machine.
 static bool native_bf16() {
+#ifdef FOLIO_VEC512
   static const bool yes = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
   return yes;
+#else
+  return false;
+#endif
 }
 
-// whether the CPU multiplies int8 natively (VNNI's vpdpbusd, or AMX-INT8), as oneDNN's int8 GEMM does
+// whether the CPU multiplies int8 natively (VNNI's vpdpbusd, or AMX-INT8), as oneDNN's int8 GEMM does (an AVX2
+// build: AVX-VNNI only, as above)
 static bool native_int8() {
+#ifdef FOLIO_VEC512
   static const bool yes = __builtin_cpu_supports("avx512vnni") || __builtin_cpu_supports("avxvnni")
                           || __builtin_cpu_supports("amx-int8");
+#else
+  static const bool yes = __builtin_cpu_supports("avxvnni");
+#endif
   return yes;
 }
 
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
-  const int64_t min_rows = vnni_gemm_cpu() ? VNNI_GEMM_MIN_ROWS : INT8_GEMM_MIN_ROWS;
-  return weight == at::kChar && rows >= min_rows && weights >= INT8_GEMM_MIN_WEIGHTS && native_int8();
+  const bool own = vnni_gemm_cpu();
+#ifdef FOLIO_VEC512
+  const int64_t min_rows = own ? VNNI_GEMM_MIN_ROWS : INT8_GEMM_MIN_ROWS;
+#else
+  const int64_t min_rows = AVX2_GEMM_MIN_ROWS;  // own is true: the AVX2 builds always have their GEMM
+#endif
+  return weight == at::kChar && rows >= min_rows && weights >= INT8_GEMM_MIN_WEIGHTS && (own || native_int8());
 }
 
 bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
@@ -378,9 +414,11 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
   }
 }
 
-// The one rule for who does a product of M fp32 rows. On a CPU that multiplies int8: int8 weights that are not small,
-// from VNNI_GEMM_MIN_ROWS rows where the kernels' VNNI GEMM is (vnni_gemm_cpu), else from INT8_GEMM_MIN_ROWS, go to
-// an int8 GEMM with x rounded to int8 (`int8_gemm`, `int8_product`: the kernels' or oneDNN's). On a
+// The one rule for who does a product of M fp32 rows. Where the kernels have their own int8 GEMM (vnni_gemm_cpu: the
+// AVX2 builds, the avx512vnni build without AMX) int8 weights that are not small go to it from AVX2_GEMM_MIN_ROWS
+// (AVX2) or VNNI_GEMM_MIN_ROWS rows, else on a CPU that multiplies int8 to oneDNN's from INT8_GEMM_MIN_ROWS, with x
+// rounded to int8 (`int8_gemm`, `int8_product`); other products of int8 weights round x to int8 (AVX2) or int16
+// (avx512vnni) in the kernels' own dot products and panels (`kernel_rows_limit`). On a
 // CPU that multiplies bf16: bf16 weights from BF16_GEMM_MIN_ROWS rows, and a prompt against the other int8 weights
 // (dequantized to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN); x and the
 // product are rounded to bf16, as in vLLM's bf16 mode. Else up to MAX_ROWS rows of a width that is a multiple of 8 go
@@ -393,9 +431,8 @@ static bool by_kernels(const Weight& w, int64_t M) { return by_kernels(w.w.scala
 
 int64_t rows_rounded_to(int64_t rows, at::ScalarType weight, int64_t O, int64_t I, bool packed) {
   if (int8_gemm(rows, weight, O * I)) return 127;
-  const bool int16 = weight == at::kChar && by_kernels(weight, O, I, rows)
-                     && int16_activations(packed && rows >= PACKED_MIN_ROWS, I);
-  return int16 ? 32767 : 0;
+  if (weight != at::kChar || !by_kernels(weight, O, I, rows)) return 0;
+  return kernel_rows_limit(packed && rows >= PACKED_MIN_ROWS, I);
 }
 
 // rows [begin, end) of w (O, I) int8 times their scales, rounded to bf16 (to nearest even, as torch's .to(bfloat16))
@@ -519,10 +556,11 @@ static void scale_sums(const S* sums, int64_t M, int64_t n, const float* xs, con
 }
 
 // out (M, O) contiguous = x @ (w * scale).T + b with x rounded per row to int8 (`int8_gemm`: W8A8, as llama.cpp's
-// q8_0 and vLLM's int8 modes do): the kernels' VNNI GEMM where `vnni_gemm` (vnni_gemm.cpp: faster than oneDNN's for
-// decode steps and prompts alike), else oneDNN's int8 GEMM (VNNI or AMX) adds the integer products exactly (in int32;
-// packed once and up to MAX_ROWS rows, in fp32, exact below 2^24 and to fp32's rounding above), then each sum is
-// scaled by its row's and output's scales. Split by outputs over the pool as below.
+// q8_0 and vLLM's int8 modes do): the kernels' own GEMM where `vnni_gemm` (vnni_gemm.cpp: AVX512-VNNI's, faster
+// than oneDNN's for decode steps and prompts alike; AVX-VNNI's or AVX2's in the AVX2 builds), else oneDNN's int8 GEMM
+// (VNNI or AMX) adds the integer products exactly (in int32; packed once and up to MAX_ROWS rows, in fp32, exact
+// below 2^24 and to fp32's rounding above), then each sum is scaled by its row's and output's scales. Split by
+// outputs over the pool as below.
 static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   TORCH_CHECK(out.is_contiguous(), "linear: a contiguous output");
   const int64_t M = x.size(0), O = w.O;
@@ -533,7 +571,7 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   // weight, which needs its version counter (an inference tensor has none)
   const bool packable = !w.w.is_inference(), vnni = packable && vnni_gemm(w.I);
   if (vnni || (packable && M <= MAX_ROWS && packed.available())) {
-    const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, 128);
+    const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, vnni ? vnni_rows_offset() : 128);
     if (vnni) {
       vnni_product(w.w, xq.values.data(), xq.scales.data(), M, ws, b, y);
       return;

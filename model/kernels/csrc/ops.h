@@ -9,7 +9,8 @@
 // the thresholds are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
     || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
-    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)
+    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)             \
+    || !defined(FOLIO_AVX2_GEMM_MIN_ROWS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -23,6 +24,7 @@ static constexpr int64_t PACKED_MIN_ROWS = FOLIO_PACKED_MIN_ROWS;
 static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
 static constexpr int64_t VNNI_GEMM_MIN_ROWS = FOLIO_VNNI_GEMM_MIN_ROWS;
+static constexpr int64_t AVX2_GEMM_MIN_ROWS = FOLIO_AVX2_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
 static constexpr int64_t PANEL = FOLIO_PANEL;
@@ -64,15 +66,19 @@ bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 // are multiplied as they are (fp32; the bf16 GEMM rounds them to bf16 instead) (linear.cpp)
 int64_t rows_rounded_to(int64_t rows, at::ScalarType weight, int64_t O, int64_t I, bool packed);
 
-// whether this build and CPU have the kernels' VNNI GEMM: a build with AVX512-VNNI on a CPU without AMX-INT8 (where
-// oneDNN's AMX GEMM is faster), and whether it multiplies rows of `columns` int8 values: a multiple of 4 within
-// int32's exact range (vnni_gemm.cpp)
+// whether this build and CPU have the kernels' own int8 GEMM: a build with AVX512-VNNI on a CPU without AMX-INT8
+// (where oneDNN's AMX GEMM is faster), or an AVX2 build (AVX-VNNI's vpdpbusd in avx2vnni, else vpmaddubsw), and
+// whether it multiplies rows of `columns` int8 values: a multiple of 4 within int32's exact range (vnni_gemm.cpp)
 bool vnni_gemm_cpu();
 bool vnni_gemm(int64_t columns);
 
-// y (M, O) = (x - 128) . w.T * (xs[m] * ws[o]) + b[o]: x (M, I) int8 rows stored as unsigned with an offset of 128
-// and a scale per row, w (O, I) int8 (packed at first use and kept while w lives unchanged: not an inference
-// tensor), ws its scale per output, b a bias or nullptr; split over the pool (vnni_gemm.cpp)
+// the offset the GEMM takes its int8 rows with, as unsigned bytes: 128 where it multiplies in vpdpbusd (unsigned
+// times signed), 0 (the int8's own bits) in AVX2's vpmaddubsw
+int vnni_rows_offset();
+
+// y (M, O) = (x - offset) . w.T * (xs[m] * ws[o]) + b[o]: x (M, I) int8 rows stored as unsigned bytes with the
+// offset above and a scale per row, w (O, I) int8 (packed at first use and kept while w lives unchanged: not an
+// inference tensor), ws its scale per output, b a bias or nullptr; split over the pool (vnni_gemm.cpp)
 void vnni_product(const at::Tensor& w, const uint8_t* x, const float* xs, int64_t M, const float* ws, const float* b,
                   float* y);
 

@@ -1,7 +1,8 @@
 // The vector type the kernels compute with, chosen by the build variant: 16 fp32 lanes where the compiler may use
 // AVX-512 (the "avx512" variant), else 8 (AVX2). Every kernel is written once against these helpers. Weights come
 // as fp32, int8 (with a scale per output row) or bf16 (raw bits); each is widened to fp32 in registers, exactly,
-// so a product is the fp32 product with the weight as stored.
+// so a product is the fp32 product with the weight as stored; except that int8 weights meet rows rounded to
+// integers where the build multiplies integers: int8 rows in the AVX2 builds, int16 ones in avx512vnni (below).
 #pragma once
 
 #include <immintrin.h>
@@ -200,6 +201,72 @@ static inline void dot_tile(const W* w, const float* x, float* y, const float* s
     }
 }
 
+#ifndef FOLIO_VEC512
+// The AVX2 builds multiply int8 weights with activations rounded to int8 (a scale per input row: W8A8, as llama.cpp's
+// q8_0 on AVX2), 32 products to 8 int32 lanes in two or three instructions (sign_split), where widening to fp32
+// takes three per 8 weights. Exact in int32 up to INT8_ROWS_MAX_WIDTH columns (65,536 products of at most 128 * 127).
+// (Rows held as int16 in vpmaddwd, each weight widened once for all rows, measured no faster: 16.8 against 16.0 ms
+// for int8 GPT-2's batch-1 products on one thread of a Xeon, alternated.)
+#define FOLIO_INT8_ACTIVATIONS 1
+static constexpr int64_t INT8_ROWS_MAX_WIDTH = 65536;
+
+// acc + the products of u (unsigned bytes) and s (signed bytes), summed by fours into 8 int32 lanes: AVX-VNNI's
+// vpdpbusd where the build has it (the avx2vnni variant), else vpmaddubsw (pairs into int16) and vpmaddwd (into
+// int32). vpmaddubsw saturates a pair above 32,767: callers keep u <= 128 and |s| <= 127 there (sign_split), or have
+// vpdpbusd.
+static inline __m256i products_by_fours(__m256i acc, __m256i u, __m256i s) {
+#ifdef __AVXVNNI__
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the products of signed bytes w and x (|x| <= 127) by fours: |w| (unsigned; 128 for -128) times x with its
+// sign flipped where w is negative (zero where w is), so that no pair of products exceeds 2 * 128 * 127
+static inline __m256i sign_split(__m256i acc, __m256i w, __m256i x) {
+  return products_by_fours(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+}
+
+// the sum of 8 int32 lanes
+static inline int32_t isum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// as dot_tile, for int8 weights and int8 rows x with a scale per row (xs); I % 8 == 0, I <= INT8_ROWS_MAX_WIDTH
+template <int R, int MB>
+static inline void dot_tile_int(const int8_t* w, const int8_t* x, const float* xs, float* y, const float* scale,
+                                const float* b, int64_t I, int64_t O) {
+  __m256i acc[R][MB];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= I; i += 32) {
+    __m256i xv[MB];
+    for (int m = 0; m < MB; m++) xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * I + i));
+    for (int r = 0; r < R; r++) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * I + i));
+      for (int m = 0; m < MB; m++) acc[r][m] = sign_split(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (; i < I; i += 8) {  // the last 8, 16 or 24 columns, 8 at a time (the zeros above them add nothing)
+    auto load8 = [](const int8_t* p) {
+      return _mm256_zextsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    };
+    __m256i xv[MB];
+    for (int m = 0; m < MB; m++) xv[m] = load8(x + m * I + i);
+    for (int r = 0; r < R; r++) {
+      const __m256i wv = load8(w + r * I + i);
+      for (int m = 0; m < MB; m++) acc[r][m] = sign_split(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) y[m * O + r] = float(isum(acc[r][m])) * xs[m] * scale[r] + (b ? b[r] : 0.f);
+}
+#endif
+
 #if defined(FOLIO_VEC512) && defined(__AVX512VNNI__)
 // int8 weights against activations rounded to int16 (a scale per input row): VNNI's vpdpwssd multiplies 32 pairs
 // and adds them into 16 int32 lanes in one instruction, where widening to fp32 takes three per 16 weights. Each
@@ -217,7 +284,7 @@ static inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 }
 
 template <int R, int MB>
-static inline void dot_tile_i16(const int8_t* w, const int16_t* x, const float* xs, float* y, const float* scale,
+static inline void dot_tile_int(const int8_t* w, const int16_t* x, const float* xs, float* y, const float* scale,
                                 const float* b, int64_t I, int64_t O) {
   __m512i acc[R][MB];
   for (int r = 0; r < R; r++)

@@ -24,8 +24,13 @@ def test_the_best_variant_is_the_most_capable_one_the_cpu_runs() -> None:
     assert avx2.name == "avx2" and avx2.cpu_flags == {"avx2", "fma", "f16c"}
     assert build.best_variant(frozenset({"sse2", "avx", "avx2", "fma", "f16c", "avx512f"})) == (avx2 if x86 else None)
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
-    assert build.best_variant(frozenset(avx512)) == (build.VARIANTS[1] if x86 else None)
-    assert build.best_variant(frozenset(avx512 | {"avx512_vnni"})) == (build.VARIANTS[2] if x86 else None)
+    named = {v.name: v for v in build.VARIANTS}
+    avx2vnni = {"avx2", "fma", "f16c", "avx_vnni"}  # Intel's client CPUs from Alder Lake on
+    assert build.best_variant(frozenset(avx2vnni)) == (named["avx2vnni"] if x86 else None)
+    assert build.best_variant(frozenset(avx512)) == (named["avx512"] if x86 else None)
+    assert build.best_variant(frozenset(avx512 | {"avx512_vnni"})) == (named["avx512vnni"] if x86 else None)
+    # Sapphire Rapids and Zen 5 have both VNNIs: the AVX-512 one, with twice the lanes
+    assert build.best_variant(frozenset(avx512 | avx2vnni | {"avx512_vnni"})) == (named["avx512vnni"] if x86 else None)
     assert build.best_variant(frozenset({"sse2", "avx", "avx2", "f16c"})) is None  # no FMA
     assert build.best_variant(frozenset({"avx2", "fma"})) is None  # no F16C (the fp16 KV cache's conversions)
     assert build.best_variant(frozenset()) is None

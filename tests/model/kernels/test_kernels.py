@@ -123,17 +123,17 @@ def test_disabled_restores(built: None) -> None:
     assert kernels.status() == loaded
 
 
-@pytest.mark.parametrize("setting", ["1", "0", "avx2", "avx512", "avx512vnni", "sse"])
+@pytest.mark.parametrize("setting", ["1", "0", "avx2", "avx2vnni", "avx512", "avx512vnni", "sse"])
 def test_folio_cpu_kernels_picks_a_variant_or_says_why_not(setting: str) -> None:
     variant, why_not = loader.chosen_variant(setting)
     flags = build.cpu_flags()
     if setting == "1":
         assert variant == build.best_variant() and why_not is None
-    elif setting in ("avx2", "avx512", "avx512vnni"):
+    elif setting in ("avx2", "avx2vnni", "avx512", "avx512vnni"):
         runs = {v.name: v.cpu_flags <= flags for v in build.VARIANTS}[setting]
         assert (variant is not None and variant.name == setting) if runs else "this CPU lacks" in why_not
     else:
-        want = "turned off" if setting == "0" else "none of 0, 1, avx2, avx512, avx512vnni"
+        want = "turned off" if setting == "0" else "none of 0, 1, avx2, avx2vnni, avx512, avx512vnni"
         assert variant is None and want in why_not
 
 
