@@ -7,7 +7,7 @@ its random weights make the loss itself meaningless but the per-token KL diverge
 agreement still say what quantizing changed), and greedy agreement. The loss is measured twice: a whole window a
 forward (a prompt's path: more than MAX_ROWS rows go to the GEMMs), and, with the KL divergence and top-1
 agreement, through the KV cache MAX_ROWS tokens a forward (the kernels' own products, as decode steps run them).
-"int4-head8" is int4 with the LM head left int8 (the choice model/quantize makes by this measurement). Prints a
+"int4-head4" is int4 with the LM head int4 too (model/quantize leaves it int8, by this measurement). Prints a
 table; writes bench/results/<name>.json and .png (`--name`, default quantize; FOLIO_CPU_KERNELS=avx2 measures the
 AVX2 kernels on an AVX-512 CPU)."""
 
@@ -32,7 +32,7 @@ from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.eval import score
 from model.gpt import KVCache
-from model.quantize import Int8Linear, quantize, quantize_rows
+from model.quantize import Int4Linear, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import gpt2_tokenizer
@@ -50,13 +50,13 @@ def cpu_name() -> str:
 
 
 def variant(ck: Checkpoint, kind: str) -> Checkpoint:
-    """A copy of `ck` quantized as `kind` (one of QUANTIZATIONS, or "int4-head8": int4 with the LM head int8)."""
+    """A copy of `ck` quantized as `kind` (one of QUANTIZATIONS, or "int4-head4": int4 with the LM head int4 too,
+    where "int4" leaves it int8)."""
     model = copy.deepcopy(ck.model)
-    head8 = kind == "int4-head8"
-    quantize(model, "int4" if head8 else kind)
-    if head8:
-        model.lm_head = Int8Linear(torch.nn.Linear(ck.config.n_embd, ck.config.vocab_size, bias=False))
-        model.lm_head.weight_int8, model.lm_head.scale = quantize_rows(ck.model.lm_head.weight)
+    head4 = kind == "int4-head4"
+    quantize(model, "int4" if head4 else kind)
+    if head4:
+        model.lm_head = Int4Linear(ck.model.lm_head)
     return Checkpoint(path=ck.path, config=ck.config, tokenizer=ck.tokenizer, model=model.eval(), meta=ck.meta)
 
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
     p.add_argument("--models", default="default,gpt2-124m")
-    p.add_argument("--kinds", default="int8,bf16,int4,int4-head8", help="what to compare with fp32")
+    p.add_argument("--kinds", default="int8,bf16,int4,int4-head4", help="what to compare with fp32")
     p.add_argument("--name", default="quantize", help="the results' file name (bench/results/NAME.json, .png)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)

@@ -6,7 +6,8 @@ LM head; activations stay fp32 (but see below for int8 products of many rows).
 - "bf16": each weight rounded to bfloat16 (`Bf16Linear`): 2 bytes per weight;
 - "int4": each group of 32 input weights of an output row scaled symmetrically into [-8, 7] (llama.cpp's q4_0: a
   fp16 scale per group, the value of largest magnitude / -8) and rounded, two weights a byte (`Int4Linear`): 4.5
-  bits per weight. A product whose input width is not a multiple of 32 is int8 instead (`stored_linear`).
+  bits per weight. The LM head, and a product whose input width is not a multiple of 32, are int8 instead
+  (`stored_linear` says why).
 The LM head (tied to the token embedding, ~30% of GPT-2 small's bytes) gets its own copy; the embedding lookup
 keeps the fp32 table (it reads one row a token).
 
@@ -139,10 +140,15 @@ class Int4Linear(StoredLinear):
 SWAPS: dict[str, type[StoredLinear]] = {"int8": Int8Linear, "bf16": Bf16Linear, "int4": Int4Linear}
 
 
-def stored_linear(kind: str, linear: nn.Linear) -> StoredLinear:
-    """`linear` stored as `kind` says; "int4" where the input width holds whole groups of 32, else int8 (every
-    GPT-2 product holds whole groups)."""
-    if kind == "int4" and linear.in_features % INT4_GROUP != 0:
+def stored_linear(kind: str, linear: nn.Linear, *, head: bool = False) -> StoredLinear:
+    """`linear` stored as `kind` says, except under "int4" the LM head (`head`) and a product whose input width holds
+    no whole groups of 32 (none of GPT-2's), which are int8. The head stays int8 by measurement (bench/quantize.py,
+    docs/quantization.md has the runs): on the bundled model it takes a quarter off int4's KL divergence from fp32
+    (1.40e-2 with an int4 head, 1.07e-2 with an int8 one), on GPT-2's shape a ninth (9.8e-3, 8.7e-3), as llama.cpp
+    keeps q4_0 models' output matrix at 6 bits; for GPT-2's 70 -> 87 MB a step, which at batch 1 was within 2% in
+    the AVX-512 VNNI kernels and 8% and 26% slower in the AVX2 ones (their int8 products are bound by widening
+    arithmetic, issue 31), and at batch 8 1-10% faster (the int8 GEMM takes the head's rows)."""
+    if kind == "int4" and (head or linear.in_features % INT4_GROUP != 0):
         return Int8Linear(linear)
     return SWAPS[kind](linear)
 
@@ -157,6 +163,6 @@ def quantize(model: nn.Module, kind: str) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):  # a KernelLinear too (a model the kernels were installed in)
-                setattr(parent, name, stored_linear(kind, child))
+                setattr(parent, name, stored_linear(kind, child, head=name == "lm_head"))
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)
