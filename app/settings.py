@@ -124,10 +124,10 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     log_format: Literal["text", "json"] = Field("text", description="text: a readable line per event; json: one "
                                                 "JSON object per line, for log collectors (app/http/requestlog.py)")
-    quantize: Literal["none", "int8", "bf16"] = Field(
+    quantize: Literal["none", "int8", "bf16", "int4"] = Field(
         "none", description="weights of the blocks' products and the LM head stored as int8 (a scale per output "
-        "row; a quarter of fp32's bytes) or bf16 (half), quantized at load; activations stay fp32 "
-        "(model/quantize)")
+        "row; a quarter of fp32's bytes), bf16 (half) or int4 (a fp16 scale per group of 32, as llama.cpp's q4_0; "
+        "4.5 bits a weight), quantized at load; activations stay fp32 (model/quantize)")
     kv_cache_dtype: Literal["auto", "fp32", "fp16"] = Field(
         "auto", description="the KV cache's element type: fp16 halves its memory and the bytes each decode step's "
         "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "

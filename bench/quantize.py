@@ -1,10 +1,15 @@
-"""fp32 against weight-only int8 and bf16 weights, same engine, same run (`python -m bench.quantize`): decode
+"""fp32 against weight-only int8, bf16 and int4 weights, same engine, same run (`python -m bench.quantize`): decode
 tokens/s at batch 1 and with concurrent requests, on the bundled model and GPT-2 small's shape (random init), in
-alternating rounds (best of each); bytes a batch-1 step reads and the ceiling that implies at the measured read
-bandwidth; and quality against fp32: validation loss on tiny Shakespeare's last 10% (the bundled model; GPT-2's
-shape on the same text through GPT-2's BPE, where its random weights make the loss itself meaningless but the
-per-token KL divergence from fp32 and the top-1 agreement still say what quantizing changed), and greedy
-agreement. Prints a table; writes bench/results/quantize.json and .png."""
+alternating rounds (best of each); bytes a batch-1 step reads, the GB/s of weights that makes at each batch (a step
+reads them once for all its rows) and the ceiling the read bandwidth implies; and quality against fp32: validation
+loss on tiny Shakespeare's last 10% (the bundled model; GPT-2's shape on the same text through GPT-2's BPE, where
+its random weights make the loss itself meaningless but the per-token KL divergence from fp32 and the top-1
+agreement still say what quantizing changed), and greedy agreement. The loss is measured twice: a whole window a
+forward (a prompt's path: more than MAX_ROWS rows go to the GEMMs), and, with the KL divergence and top-1
+agreement, through the KV cache MAX_ROWS tokens a forward (the kernels' own products, as decode steps run them).
+"int4-head4" is int4 with the LM head int4 too (model/quantize leaves it int8, by this measurement). Prints a
+table; writes bench/results/<name>.json and .png (`--name`, default quantize; FOLIO_CPU_KERNELS=avx2 measures the
+AVX2 kernels on an AVX-512 CPU)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from model import kernels
 from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.eval import score
-from model.quantize import quantize
+from model.gpt import KVCache
+from model.quantize import Int4Linear, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import gpt2_tokenizer
@@ -44,8 +50,13 @@ def cpu_name() -> str:
 
 
 def variant(ck: Checkpoint, kind: str) -> Checkpoint:
+    """A copy of `ck` quantized as `kind` (one of QUANTIZATIONS, or "int4-head4": int4 with the LM head int4 too,
+    where "int4" leaves it int8)."""
     model = copy.deepcopy(ck.model)
-    quantize(model, kind)
+    head4 = kind == "int4-head4"
+    quantize(model, "int4" if head4 else kind)
+    if head4:
+        model.lm_head = Int4Linear(ck.model.lm_head)
     return Checkpoint(path=ck.path, config=ck.config, tokenizer=ck.tokenizer, model=model.eval(), meta=ck.meta)
 
 
@@ -92,6 +103,7 @@ def speeds(ck: Checkpoint, kinds: list[str], batches: list[int], new_tokens: int
         for k in models:
             out[k][f"batch{n}"] = best[k]
             out[k][f"over_fp32_batch{n}"] = best[k] / best["fp32"]
+            out[k][f"weights_GBps_batch{n}"] = best[k] / n * out[k]["step_bytes"] / 1e9  # steps/s x bytes a step
     return out
 
 
@@ -107,17 +119,33 @@ def validation_ids(ck: Checkpoint, chars: int) -> list[int] | None:
     return ck.tokenizer.encode(val)
 
 
+def cached_logits(model: torch.nn.Module, ids: list[int], chunk: int) -> torch.Tensor:
+    """The logits (T, vocab) for `ids` (one window) through the KV cache, `chunk` tokens a forward: the rows a
+    decode batch's products see (the kernels' own for up to MAX_ROWS rows), the whole window in context."""
+    cache = KVCache(model.config, 1, max_len=len(ids))
+    out = []
+    for start in range(0, len(ids), chunk):
+        x = torch.tensor([ids[start:start + chunk]])
+        out.append(model(x, cache.step(torch.arange(start, start + x.shape[1])[None]))[0].float())
+    return torch.cat(out)
+
+
 @torch.inference_mode()
-def divergence(a: torch.nn.Module, b: torch.nn.Module, ids: list[int], block: int) -> tuple[float, float]:
-    """Mean per-token KL(a || b) of the next-token distributions, and how often their top-1 tokens agree."""
-    kl, agree, n = 0.0, 0, 0
+def divergence(a: torch.nn.Module, b: torch.nn.Module, ids: list[int], block: int) -> dict[str, float]:
+    """Through the KV cache, MAX_ROWS tokens a forward (`cached_logits`), windows of `block` tokens: mean per-token
+    KL(a || b) of the next-token distributions, how often their top-1 tokens agree, and each one's mean loss on
+    the next tokens."""
+    kl, agree, n, nll_a, nll_b = 0.0, 0, 0, 0.0, 0.0
     for start in range(0, len(ids) - 1, block):
-        x = torch.tensor([ids[start:start + block]])
-        la, lb = a(x).float().log_softmax(-1)[0], b(x).float().log_softmax(-1)[0]
+        window = ids[start:start + block + 1]
+        la, lb = (cached_logits(m, window[:-1], kernels.MAX_ROWS).log_softmax(-1) for m in (a, b))
         kl += (la.exp() * (la - lb)).sum().item()
         agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
-        n += x.shape[1]
-    return kl / n, agree / n
+        following = torch.tensor(window[1:])[:, None]
+        nll_a -= la.gather(1, following).sum().item()
+        nll_b -= lb.gather(1, following).sum().item()
+        n += la.shape[0]
+    return {"kl": kl / n, "top1": agree / n, "loss_a": nll_a / n, "loss_b": nll_b / n}
 
 
 def quality(ck: Checkpoint, kind: str, chars: int) -> dict[str, Any]:
@@ -126,7 +154,7 @@ def quality(ck: Checkpoint, kind: str, chars: int) -> dict[str, Any]:
         return {"skipped": "tiny Shakespeare not found"}
     q = variant(ck, kind)
     fp32, other = score(ck.model, ck.tokenizer, ids), score(q.model, ck.tokenizer, ids)
-    kl, top1 = divergence(ck.model, q.model, ids[:2048], min(256, ck.config.block_size))
+    cached = divergence(ck.model, q.model, ids[:2048], min(256, ck.config.block_size))
     n_greedy = 200 if ck.config.n_embd < 768 else 48  # the naive loop is slow on GPT-2's shape
     greedy = SamplingParams(max_new_tokens=n_greedy, greedy=True)
     agree = []
@@ -135,7 +163,8 @@ def quality(ck: Checkpoint, kind: str, chars: int) -> dict[str, Any]:
         b = [t for t, _ in generate_naive(q.model, prompt, greedy, n_vocab=ck.tokenizer.n_vocab)]
         agree.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
     return {"tokens": fp32.tokens, "val_loss_fp32": fp32.nll / fp32.tokens, "val_loss": other.nll / other.tokens,
-            "loss_ratio": other.nll / fp32.nll, "kl_from_fp32": kl, "top1_agreement": top1,
+            "loss_ratio": other.nll / fp32.nll, "kl_from_fp32": cached["kl"], "top1_agreement": cached["top1"],
+            "cached_val_loss_fp32": cached["loss_a"], "cached_val_loss": cached["loss_b"],
             "greedy_tokens": n_greedy, "greedy_identical_prefix": agree}
 
 
@@ -143,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quantize", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
     p.add_argument("--models", default="default,gpt2-124m")
-    p.add_argument("--kinds", default="int8,bf16", help="what to compare with fp32")
+    p.add_argument("--kinds", default="int8,bf16,int4,int4-head4", help="what to compare with fp32")
+    p.add_argument("--name", default="quantize", help="the results' file name (bench/results/NAME.json, .png)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quality-chars", type=int, default=50_000)
+    p.add_argument("--no-quality", action="store_true", help="speeds only (a second run, another kernel variant)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -162,32 +193,34 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         ck = named_checkpoint(name, args.checkpoint)
         m = report["models"][name] = speeds(ck, kinds, batches, args.new_tokens, args.repeats)
-        m["quality"] = {k: quality(ck, k, args.quality_chars) for k in kinds[1:]}
+        m["quality"] = {} if args.no_quality else {k: quality(ck, k, args.quality_chars) for k in kinds[1:]}
         for k in kinds:
             m[k]["ceiling_batch1"] = bw / m[k]["step_bytes"]
             m[k]["of_ceiling_batch1"] = m[k]["batch1"] / m[k]["ceiling_batch1"] if "batch1" in m[k] else None
     print_table(report, batches)
     out = Path(args.out_dir)
-    write_json(out / "quantize.json", report)
-    plot(report, batches, out / "quantize.png")
+    write_json(out / f"{args.name}.json", report)
+    plot(report, batches, out / f"{args.name}.png")
     return 0
 
 
 def print_table(report: dict[str, Any], batches: list[int]) -> None:
     print(f"CPU: {report['machine']['cpu']}, kernels {report['machine']['kernels']}, "
           f"{report['machine']['threads']} threads, read bandwidth {report['machine']['read_bandwidth_GBps']:.1f} GB/s")
-    print(f"{'model':<12}{'weights':<8}{'MB/step':>9}" + "".join(f"{f'batch {n} tok/s':>20}" for n in batches)
+    print(f"{'model':<12}{'weights':<11}{'MB/step':>9}" + "".join(f"{f'batch {n} tok/s, weights':>27}" for n in batches)
           + f"{'of b1 ceiling':>15}")
     for name, m in report["models"].items():
         for k in report["kinds"]:
-            row = "".join(f"{m[k][f'batch{n}']:>12.1f} (x{m[k][f'over_fp32_batch{n}']:.2f})" for n in batches)
+            row = "".join(f"{m[k][f'batch{n}']:>10.1f} {m[k][f'weights_GBps_batch{n}']:>4.1f} GB/s "
+                          f"(x{m[k][f'over_fp32_batch{n}']:.2f})" for n in batches)
             share = m[k]["of_ceiling_batch1"]
-            print(f"{name:<12}{k:<8}{m[k]['step_bytes'] / 1e6:>9.1f}{row}{'' if share is None else f'{share:>15.0%}'}")
+            print(f"{name:<12}{k:<11}{m[k]['step_bytes'] / 1e6:>9.1f}{row}{'' if share is None else f'{share:>15.0%}'}")
         for k, q in m["quality"].items():
             if "loss_ratio" in q:
-                print(f"{'':<12}{k:<8}quality on {q['tokens']} validation tokens: loss {q['val_loss']:.4f} vs fp32 "
-                      f"{q['val_loss_fp32']:.4f} (x{q['loss_ratio']:.4f}), KL {q['kl_from_fp32']:.2e}, top-1 agreement "
-                      f"{q['top1_agreement']:.2%}, greedy identical prefixes {q['greedy_identical_prefix']} "
+                print(f"{'':<12}{k:<11}quality on {q['tokens']} validation tokens: loss {q['val_loss']:.4f} vs fp32 "
+                      f"{q['val_loss_fp32']:.4f} (x{q['loss_ratio']:.4f}); through the cache {q['cached_val_loss']:.4f}"
+                      f" vs {q['cached_val_loss_fp32']:.4f}, KL {q['kl_from_fp32']:.2e}, top-1 agreement "
+                      f"{q['top1_agreement']:.2%}; greedy identical prefixes {q['greedy_identical_prefix']} "
                       f"of {q['greedy_tokens']}")
 
 

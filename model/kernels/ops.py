@@ -11,12 +11,29 @@ from torch.nn import functional as F
 from model.kernels.build import PANEL
 from model.kernels.loader import library
 
-# the weight types the kernels read (widened to fp32 in registers); activations are fp32
-KERNEL_WEIGHTS = (torch.float32, torch.int8, torch.bfloat16)
+# the weight types the kernels read (widened to fp32 in registers; uint8: two 4-bit weights a byte, csrc/int4.cpp);
+# activations are fp32
+KERNEL_WEIGHTS = (torch.float32, torch.int8, torch.bfloat16, torch.uint8)
+INT4_GROUP = 32  # 4-bit weights a scale (csrc/ops.h's INT4_GROUP)
+
+
+def int4_values(packed: torch.Tensor) -> torch.Tensor:
+    """4-bit weights as stored (O, I / 2) uint8, llama.cpp's q4_0 order: in each group of 32 weights' 16 bytes,
+    weight j in byte j's low nibble and weight 16 + j in its high one, each q + 8) as their values q (O, I) int8,
+    in [-8, 7]."""
+    out, half = packed.shape
+    groups = packed.view(out, half // (INT4_GROUP // 2), INT4_GROUP // 2)
+    q = torch.cat([groups & 0x0F, groups >> 4], dim=2).view(out, 2 * half)
+    return q.to(torch.int8) - 8
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A stored weight (fp32, bf16, or int8 with a scale per output row) as `dtype`: what the kernels compute with."""
+    """A stored weight (fp32, bf16, int8 with a scale per output row, or 4-bit in bytes with a fp16 scale per group
+    of INT4_GROUP input weights) as `dtype`: what the kernels compute with (int4: q * scale, exact in fp32)."""
+    if weight.dtype == torch.uint8:
+        assert scale is not None, "4-bit weights need their scales"
+        q = int4_values(weight).float().view(weight.shape[0], -1, INT4_GROUP)
+        return (q * scale.float()[:, :, None]).view(weight.shape[0], -1).to(dtype)
     w = weight.to(dtype)
     return w if scale is None else w * scale.to(dtype)[:, None]
 
@@ -31,7 +48,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     its thresholds in build.py) sends the product to a GEMM: int8 weights to an int8 GEMM with the rows rounded to
     int8, bf16 weights (and int8 ones for a prompt the int8 GEMM does not take) to torch's bf16 GEMM with x rounded
     to bf16; and the avx512vnni kernels' own int8 products round the rows to int16. The library answers which, for
-    any rows and weight (`bf16_gemm`, `int8_gemm`, `vnni_gemm`, `rows_rounded_to`: what the tests' bounds read)."""
+    any rows and weight (`bf16_gemm`, `int8_gemm`, `vnni_gemm`, `rows_rounded_to`: what the tests' bounds read).
+    4-bit weights (uint8, `scale` per group) go through the kernels at any number of rows (csrc/int4.cpp): each row
+    rounded to int8 per group of 32, the integer products summed exactly, then scaled."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

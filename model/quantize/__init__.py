@@ -3,7 +3,11 @@
 LM head; activations stay fp32 (but see below for int8 products of many rows).
 - "int8": each output row's weights scaled symmetrically into [-127, 127] (one fp32 scale per row,
   max |w| / 127) and rounded (`Int8Linear`): a decode step reads 1 byte per weight instead of 4;
-- "bf16": each weight rounded to bfloat16 (`Bf16Linear`): 2 bytes per weight.
+- "bf16": each weight rounded to bfloat16 (`Bf16Linear`): 2 bytes per weight;
+- "int4": each group of 32 input weights of an output row scaled symmetrically into [-8, 7] (llama.cpp's q4_0: a
+  fp16 scale per group, the value of largest magnitude / -8) and rounded, two weights a byte (`Int4Linear`): 4.5
+  bits per weight. The LM head, and a product whose input width is not a multiple of 32, are int8 instead
+  (`stored_linear` says why).
 The LM head (tied to the token embedding, ~30% of GPT-2 small's bytes) gets its own copy; the embedding lookup
 keeps the fp32 table (it reads one row a token).
 
@@ -25,8 +29,9 @@ import torch
 import torch.nn as nn
 
 from model.kernels.modules import StoredLinear
+from model.kernels.ops import INT4_GROUP
 
-QUANTIZATIONS = ("none", "int8", "bf16")
+QUANTIZATIONS = ("none", "int8", "bf16", "int4")
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +87,71 @@ class Bf16Linear(StoredLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
 
 
-SWAPS: dict[str, type[StoredLinear]] = {"int8": Int8Linear, "bf16": Bf16Linear}
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(4-bit weights packed two a byte (O, I / 2) uint8, fp16 scale per group (O, I / 32)) with weight ~= q * scale
+    per group of INT4_GROUP input weights, q in [-8, 7] (`ops.int4_values` reads them back). As llama.cpp's q4_0:
+    the scale is the group's value of largest magnitude / -8 (so that value is exactly -8 steps, the full range of
+    16 levels used), rounded to fp16, and q = round(w / scale) (half to even) with the fp16 scale, clamped."""
+    w = weight.detach().float()
+    out, n_in = w.shape
+    assert n_in % INT4_GROUP == 0, f"4-bit groups of {INT4_GROUP} need an input width that is a multiple: {n_in}"
+    groups = w.view(out, n_in // INT4_GROUP, INT4_GROUP)
+    largest = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True))  # (O, G, 1), signed
+    scale = (largest / -8).to(torch.float16)
+    divisor = scale.float()
+    q = torch.where(divisor == 0, 0, torch.round(groups / torch.where(divisor == 0, 1, divisor))).clamp(-8, 7)
+    nibbles = (q + 8).to(torch.uint8)
+    packed = nibbles[:, :, : INT4_GROUP // 2] | (nibbles[:, :, INT4_GROUP // 2:] << 4)
+    return packed.reshape(out, n_in // 2).contiguous(), scale.view(out, -1).contiguous()
+
+
+class Int4Linear(StoredLinear):
+    """`nn.Linear` with 4-bit weights, two a byte, and a fp16 scale per group of 32 input weights of each output
+    row (`quantize_groups`); fp32 in and out. The kernels take the bytes as they are (csrc/int4.cpp): no packed
+    copy."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        q, scale = quantize_groups(linear.weight)
+        self.register_buffer("weight_int4", q.to(linear.weight.device))
+        self.register_buffer("scale", scale.to(linear.weight.device))
+
+    @property
+    def stored(self) -> torch.Tensor:
+        return self.weight_int4
+
+    @property
+    def scale_or_none(self) -> torch.Tensor | None:
+        return self.scale
+
+    def pack(self) -> None:
+        """Nothing to pack: the kernels read the bytes as stored."""
+
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> Int4Linear:
+        # `.to(dtype)` converts every floating tensor; the scales stay fp16 (fp16 -> fp32 -> fp16 is exact)
+        super()._apply(fn, recurse)
+        self.scale = self.scale.to(torch.float16)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 in groups of {INT4_GROUP} "
+                "(a fp16 scale each)")
+
+
+SWAPS: dict[str, type[StoredLinear]] = {"int8": Int8Linear, "bf16": Bf16Linear, "int4": Int4Linear}
+
+
+def stored_linear(kind: str, linear: nn.Linear, *, head: bool = False) -> StoredLinear:
+    """`linear` stored as `kind` says, except under "int4" the LM head (`head`) and a product whose input width holds
+    no whole groups of 32 (none of GPT-2's), which are int8. The head stays int8 by measurement (bench/quantize.py,
+    docs/quantization.md has the runs): on the bundled model it takes a quarter off int4's KL divergence from fp32
+    (1.40e-2 with an int4 head, 1.07e-2 with an int8 one), on GPT-2's shape a ninth (9.8e-3, 8.7e-3), as llama.cpp
+    keeps q4_0 models' output matrix at 6 bits; for GPT-2's 70 -> 87 MB a step, which at batch 1 was within 2% in
+    the AVX-512 VNNI kernels and 8% and 26% slower in the AVX2 ones (their int8 products are bound by widening
+    arithmetic, issue 31), and at batch 8 1-10% faster (the int8 GEMM takes the head's rows)."""
+    if kind == "int4" and (head or linear.in_features % INT4_GROUP != 0):
+        return Int8Linear(linear)
+    return SWAPS[kind](linear)
 
 
 def quantize(model: nn.Module, kind: str) -> int:
@@ -92,10 +161,9 @@ def quantize(model: nn.Module, kind: str) -> int:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {kind!r}")
     if kind == "none":
         return 0
-    swap = SWAPS[kind]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):  # a KernelLinear too (a model the kernels were installed in)
-                setattr(parent, name, swap(child))
+                setattr(parent, name, stored_linear(kind, child, head=name == "lm_head"))
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)

@@ -1,5 +1,5 @@
-"""`python -m model.quantize`: write a checkpoint with its weights quantized (int8 or bf16, model/quantize), to
-be served as it is."""
+"""`python -m model.quantize`: write a checkpoint with its weights quantized (int8, bf16 or int4, model/quantize),
+to be served as it is."""
 
 from __future__ import annotations
 

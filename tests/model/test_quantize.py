@@ -1,6 +1,7 @@
 """Weight-only int8 and bf16 (model/quantize): the per-row quantization against its own definition, the stored
 linears (the kernel's dot products, its packed panels and torch's) against the product with the dequantized weight,
-the bundled model's validation loss within 1% of fp32's, and a server started with --quantize."""
+the bundled model's validation loss within 1% of fp32's (int4's within 2%), and a server started with --quantize
+(int4 too; its products: test_quantize_int4.py)."""
 
 from __future__ import annotations
 
@@ -175,8 +176,13 @@ def test_int8_products_take_any_int8_weight(kernel_variant: build.Variant, rows:
             assert ((got.double() - want).abs() <= slack).all(), (packed is None, (got.double() - want).abs().max())
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
-def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(repo, data_dir, kind: str) -> None:
+# how far each kind may move the bundled model's validation loss: 1% for int8 and bf16; int4 measured x1.0058 here
+# (its head int8; docs/quantization.md), 2% allowed
+LOSS_BOUND = {"int8": 0.01, "bf16": 0.01, "int4": 0.02}
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int4"])
+def test_quantized_keeps_the_bundled_models_validation_loss_within_bounds(repo, data_dir, kind: str) -> None:
     text = data_dir / "tinyshakespeare" / "input.txt"
     if not text.is_file():
         pytest.skip(f"{text} not found (docs/tests.md; FOLIO_TEST_DATA)")
@@ -196,10 +202,10 @@ def test_quantized_keeps_the_bundled_models_validation_loss_within_1_percent(rep
     agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
     print(f"\nval loss fp32 {fp32.nll / fp32.tokens:.4f}, {kind} {int8.nll / int8.tokens:.4f} (x{ratio:.4f}); "
           f"greedy tokens identical for the first {agree} of {len(a)}")
-    assert abs(ratio - 1) < 0.01
+    assert abs(ratio - 1) < LOSS_BOUND[kind]
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int4"])
 def test_a_server_with_quantize_serves_and_says_so(repo, kind: str, caplog: pytest.LogCaptureFixture) -> None:
     """/info and the start-up line name the weights' format (the line said "(float32)", the compute type, alone)."""
     settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cpu", threads=1, quantize=kind)
@@ -213,7 +219,7 @@ def test_a_server_with_quantize_serves_and_says_so(repo, kind: str, caplog: pyte
         r = c.post("/generate", json={"inputs": "ROMEO:", "parameters": {"max_new_tokens": 20}})
         assert r.status_code == 200 and len(r.json()["generated_text"]) == 20
     with pytest.raises(ValueError, match="quantize"):
-        quantize(torch.nn.Linear(8, 8), "int4")
+        quantize(torch.nn.Linear(8, 8), "int3")
 
 
 def test_quantizing_a_model_the_kernels_run_in_quantizes_every_product(repo) -> None:

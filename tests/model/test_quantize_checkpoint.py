@@ -46,7 +46,7 @@ def test_an_unknown_quantization_in_config_is_refused(repo, tmp_path) -> None:
     main(["--checkpoint", str(repo / "weights" / "shakespeare-char"), "--out", str(tmp_path / "q8")])
     config = tmp_path / "q8" / "config.json"
     meta = json.loads(config.read_text())
-    meta["quantization"] = "int4"
+    meta["quantization"] = "int3"
     config.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="quantization must be one of"):
         load_checkpoint(tmp_path / "q8")

@@ -400,8 +400,12 @@ static at::Tensor dequantized(const at::Tensor& w, const OptionalTensor& scale) 
 
 Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, OptionalTensor scale_)
     : w(std::move(weight)), bias(std::move(bias_)), packed(std::move(packed_)), scale(std::move(scale_)),
-      O(w.size(0)), I(w.size(1)) {
+      O(w.size(0)), I(w.size(1) * (w.scalar_type() == at::kByte ? 2 : 1)) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "linear: a contiguous 2-D weight");
+  if (w.scalar_type() == at::kByte) {  // two 4-bit weights a byte (int4.cpp)
+    check_int4(*this);
+    return;
+  }
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar || w.scalar_type() == at::kBFloat16,
               "linear: weights are fp32, int8 or bf16, not ", w.scalar_type());
   TORCH_CHECK(w.scalar_type() != at::kChar || scale.has_value(), "linear: an int8 weight needs its scales");
@@ -609,6 +613,7 @@ static void torch_product(const Weight& w, const at::Tensor& x, at::Tensor out) 
 }
 
 void product_into(const Weight& w, const float* x, int64_t M, float* y) {
+  if (w.w.scalar_type() == at::kByte) return int4_product(w, x, M, y);  // any rows (int4.cpp)
   if (!by_kernels(w, M)) {
     torch_product(w, at::from_blob(const_cast<float*>(x), {M, w.I}, at::kFloat), at::from_blob(y, {M, w.O}));
     return;
@@ -623,11 +628,11 @@ void product_into(const Weight& w, const float* x, int64_t M, float* y) {
 // x (M, I) @ (w * scale).T + b through the one rule above (Python's `kernels.linear` calls this)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,
                   const OptionalTensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: shapes");
   const Weight weight(w, b, packed, scale);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.I, "linear: shapes");
   const int64_t M = x.size(0);
   auto y = at::empty({M, weight.O}, x.options());
-  if (x.scalar_type() != at::kFloat || !by_kernels(weight, M)) {
+  if (w.scalar_type() != at::kByte && (x.scalar_type() != at::kFloat || !by_kernels(weight, M))) {
     torch_product(weight, x, y);
     return y;
   }

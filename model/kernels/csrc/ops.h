@@ -36,7 +36,8 @@ inline void check_floats(const OptionalTensor& t, int64_t n, const char* what) {
 }
 
 // A product's weight as the kernels read it, checked once: w (O, I) fp32, int8 (with a fp32 scale per output row)
-// or bf16, an optional fp32 bias (O) and the packed copy (ceil(O / PANEL), I, PANEL) of ops.pack, or none
+// or bf16, an optional fp32 bias (O) and the packed copy (ceil(O / PANEL), I, PANEL) of ops.pack, or none; or int4
+// (below: w (O, I / 2) bytes, I counts the weights)
 struct Weight {
   Weight(at::Tensor w, OptionalTensor bias, OptionalTensor packed, OptionalTensor scale);
   at::Tensor w;
@@ -47,6 +48,14 @@ struct Weight {
 // y (M, O) = x (M, I) fp32 @ (w * scale).T + b: the kernels for up to MAX_ROWS rows (from PACKED_MIN_ROWS rows
 // through the packed copy when there is one, else dot products), torch's linear (or its int8 or bf16 GEMM) otherwise
 void product_into(const Weight& w, const float* x, int64_t M, float* y);
+
+// 4-bit weights (int4.cpp): w (O, I / 2) uint8, two weights a byte (q + 8 in each nibble, llama.cpp's q4_0 order),
+// scale (O, I / INT4_GROUP) fp16; the weight is q * scale. `check_int4` checks a Weight of them (its constructor
+// calls it); `int4_product` is product_into for them, any number of rows: x rounded to int8 per row and group of
+// INT4_GROUP (a scale max |x_g| / 127, half to even), the integer products summed exactly per group
+static constexpr int64_t INT4_GROUP = 32;
+void check_int4(const Weight& w);
+void int4_product(const Weight& w, const float* x, int64_t M, float* y);
 
 // the same on tensors: x (M, I) -> (M, O) (any float type; the kernels take fp32)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const OptionalTensor& b, const OptionalTensor& packed,

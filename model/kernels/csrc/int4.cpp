@@ -1,0 +1,227 @@
+// 4-bit weights (model/quantize's "int4", llama.cpp's q4_0 layout): w (O, I / 2) bytes, each group of INT4_GROUP
+// (32) input weights of an output row in 16 bytes, weight j in the low nibble of byte j and weight 16 + j in its
+// high one, each stored as q + 8 for q in [-8, 7]; a fp16 scale per group, scale (O, I / 32). The weight is q * scale.
+//
+// Every product multiplies in integers, as llama.cpp's ggml_vec_dot_q4_0_q8_0 does: each row
+// of x is rounded to int8 per group of 32 (a scale max |x_g| / 127 per row and group, half to even), the nibbles
+// (q + 8, unsigned) times those bytes summed in int32 lanes (AVX512-VNNI's vpdpbusd; else vpmaddubsw then vpmaddwd,
+// exact: at most 2 * 15 * 127 per pair), the +8 taken off by starting each lane at -8 times its bytes' sum, and each
+// group's lanes added into fp32 times the group's two scales. 8 lanes take one group (AVX2), 16 take two (AVX-512;
+// x's bytes laid out to match the nibbles' order, a group's half of a pair empty at an odd end), tiles of 4 weight
+// rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace folio {
+
+#ifdef FOLIO_VEC512
+using IVec = __m512i;
+#else
+using IVec = __m256i;
+#endif
+// the weights one integer vector takes: 4 a lane, one group (8 lanes) or two (16)
+static constexpr int64_t BLOCK = 4 * LANES;
+static constexpr int64_t PAIR = BLOCK / INT4_GROUP;  // groups a block: 1 or 2
+static_assert(INT4_GROUP == 32 && (PAIR == 1 || PAIR == 2), "int4.cpp: groups of 32, blocks of one or two");
+
+void check_int4(const Weight& w) {
+  TORCH_CHECK(w.I % INT4_GROUP == 0, "linear: an int4 weight's rows hold whole groups of 32 (I = ", w.I, ")");
+  TORCH_CHECK(w.scale && w.scale->scalar_type() == at::kHalf && w.scale->is_contiguous() && w.scale->dim() == 2
+              && w.scale->size(0) == w.O && w.scale->size(1) == w.I / INT4_GROUP,
+              "linear: an int4 weight (O, I / 2) needs its fp16 scales (O, I / 32)");
+  TORCH_CHECK(!w.packed, "linear: an int4 weight has no packed copy");
+  check_floats(w.bias, w.O, "linear: bias");
+}
+
+// x (M, I) rounded to int8 per group for the integer products: per row and block, BLOCK bytes of x in the order the
+// nibbles unpack to (unpack below), LANES int32 of -8 times the sum of each lane's 4 bytes (the accumulators' start),
+// and LANES fp32 of each lane's group's scale (0 in the empty half of an odd end's block; NaN for a group holding
+// a NaN or an infinity, so its row comes out NaN)
+struct Int4Rows {
+  Int4Rows(const float* x, int64_t M, int64_t I)
+      : blocks((I + BLOCK - 1) / BLOCK), stride(3 * BLOCK * blocks), data(M * stride, 0) {
+    pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++) row(x + m * I, I, data.data() + m * stride);
+    });
+  }
+  // where weight j (< 32) of a block's group h (< PAIR) sits among the block's bytes: 16-byte pieces, the low
+  // nibbles' (weights 0-15) of each group, then the high ones' (16-31)
+  static int64_t position(int64_t h, int64_t j) { return (j / 16 * PAIR + h) * 16 + j % 16; }
+  void row(const float* x, int64_t I, uint8_t* out) const {
+    for (int64_t g = 0; g < I / INT4_GROUP; g++) {
+      const float* xg = x + g * INT4_GROUP;
+      uint8_t* blk = out + (g / PAIR) * 3 * BLOCK;
+      const int64_t h = g % PAIR;
+      float amax = 0.f;
+      bool finite = true;
+      for (int64_t j = 0; j < INT4_GROUP; j++) {
+        finite = finite && std::isfinite(xg[j]);
+        amax = std::max(amax, std::fabs(xg[j]));
+      }
+      const float scale = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? amax / 127.f : 1.f;
+      alignas(64) float rounded[INT4_GROUP];
+      if (finite) {
+        const Vec divisor = vbroadcast(scale);
+        for (int64_t j = 0; j < INT4_GROUP; j += LANES) vstore(rounded + j, vround(vdiv(vload(xg + j), divisor)));
+      } else {
+        std::fill(rounded, rounded + INT4_GROUP, 0.f);
+      }
+      for (int64_t j = 0; j < INT4_GROUP; j++) blk[position(h, j)] = uint8_t(int8_t(rounded[j]));
+      float* scales = reinterpret_cast<float*>(blk + 2 * BLOCK);
+      for (int64_t piece = 0; piece < 2; piece++)  // lanes of (piece, h): 4 a piece of 16 bytes
+        for (int64_t k = 0; k < 4; k++) scales[(piece * PAIR + h) * 4 + k] = scale;
+    }
+    for (int64_t b = 0; b < blocks; b++) {  // each lane's start: -8 times its 4 bytes' sum
+      const int8_t* q = reinterpret_cast<const int8_t*>(out + b * 3 * BLOCK);
+      int32_t* start = reinterpret_cast<int32_t*>(out + b * 3 * BLOCK + BLOCK);
+      for (int64_t lane = 0; lane < LANES; lane++)
+        start[lane] = -8 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
+    }
+  }
+  const uint8_t* block(int64_t m, int64_t b) const { return data.data() + m * stride + b * 3 * BLOCK; }
+  int64_t blocks, stride;
+  std::vector<uint8_t> data;
+};
+
+// a block's nibbles (q + 8) as bytes, in Int4Rows' order; `half`: the block's second group is past the row's end
+// (its bytes read as zeros)
+static inline IVec unpack(const uint8_t* p, bool half) {
+#ifdef FOLIO_VEC512
+  const __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+#else
+  (void)half;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+#endif
+}
+
+// a block's weight scales (fp16, from s) in its lanes' order: with two groups a, b, (a a a a b b b b) twice
+static inline Vec block_scales(const uint16_t* s, bool half) {
+#ifdef FOLIO_VEC512
+  if (half) return _mm512_set1_ps(_cvtsh_ss(s[0]));
+  int32_t two;
+  std::memcpy(&two, s, sizeof two);
+  const __m512 alternating = _mm512_cvtph_ps(_mm256_set1_epi32(two));  // a b a b ...
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), alternating);
+#else
+  (void)half;
+  return _mm256_set1_ps(_cvtsh_ss(s[0]));
+#endif
+}
+
+// start + the sums of each lane's 4 products of w's unsigned bytes with x's signed ones, exact in int32
+static inline IVec dot(IVec w, IVec x, IVec start) {
+#if defined(FOLIO_VEC512) && defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(start, w, x);
+#elif defined(FOLIO_VEC512)
+  return _mm512_add_epi32(start, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#else
+  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline IVec iload(const uint8_t* p) {
+#ifdef FOLIO_VEC512
+  return _mm512_loadu_si512(p);
+#else
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#endif
+}
+
+static inline Vec to_floats(IVec v) {
+#ifdef FOLIO_VEC512
+  return _mm512_cvtepi32_ps(v);
+#else
+  return _mm256_cvtepi32_ps(v);
+#endif
+}
+
+// acc[r][m] += block b of weight row r against block b of x row m, for R weight rows and MB x rows
+template <int R, int MB>
+static inline void block_products(const uint8_t* w, const uint16_t* s, int64_t row_bytes, int64_t groups,
+                                  const Int4Rows& x, int64_t m0, int64_t b, bool half, Vec (&acc)[R][MB]) {
+  for (int r = 0; r < R; r++) {
+    const IVec wv = unpack(w + r * row_bytes + b * BLOCK / 2, half);
+    const Vec sv = block_scales(s + r * groups + b * PAIR, half);
+    for (int m = 0; m < MB; m++) {
+      const uint8_t* xb = x.block(m0 + m, b);
+      const IVec sums = dot(wv, iload(xb), iload(xb + BLOCK));
+      acc[r][m] = vfma(to_floats(sums), vmul(sv, vload(reinterpret_cast<const float*>(xb + 2 * BLOCK))), acc[r][m]);
+    }
+  }
+}
+
+// y[m, o + r] for R weight rows from o and MB x rows from m0 (y's row stride O)
+template <int R, int MB>
+static inline void int4_tile(const Weight& w, const Int4Rows& x, int64_t m0, int64_t o, float* y) {
+  const int64_t row_bytes = w.I / 2, groups = w.I / INT4_GROUP, whole = groups / PAIR;
+  const uint8_t* wp = w.w.data_ptr<uint8_t>() + o * row_bytes;
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>()) + o * groups;
+  Vec acc[R][MB];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) acc[r][m] = vzero();
+  for (int64_t b = 0; b < whole; b++) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, b, false, acc);
+  if (whole < x.blocks) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, whole, true, acc);
+  const float* bias = w.bias ? w.bias->data_ptr<float>() + o : nullptr;
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) y[(m0 + m) * w.O + o + r] = vsum(acc[r][m]) + (bias ? bias[r] : 0.f);
+}
+
+// x rows a tile: 4 x 4 accumulators in AVX-512's 32 registers, 4 x 3 in AVX2's 16
+#ifdef FOLIO_VEC512
+static constexpr int TILE_X_ROWS = 4;
+#else
+static constexpr int TILE_X_ROWS = 3;
+#endif
+
+// R weight rows from o against the MB < TILE_X_ROWS x rows left from m
+template <int R, int MB = TILE_X_ROWS - 1>
+static inline void int4_rest(const Weight& w, const Int4Rows& x, int64_t left, int64_t m, int64_t o, float* y) {
+  if (left == MB) int4_tile<R, MB>(w, x, m, o, y);
+  else if constexpr (MB > 1) int4_rest<R, MB - 1>(w, x, left, m, o, y);
+}
+
+// R weight rows from o against every x row, TILE_X_ROWS at a time
+template <int R>
+static inline void int4_rows(const Weight& w, const Int4Rows& x, int64_t M, int64_t o, float* y) {
+  int64_t m = 0;
+  for (; m + TILE_X_ROWS <= M; m += TILE_X_ROWS) int4_tile<R, TILE_X_ROWS>(w, x, m, o, y);
+  if (m < M) int4_rest<R>(w, x, M - m, m, o, y);
+}
+
+// the integer products for M rows: 4 weight rows a task, split over the pool
+static void int4_kernel(const Weight& w, const float* x, int64_t M, float* y) {
+  const Int4Rows rows(x, M, w.I);
+  constexpr int64_t R = 4;
+  const int64_t tasks = (w.O + R - 1) / R;
+  const int64_t grain = grain_for(R * (w.I / 2 + w.I / INT4_GROUP * 2), 2 * R * w.I * M);
+  pool().run(tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const int64_t o = t * R, n = std::min(R, w.O - o);
+      if (n == R) int4_rows<4>(w, rows, M, o, y);
+      else
+        for (int64_t r = 0; r < n; r++) int4_rows<1>(w, rows, M, o + r, y);
+    }
+  });
+}
+
+// Any number of rows, MAX_ROWS at a time: each piece's rounded rows (3 bytes a value) stay in L2 while every weight
+// row streams past them. Dequantizing the weight to bf16 for torch's bf16 GEMM instead (what a prompt's rows against
+// bf16 weights get) was slower: 128 rows against GPT-2's 768 x 2304 took 64 ms that way and 2.3 ms here for 64 rows
+// (a 2-vCPU Xeon with AMX shared with other work, torch's bare bf16 GEMM 8.4 ms for the 128 rows).
+void int4_product(const Weight& w, const float* x, int64_t M, float* y) {
+  for (int64_t m = 0; m < M; m += MAX_ROWS) int4_kernel(w, x + m * w.I, std::min(MAX_ROWS, M - m), y + m * w.O);
+}
+
+}  // namespace folio
