@@ -3,10 +3,10 @@
     python -m bench.peers [--servers folio,llama-f32,...] [--tier native|avx2] [--repeats 3] [--threads 2] [--smoke]
 
 One GPT-2 124M checkpoint (random init, seed 0, nothing downloaded) is converted into every format: Folio's
-checkpoint, GGUF f32 and q8_0 (llama.cpp's own `convert_hf_to_gguf.py`), q4_0 and Q4_K_M (its `llama-quantize`,
-from the f32 file) and the `transformers` directory vLLM loads. Each server then runs alone on 127.0.0.1 with the
-same thread count, and the same async httpx client measures it through OpenAI's `/v1/completions` (greedy,
-streaming off):
+checkpoint (served fp32, int8, bf16 and int4), GGUF f32 and q8_0 (llama.cpp's own `convert_hf_to_gguf.py`), q4_0
+and Q4_K_M (its `llama-quantize`, from the f32 file) and the `transformers` directory vLLM loads. Each server
+then runs alone on 127.0.0.1 with the same thread count, and the same async httpx client measures it through
+OpenAI's `/v1/completions` (greedy, streaming off):
 - batch 1: one request at a time, 128 new tokens: tokens/s;
 - 32 concurrent requests, 64 new tokens each: aggregate tokens/s;
 - time to first token (a request for one token) of a fresh 512-token prompt, then of the same prompt again:

@@ -21,6 +21,7 @@ VARIANTS_OF_FOLIO: list[tuple[str, list[str]]] = [
     ("folio", []),
     ("folio-int8", ["--quantize", "int8"]),
     ("folio-bf16", ["--quantize", "bf16"]),
+    ("folio-int4", ["--quantize", "int4"]),
 ]
 TIERS = ("native", "avx2")
 LLAMA_OUTTYPES = ("f32", "q8_0", *LLAMA_QUANTIZED)
