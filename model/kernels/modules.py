@@ -4,7 +4,7 @@
 inside `forward`:
 - each fp32 CPU `nn.Linear` becomes a `KernelLinear`: the same parameters (the LM head stays tied to the token
   embedding), computed by `ops.linear`, with a packed copy of its weight as a buffer that is not saved;
-- quantized weights (`model/quantize`: int8, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
+- quantized weights (`model/quantize`: int8, int4, bf16) are `StoredLinear`s, computed by the same `ops.linear`;
 - a model's `Blocks` whose every block (head size a multiple of 8) has such products become `FusedBlocks`: a
   cached forward of up to `FUSED_MAX_TOKENS` tokens at inference runs all the blocks in one kernel call, LoRA
   adapters applied to some rows included (model/lora/batched.py); anything else runs `Blocks.forward` (each
