@@ -14,6 +14,17 @@ CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 
                       9: 27.877, 10: 29.588, 11: 31.264}
 
 
+def chi2_critical(df: int) -> float:
+    """The chi-square statistic with `df` degrees of freedom exceeded with probability 0.001 (scipy's, else the
+    table's)."""
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.isf(0.001, df))
+    except ImportError:
+        return CHI2_CRITICAL_P001[df]
+
+
 def softmax(z: list[float]) -> list[float]:
     m = max(v for v in z if v != -math.inf)
     e = [0.0 if v == -math.inf else math.exp(v - m) for v in z]
@@ -51,12 +62,7 @@ def chi_square_ok(counts: list[int], probs: list[float]) -> tuple[bool, str]:
         cells.append((pooled_obs, pooled_exp))
     stat = sum((o - e) ** 2 / e for o, e in cells)
     df = len(cells) - 1
-    try:
-        from scipy.stats import chi2
-
-        critical = float(chi2.isf(0.001, df))
-    except ImportError:
-        critical = CHI2_CRITICAL_P001[df]
+    critical = chi2_critical(df)
     return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} counts={counts}"
 
 
@@ -81,10 +87,5 @@ def same_distribution_ok(a: list[int], b: list[int]) -> tuple[bool, str]:
             e = n * total / (na + nb)
             stat += (observed - e) ** 2 / e
     df = len(cells) - 1
-    try:
-        from scipy.stats import chi2
-
-        critical = float(chi2.isf(0.001, df))
-    except ImportError:
-        critical = CHI2_CRITICAL_P001[df]
+    critical = chi2_critical(df)
     return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} a={a} b={b}"
