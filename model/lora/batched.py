@@ -122,11 +122,6 @@ class _Rows:
 _local = threading.local()
 
 
-def active() -> bool:
-    """Whether a forward of this thread applies an adapter to some row now (inside `applying`)."""
-    return getattr(_local, "rows", None) is not None
-
-
 def stack_groups(tokens: int, n_layer: int) -> list[tuple[torch.Tensor, float, list[torch.Tensor | None]]]:
     """The adapters this thread's forward applies now, as the kernels' fused blocks take them (`_Rows.stack_groups`;
     a forward of `tokens` tokens a row); [] outside `applying`."""
