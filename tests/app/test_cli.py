@@ -133,10 +133,18 @@ def test_sample_writes_what_the_module_writes(char_checkpoint: Path) -> None:
     assert ours.stdout == theirs.stdout and len(ours.stdout) == len("To be") + 40 + 1, (HOW, ours.stdout)
 
 
+def as_a_foreground_job() -> None:
+    """Ctrl-C's default action, as a terminal's foreground job has it. A command started in the background by a shell
+    without job control (`pytest ... &` in a script, CI runners) inherits SIGINT ignored, and Python then leaves it
+    ignored (as every Unix program does: `nohup`, `&`), so without this the Ctrl-C test fails wherever the suite
+    itself runs in the background."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def sampling_forever(checkpoint: Path) -> subprocess.Popen[bytes]:
     """`folio sample` of a million tokens, its first bytes already written (so it is inside the generation)."""
     proc = subprocess.Popen([*FOLIO, "sample", *sample_args(checkpoint, 1_000_000)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=as_a_foreground_job)
     assert proc.stdout is not None and proc.stdout.read(len("To be") + 1), HOW
     return proc
 
