@@ -37,8 +37,10 @@ class Server:
 
 
 # `--tier avx2` on a CPU with more: Folio's kernels (model/kernels/loader.py) and torch's own (ATen's vectorised
-# ops, oneDNN's GEMMs, which would use AVX-512 or AMX) held to AVX2 and FMA, as on an AVX2-only CPU
-AVX2_TIER_ENV = {"FOLIO_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# ops, oneDNN's GEMMs and MKL's (fp32 prompts' products: MKL_VERBOSE=1 shows it picking AVX-512 without its
+# setting), which would use AVX-512 or AMX) held to AVX2 and FMA, as on an AVX2-only CPU
+AVX2_TIER_ENV = {"FOLIO_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                 "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def server_factories(setup: Setup, threads: int, slots: int, tier: str = "native") -> dict[str, Callable[[], Server]]:
