@@ -36,7 +36,7 @@ import torch
 
 from model.tokenizer import Tokenizer
 
-TIMED_STEPS = 7  # decode steps timed per model by `measure_token_cost` (their median), after two untimed
+TIMED_STEPS = 9  # pairs of decode steps timed by `measure_token_cost` (their ratios' median), after two untimed
 
 
 class DraftRunner(Protocol):
@@ -141,18 +141,20 @@ def _describe(tokenizer: Tokenizer) -> str:
 
 def measure_token_cost(draft: DraftRunner, served: DraftRunner) -> float:
     """A draft model's decode step in decode steps of the served model, both at batch 1 (row 0, position 0: a
-    startup measurement, before any request holds a row): the median of TIMED_STEPS each."""
-    return _step_seconds(draft) / _step_seconds(served)
+    startup measurement, before any request holds a row): the median ratio over TIMED_STEPS pairs of steps, the two
+    models' steps alternating so that both see the same load on a machine shared with other work."""
+    with torch.inference_mode(), served.decode_context():
+        ratios = []
+        for i in range(TIMED_STEPS + 2):
+            pair = [_step_seconds(draft), _step_seconds(served)]
+            if i >= 2:  # the first pairs warm the caches
+                ratios.append(pair[0] / max(pair[1], 1e-9))
+    return statistics.median(ratios)
 
 
 def _step_seconds(runner: DraftRunner) -> float:
-    times = []
-    with torch.inference_mode(), runner.decode_context():
-        for i in range(TIMED_STEPS + 2):
-            start = time.perf_counter()
-            runner.decode([0], [0], [0])
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-    return max(statistics.median(times), 1e-9)
+    start = time.perf_counter()
+    runner.decode([0], [0], [0])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - start
