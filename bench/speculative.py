@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup (`--speculative-model [ngram]`) against plain decoding, in the same run, at
-batch 1 and greedy unless said:
+"""Speculative decoding by prompt lookup (`--speculative-model [ngram]`; a draft model in the `draft` task) against
+plain decoding, in the same run, at batch 1 and greedy unless said:
 
     python -m bench.speculative [--prompts 8] [--repeats 5] [--new-tokens 64] [--k 8] [--copy-model DIR]
         [--draft-model DIR]

@@ -41,7 +41,8 @@ DRAWN_SEED_LIMIT = min(2**53, MAX_SEED + 1)
 
 class Engine:
     """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`. The model side
-(the model on its device, its KV cache, the kernels) is `runner`'s; the configuration as resolved, `config`."""
+(the model on its device, its KV cache, the kernels) is `runner`'s, a draft model's `draft_runner`'s (speculative
+decoding with `speculative_model` a checkpoint directory); the configuration as resolved, `config`."""
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig | None = None, **fields: Any) -> None:
         """`config`, with `fields` of `EngineConfig` over it (`Engine(checkpoint, max_batch_size=4)`)."""

@@ -323,7 +323,7 @@ class Scheduler:
     def _drafts(self, reqs: list[Request]) -> dict[int, list[int]]:
         """The tokens each speculating request drafts this step, by request id (only those that draft some): at
         most what it may still generate and its window still holds, less the token the step yields anyway; fewer,
-        or none, the more requests share the step (`Speculator.draft`)."""
+        or none, the more requests share the step (`Speculator.drafts`)."""
         if self.speculator is None:
             return {}
         drafting, ids = [], []
