@@ -2,7 +2,8 @@
 plain decoding with a well-matched draft (the bundled model itself: nearly every drafted token taken) and a
 badly-matched one (a random one-layer model with a shorter context: few taken, its window sliding), alone and
 batched with requests of other lengths; a seeded sampled request's text unchanged; the draft's cache rows kept in
-step with each request through rejections; a draft with another tokenizer refused, naming both models."""
+step with each request through rejections; a draft with another tokenizer refused, naming both models; a drafted
+token's cost in k and in how often requests that draft nothing are probed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from model.engine import Engine, EngineConfig
 from model.engine.runner import ModelRunner
 from model.gpt import GPT
 from model.sampling_params import SamplingParams
-from model.speculative import DraftModelProposer
+from model.speculative import Drafting, DraftModelProposer, Speculator, best_k
 from model.tokenizer import CharTokenizer
 from tests.engine.references import together
 
@@ -147,3 +148,33 @@ def test_a_draft_with_another_tokenizer_is_refused_naming_both(bundled: Checkpoi
             Engine(bundled, device="cpu", threads=1, speculative_model=str(path))
         assert str(path) in str(err.value) and str(BUNDLED) in str(err.value)
         assert f"char, {tokenizer.n_vocab} tokens" in str(err.value) and "char, 65 tokens" in str(err.value)
+
+
+class CountingProposer:
+    """Proposes `token` k times, counting the calls."""
+
+    def __init__(self, token_cost: float) -> None:
+        self.token_cost, self.calls = token_cost, 0
+
+    def begin(self, row: int) -> None:
+        return None
+
+    def propose(self, states, prompts, outputs, ks) -> list[list[int]]:
+        self.calls += 1
+        return [[7] * k for k in ks]
+
+
+def test_a_drafted_tokens_cost_enters_k_and_spaces_the_probes() -> None:
+    assert [best_k(0.9, 4, token_cost=c) for c in (0.0, 0.5, 1.0)] == [4, 3, 0]  # dearer drafts, fewer
+    proposer = CountingProposer(token_cost=0.05)  # a probe every ceil(0.05 / PROBE_BUDGET) = 5 steps
+    speculator = Speculator(proposer, k_max=4)
+    spec = speculator.begin(row=0)
+    spec.acceptance = 0.05  # no k pays
+    shadows = []
+    for _ in range(20):
+        assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[]]
+        shadows.append(spec.shadow)
+        spec.shadow = None  # as `Speculator.chose` leaves it
+    assert proposer.calls == 4 and shadows == ([None] * 4 + [7]) * 4
+    spec.acceptance = 0.9  # drafts taken: k tokens a step, proposed every step
+    assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[7] * best_k(0.9, 4, token_cost=0.05)]
