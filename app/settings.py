@@ -21,7 +21,7 @@ from model.chat_template import load_chat_template
 from model.cli import DEFAULT_CHECKPOINT, check_threads
 from model.devices import resolve_device
 from model.engine import EngineConfig
-from model.engine.config import MAX_SPECULATIVE_TOKENS
+from model.engine.config import MAX_SPECULATIVE_TOKENS, NGRAM
 
 ENV_PREFIX = "FOLIO_"
 # FOLIO_* variables that are not server options: read by other parts of Folio, or by docker compose on the host.
@@ -133,10 +133,11 @@ class Settings(BaseSettings):
         "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "
         "where the weights are quantized (--quantize, or a quantized checkpoint) and computed in fp32, else the "
         "model's dtype (model/engine/runner.py)")
-    speculative_model: Literal["[ngram]"] | None = Field(
+    speculative_model: str | None = Field(
         None, description="speculative decoding (vLLM's flag): [ngram] drafts tokens by prompt lookup, from the "
-        "n-grams of each request's prompt and output, and verifies them together in one forward; the output is the "
-        "same as without (docs/engine.md). Unset: off")
+        "n-grams of each request's prompt and output; a checkpoint directory drafts them with that model (its "
+        "tokenizer must be the served model's), greedily; either way they are verified together in one forward and "
+        "the output is the same as without (docs/engine.md). Unset: off")
     num_speculative_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="with --speculative-model: "
                                         "the most tokens drafted per request and step (each request's own number "
                                         "adapts to how many of its drafts are taken)")
@@ -151,6 +152,14 @@ class Settings(BaseSettings):
     @classmethod
     def _threads(cls, value: int) -> int:
         return check_threads(value)
+
+    @field_validator("speculative_model")
+    @classmethod
+    def _draft_model_exists(cls, value: str | None) -> str | None:
+        if value is None or value == NGRAM or Path(value).is_dir():
+            return value
+        raise ValueError(f"must be {NGRAM!r} (prompt lookup) or a draft model's checkpoint directory, got {value!r} "
+                         "(no such directory)")
 
     @field_validator("chat_template")
     @classmethod

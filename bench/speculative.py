@@ -1,7 +1,8 @@
-"""Speculative decoding by prompt lookup (`--speculative-model [ngram]`) against plain decoding, in the same run, at
-batch 1 and greedy unless said:
+"""Speculative decoding by prompt lookup (`--speculative-model [ngram]`; a draft model in the `draft` task) against
+plain decoding, in the same run, at batch 1 and greedy unless said:
 
     python -m bench.speculative [--prompts 8] [--repeats 5] [--new-tokens 64] [--k 8] [--copy-model DIR]
+        [--draft-model DIR]
 
 Tasks, on the bundled model (a 2.7M-parameter character model trained on tinyshakespeare) unless said:
 - `copy`: a passage of the validation text (the last 10%, never trained on), a blank line, then the passage's first
@@ -14,7 +15,9 @@ Tasks, on the bundled model (a 2.7M-parameter character model trained on tinysha
   lookup drafts from the prompt and from what the model wrote (a small model repeats its phrases);
 - `free-long`: the same, 4x as many tokens (the window slides; the model falls into its loops);
 - `sampled`: `free` at temperature 0.8: drafts are mostly rejected (the cost of speculating where it does not pay);
-- `free-batch-8`: `free`, 8 requests at once (each request's k counts the batch: drafts must be surer).
+- `free-batch-8`: `free`, 8 requests at once (each request's k counts the batch: drafts must be surer);
+- `draft` (with `--draft-model DIR`): `free` drafted by that model instead of prompt lookup (`--speculative-model
+  DIR`; its tokenizer must be the bundled model's).
 
 Each task runs plain and speculative engines in alternating rounds: the best round of each, the median of the rounds'
 ratios, and the ratio of tokens per CPU-second of the process (less disturbed on a machine shared with other work);
@@ -38,7 +41,7 @@ from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.sampling_params import SamplingParams
-from model.speculative import Speculation, Speculator
+from model.speculative import Drafting, NgramProposer, Speculator
 
 BUNDLED = REPO / "weights" / "shakespeare-char"
 TEXT = SHARED_DATA / "tinyshakespeare" / "input.txt"
@@ -82,19 +85,21 @@ class OracleSpeculator(Speculator):
     engine's speedup where every draft is right, as on the span a model copies from its prompt."""
 
     def __init__(self, k: int, answers: dict[tuple[int, ...], list[int]]) -> None:
-        super().__init__(k, 1, 1)
+        super().__init__(NgramProposer(1, 1), k)
         self.answers = answers
 
-    def draft(self, spec: Speculation, prompt: list[int], output: list[int], room: int, batch: int = 1) -> list[int]:
-        spec.drafted = self.answers.get(tuple(prompt), [])[len(output):len(output) + min(self.k_max, room)]
-        return spec.drafted
+    def drafts(self, requests: list[Drafting], batch: int = 1) -> list[list[int]]:  # type: ignore[override]
+        for r in requests:
+            done = len(r.output)
+            r.spec.drafted = self.answers.get(tuple(r.prompt), [])[done:done + min(self.k_max, r.room)]
+        return [r.spec.drafted for r in requests]
 
 
 def measure(ck: Checkpoint, jobs: list[tuple[list[int], SamplingParams]], *, together: bool, repeats: int,
-            k: int, oracle: bool = False) -> dict[str, Any]:
+            k: int, oracle: bool = False, speculative_model: str = "[ngram]") -> dict[str, Any]:
     plain = Engine(ck, device="cpu", threads=1, max_batch_size=max(8, len(jobs)))
-    spec = Engine(ck, device="cpu", threads=1, max_batch_size=max(8, len(jobs)), speculative_model="[ngram]",
-                  num_speculative_tokens=k)
+    spec = Engine(ck, device="cpu", threads=1, max_batch_size=max(8, len(jobs)),
+                  speculative_model=speculative_model, num_speculative_tokens=k)
     if oracle:
         spec.scheduler.speculator = OracleSpeculator(k, {tuple(p): plain.generate(p, q).token_ids for p, q in jobs})
     best = {"plain": 0.0, "speculative": 0.0}
@@ -129,6 +134,7 @@ def measure(ck: Checkpoint, jobs: list[tuple[list[int], SamplingParams]], *, tog
         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
         "tokens_accepted_per_verification": round(accepted / verified, 2) if verified else None,
         "sample": texts["speculative"][0][:80],
+        "draft_token_cost": spec.config.draft_token_cost,
     }
 
 
@@ -139,6 +145,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each free-text request generates")
     p.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
     p.add_argument("--copy-model", type=Path, default=BUNDLED, help="the model of the copy task")
+    p.add_argument("--draft-model", type=Path, help="the draft model of the draft task (none: no draft task)")
     args = p.parse_args()
     bundled, copier = load_checkpoint(BUNDLED), load_checkpoint(args.copy_model)
     greedy = SamplingParams(max_new_tokens=PASSAGE - BEGINNING)
@@ -158,10 +165,13 @@ def main() -> None:
         "sampled": (bundled, sampled, False),
         "free-batch-8": (bundled, free[:8], True),
     }
+    if args.draft_model:
+        tasks["draft"] = (bundled, free, False)
     load = os.getloadavg()[0]  # other work on the machine, before and after (a busy one disturbs every figure)
     results = {}
     for name, (ck, jobs, together) in tasks.items():
-        results[name] = measure(ck, jobs, together=together, repeats=args.repeats, k=args.k, oracle=name == "oracle")
+        results[name] = measure(ck, jobs, together=together, repeats=args.repeats, k=args.k, oracle=name == "oracle",
+                                speculative_model=str(args.draft_model) if name == "draft" else "[ngram]")
         print(name, results[name], flush=True)
     report = {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1,

@@ -8,8 +8,8 @@
 - `events`: what it hands back (token events, the final result), its counters and its domain errors;
 - `stream`: the hand-off to asyncio (an event stream per request, a mailbox per event loop, reservations);
 - `request`, `batch`, `prefill`: one request's state, the batch (every slot and cache row), prefill packing;
-- `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes (`memory_needed`: their bytes,
-  before loading).
+- `runner.ModelRunner`: the model, its KV cache and the two forwards a step makes (a draft model gets one too;
+  `memory_needed`: their bytes, before loading).
 """
 
 from model.engine.config import EngineConfig

@@ -25,18 +25,24 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
     prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
     max_loras: int = 0  # LoRA adapters loaded at once (`Engine.load_adapter`); 0: adapters off (no hooks at all)
-    # speculative decoding (model/speculative/; vLLM's option names): "[ngram]" drafts by prompt lookup; None: off
+    # speculative decoding (model/speculative/; vLLM's option names): "[ngram]" drafts by prompt lookup, any other
+    # value is the directory of a draft model's checkpoint (with the served model's tokenizer); None: off
     speculative_model: str | None = None
     num_speculative_tokens: int = 4  # the most tokens drafted and verified per request and step
     ngram_prompt_lookup_max: int = 4  # the longest n-gram looked up (tried first)
     ngram_prompt_lookup_min: int = 1  # the shortest
+    # with a draft model: a drafted token's cost in decode steps of the served model at batch 1; None: measured when
+    # the engine is built (`speculative.measure_token_cost`)
+    draft_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_waiting < 0 or self.prefill_chunk < 1 or self.max_loras < 0:
             raise ValueError("max_batch_size and prefill_chunk must be >= 1, max_waiting and max_loras >= 0")
-        if self.speculative_model not in (None, NGRAM):
-            raise ValueError(f"speculative_model must be {NGRAM!r} (prompt lookup) or unset, got "
-                             f"{self.speculative_model!r}")
+        if self.speculative_model is not None and not self.speculative_model.strip():
+            raise ValueError(f"speculative_model must be {NGRAM!r} (prompt lookup), a draft model's checkpoint "
+                             f"directory or unset, got {self.speculative_model!r}")
+        if self.draft_token_cost is not None and not 0 <= self.draft_token_cost < float("inf"):
+            raise ValueError(f"draft_token_cost must be a finite number >= 0, got {self.draft_token_cost}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.num_speculative_tokens}")

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
-from model.checkpoint import Checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine.attention import check_spec
-from model.engine.config import EngineConfig
+from model.engine.config import NGRAM, EngineConfig
 from model.engine.events import EngineError, EngineStopped, Event, GenerationError, Result, TokenEvent, end_of
 from model.engine.jobs import Job, JobHandle
 from model.engine.request import Request
@@ -32,6 +32,7 @@ from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
 from model.lora import batched as lora
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
+from model.speculative import DraftModelProposer, NgramProposer, Proposer, check_same_tokenizer, measure_token_cost
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
 # the reported seed exactly and can send it back
@@ -40,7 +41,8 @@ DRAWN_SEED_LIMIT = min(2**53, MAX_SEED + 1)
 
 class Engine:
     """Continuous-batching generation over one model. Start with `start()`, stop with `stop()`. The model side
-(the model on its device, its KV cache, the kernels) is `runner`'s; the configuration as resolved, `config`."""
+(the model on its device, its KV cache, the kernels) is `runner`'s, a draft model's `draft_runner`'s (speculative
+decoding with `speculative_model` a checkpoint directory); the configuration as resolved, `config`."""
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig | None = None, **fields: Any) -> None:
         """`config`, with `fields` of `EngineConfig` over it (`Engine(checkpoint, max_batch_size=4)`)."""
@@ -49,10 +51,14 @@ class Engine:
         self.block_size = self.model_config.block_size
         window_shift = config.window_shift_for(self.block_size)
         self.runner = ModelRunner(checkpoint, config)
+        self.draft_runner: ModelRunner | None = None  # the draft model's, with `--speculative-model PATH`
+        proposer = self._proposer(checkpoint, config)
         self.config = replace(config, device=self.runner.device, dtype=self.runner.dtype, threads=self.runner.threads,
-                              window_shift=window_shift)
+                              window_shift=window_shift,
+                              draft_token_cost=proposer.token_cost if isinstance(proposer, DraftModelProposer)
+                              else config.draft_token_cost)
         self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id
-        self.scheduler = Scheduler(self.runner, self.tokenizer, self.config)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, self.config, proposer)
         self.stats = self.scheduler.stats  # the counters /metrics reads
         self.scheduler.flush = self._flush
         self._lock = self.scheduler.lock
@@ -65,6 +71,25 @@ class Engine:
         self._own_adapters: weakref.WeakSet[lora.LoraAdapter] = weakref.WeakSet()
         if self.config.max_loras:
             self.runner.use_adapters()  # before the engine thread runs a forward: hooks are not added mid-step
+
+    def _proposer(self, checkpoint: Checkpoint, config: EngineConfig) -> Proposer | None:
+        """Where speculative decoding's drafts come from (`config.speculative_model`): prompt lookup, or a draft
+        model, loaded from its checkpoint directory onto this engine's device and dtype with a KV-cache row per batch
+        slot (`draft_runner`), its tokenizer checked against the served model's (ValueError naming both), its step's
+        cost measured against the served model's unless `config.draft_token_cost` gives it; None: off."""
+        if config.speculative_model is None:
+            return None
+        if config.speculative_model == NGRAM:
+            return NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+        draft = load_checkpoint(config.speculative_model)
+        check_same_tokenizer(checkpoint.tokenizer, draft.tokenizer, str(checkpoint.path), str(draft.path))
+        runner = self.runner
+        self.draft_runner = ModelRunner(draft, replace(config, device=runner.device, dtype=runner.dtype,
+                                                       threads=runner.threads or None, max_loras=0))
+        cost = config.draft_token_cost
+        if cost is None:
+            cost = measure_token_cost(self.draft_runner, runner)
+        return DraftModelProposer(self.draft_runner, self.tokenizer.n_vocab, cost)
 
     # -- LoRA adapters ----------------------------------------------------------------------------------
     @property

@@ -7,14 +7,16 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from model import kernels
-from model.checkpoint import Checkpoint
+from model.checkpoint import WEIGHTS_FILE, Checkpoint, read_config
 from model.config import GPTConfig
 from model.devices import default_dtype, resolve_device
-from model.engine.config import EngineConfig
+from model.engine.config import NGRAM, EngineConfig
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 from model.lora import batched as lora
@@ -54,14 +56,21 @@ def memory_needed(config: GPTConfig, weights_bytes: int, engine: EngineConfig, *
     `weights_bytes` bytes, before it is loaded: its weights (the file's bytes, or more where they are widened to
     the engine's dtype; an fp32 checkpoint quantized at load holds its fp32 weights while it quantizes), their packed
     copy where the CPU kernels run them (at most as much again: the products' weights), and its KV cache (exactly,
-    a row per batch slot). A reload checks it against the memory left beside the engine that serves
-    (model/registry.py)."""
+    a row per batch slot); with a draft model (`engine.speculative_model` a checkpoint directory), the draft's as
+    well. A reload checks it against the memory left beside the engine that serves (model/registry.py)."""
     device = resolve_device(engine.device)
     dtype = engine.dtype or default_dtype(device)
     weights = weights_bytes if quantized else max(weights_bytes, config.num_params() * dtype.itemsize)
     packed = weights if device.type == "cpu" and dtype == torch.float32 and kernels.library() is not None else 0
     kv = resolve_kv_cache_dtype(engine.kv_cache_dtype, quantized, dtype).itemsize
-    return weights + packed + 2 * config.n_layer * engine.max_batch_size * config.block_size * config.n_embd * kv
+    total = weights + packed + 2 * config.n_layer * engine.max_batch_size * config.block_size * config.n_embd * kv
+    if engine.speculative_model not in (None, NGRAM):
+        draft = Path(engine.speculative_model)
+        meta = read_config(draft)
+        total += memory_needed(GPTConfig.from_dict(meta["model"]), (draft / WEIGHTS_FILE).stat().st_size,
+                               replace(engine, speculative_model=None),
+                               quantized=meta.get("quantization", "none") != "none")
+    return total
 
 
 class ModelRunner:

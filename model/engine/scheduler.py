@@ -42,7 +42,7 @@ from model.engine.prefill import plan_prefill
 from model.engine.prefix_cache import shares_prefix
 from model.engine.request import Request
 from model.engine.runner import ModelRunner
-from model.speculative import Speculator, speculates
+from model.speculative import Drafting, Proposer, Speculator, speculates
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("folio.engine")
@@ -52,16 +52,17 @@ class Scheduler:
     """Every request from its submission to its last event. `lock` guards the queues; the loop runs on the engine
     thread (`run`), submissions and cancellations come from any thread."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
-        """`config` as resolved (`Engine.config`: its `window_shift` set)."""
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 proposer: Proposer | None = None) -> None:
+        """`config` as resolved (`Engine.config`: its `window_shift` set); `proposer`: where speculative decoding's
+        drafts come from (None: off)."""
         assert config.window_shift is not None
         self.runner = runner
         self.block_size = runner.block_size
         self.max_batch_size, self.max_waiting = config.max_batch_size, config.max_waiting
         self.prefill_chunk, self.window_shift = config.prefill_chunk, config.window_shift
         self.prefix_cache = config.prefix_cache
-        self.speculator = None if config.speculative_model is None else Speculator(
-            config.num_speculative_tokens, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+        self.speculator = None if proposer is None else Speculator(proposer, config.num_speculative_tokens)
         self.stats = EngineStats()
         self.output = OutputProcessor(runner, tokenizer, self.stats)
         self.batch = Batch(config.max_batch_size, prefix_cache=config.prefix_cache)
@@ -201,7 +202,7 @@ class Scheduler:
         req.context = list(req.prompt)
         self.output.begin(req)
         if self.speculator is not None and speculates(req.params):
-            req.speculation = self.speculator.begin()
+            req.speculation = self.speculator.begin(req.row)
         self.stats.prompt_tokens_total += len(req.prompt)
 
     def _reuses(self, req: Request) -> bool:
@@ -322,16 +323,19 @@ class Scheduler:
     def _drafts(self, reqs: list[Request]) -> dict[int, list[int]]:
         """The tokens each speculating request drafts this step, by request id (only those that draft some): at
         most what it may still generate and its window still holds, less the token the step yields anyway; fewer,
-        or none, the more requests share the step (`Speculator.draft`)."""
+        or none, the more requests share the step (`Speculator.drafts`)."""
         if self.speculator is None:
             return {}
-        drafts = {}
+        drafting, ids = [], []
         for r in reqs:
             if r.speculation is not None:
                 room = min(r.params.max_new_tokens - len(r.output) - 1, self.block_size - r.pos)
-                if room > 0 and (draft := self.speculator.draft(r.speculation, r.prompt, r.output, room, len(reqs))):
-                    drafts[r.id] = draft
-        return drafts
+                if room > 0:
+                    drafting.append(Drafting(r.speculation, r.prompt, r.output, room))
+                    ids.append(r.id)
+        if not drafting:
+            return {}
+        return {i: draft for i, draft in zip(ids, self.speculator.drafts(drafting, len(reqs))) if draft}
 
     def _emit_verified(self, req: Request, logits: torch.Tensor, draft: list[int]) -> None:
         """Stream the tokens a speculating request takes from its verified `draft`. Its cache row is recorded as

@@ -45,3 +45,29 @@ class NgramIndex:
                     draft.append(draft[start + len(draft) - len(history)])
                 return draft
         return []
+
+
+class NgramProposer:
+    """Prompt lookup's drafts for `Speculator`: per request, an `NgramIndex` over its prompt and output."""
+
+    token_cost = 0.0  # a few dictionary look-ups: nothing beside a model step
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+
+    def begin(self, row: int) -> NgramIndex:
+        return NgramIndex(self.n_min, self.n_max)
+
+    def propose(self, states: Sequence[NgramIndex], prompts: Sequence[list[int]], outputs: Sequence[list[int]],
+                ks: Sequence[int]) -> list[list[int]]:
+        """For each request, `ks[i]` tokens (or none) after its `prompts[i]` and `outputs[i]` so far (its index
+        catches up with them first)."""
+        drafts = []
+        for index, prompt, output, k in zip(states, prompts, outputs, ks):
+            indexed = len(index.tokens)
+            if indexed < len(prompt):
+                index.extend(prompt[indexed:])
+                indexed = len(prompt)
+            index.extend(output[indexed - len(prompt):])
+            drafts.append(index.propose(k))
+        return drafts

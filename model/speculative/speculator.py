@@ -1,29 +1,35 @@
-"""Which tokens each request drafts in a decode step, and how many: `Speculator` (one per engine) and
-`Speculation` (one per request that speculates).
+"""Which tokens each request drafts in a decode step, and how many: `Speculator` (one per engine), `Speculation` (one
+per request that speculates) and `Proposer`, where drafts come from.
 
-A request's draft comes from prompt lookup (`NgramIndex` over its prompt and output). How many of the proposed
-tokens are verified, k, is chosen per request and per step from an estimate of its acceptance rate a (the
-chance that the model takes a drafted token): verifying k tokens yields 1 + a + ... + a^k tokens on average
-(every accepted token, and the model's own after the first rejection or the last draft) for a step that costs
-about 1 + VERIFY_COST + ROW_COST * k plain steps at batch 1, so k is the one that maximises their ratio, 0 (plain
-decoding) where no draft pays. In a batch of n requests a plain step yields n tokens for about what one costs, and
-a request's verification slows all of them: its costs count n times, so requests speculate only with drafts taken
-ever more often as the batch grows (vLLM turns speculation off above a batch size instead). The estimate is an
-exponential moving average over every drafted position verified, and over the steps that do not speculate as
-well: the proposal's first token compared with the token the model chose (for a sampled request that match has the
-acceptance's own probability, p(draft)), so a request whose drafts stopped being taken (k fell to 0) starts
-speculating again as soon as they would be, at no cost.
+Two proposers draft: prompt lookup (`ngram.NgramProposer`, an `NgramIndex` over each request's prompt and output)
+and a draft model (`draft.DraftModelProposer`, a smaller model with the same tokenizer, run greedily). How many
+tokens a request verifies, k, is chosen per request and per step from an estimate of its acceptance rate a (the
+chance that the model takes a drafted token): verifying k tokens yields 1 + a + ... + a^k tokens on average (every
+accepted token, and the model's own after the first rejection or the last draft) for a step that costs about
+1 + VERIFY_COST + (ROW_COST + c) * k plain steps at batch 1, where c is what the proposer spends on a drafted token
+(`Proposer.token_cost`: 0 for prompt lookup; a draft model's own step, measured against the served model's), so k is
+the one that maximises their ratio, 0 (plain decoding) where no draft pays. In a batch of n requests a plain step
+yields n tokens for about what one costs, and a request's drafting and verification slow all of them: its costs
+count n times, so requests speculate only with drafts taken ever more often as the batch grows (vLLM turns
+speculation off above a batch size instead). The estimate is an exponential moving average over every drafted
+position verified, and over probes of the steps that do not speculate: a one-token proposal compared with the token
+the model chose (for a sampled request that match has the acceptance's own probability, p(draft)), every step where
+proposals are free, and where they cost a draft model's step, every so many steps that probing costs about
+PROBE_BUDGET of a plain step on average (`probe_every`); so a request whose drafts stopped being taken (k fell to 0)
+speculates again once they would be.
 
 k may depend on the batch: what a request generates does not depend on k (`Sampler.verify` chooses every token as
-plain decoding does, with the same draws of a seeded request's generator).
+plain decoding does, with the same draws of a seeded request's generator), nor on the proposer.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from model.sampling_params import SamplingParams
-from model.speculative.ngram import NgramIndex
 
 # a verifying step's cost beyond a plain one, in plain steps: VERIFY_COST once (the verification's bookkeeping), and
 # ROW_COST per drafted token (a row of the forward, its logits and its choice). Measured at batch 1 on the bundled
@@ -33,16 +39,24 @@ VERIFY_COST = 0.08
 ROW_COST = 0.06
 PRIOR_ACCEPTANCE = 0.3  # the estimate before a request's first observation
 ACCEPTANCE_WEIGHT = 0.15  # each observation's weight in the moving average
+PROBE_BUDGET = 0.01  # what probing the requests that draft nothing may cost, in plain steps per step
 
 
-def best_k(acceptance: float, k_max: int, batch: int = 1) -> int:
+def probe_every(token_cost: float) -> int:
+    """How many steps apart a request that drafts nothing is probed (a one-token proposal) where a proposed token
+    costs `token_cost` plain steps: every step where proposals are free, at most PROBE_BUDGET a step on average."""
+    return max(1, math.ceil(token_cost / PROBE_BUDGET))
+
+
+def best_k(acceptance: float, k_max: int, batch: int = 1, token_cost: float = 0.0) -> int:
     """The k in [0, k_max] with the most tokens per unit of cost, (1 + a + ... + a^k) / (1 + batch * (VERIFY_COST +
-    ROW_COST * k)) for k >= 1, 1 for k = 0 (a plain step), in a batch of `batch` requests."""
+    (ROW_COST + token_cost) * k)) for k >= 1, 1 for k = 0 (a plain step), in a batch of `batch` requests, where a
+    drafted token costs `token_cost` plain steps to propose."""
     best, best_rate, expected, term = 0, 1.0, 1.0, 1.0
     for k in range(1, k_max + 1):
         term *= acceptance
         expected += term
-        rate = expected / (1 + batch * (VERIFY_COST + ROW_COST * k))
+        rate = expected / (1 + batch * (VERIFY_COST + (ROW_COST + token_cost) * k))
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -56,42 +70,79 @@ def speculates(params: SamplingParams) -> bool:
     return params.speculate and params.constraint is None and params.attention is None
 
 
+class Proposer(Protocol):
+    """Where drafts come from: per request a state (`begin`), and for the requests drafting in a step, their drafts
+    (`propose`, all of them at once: a draft model runs them as one batch)."""
+
+    token_cost: float  # a drafted token's cost, in plain steps of the served model at batch 1
+
+    def begin(self, row: int) -> Any:
+        """The drafting state of a request that decodes in cache row `row`."""
+
+    def propose(self, states: Sequence[Any], prompts: Sequence[list[int]], outputs: Sequence[list[int]],
+                ks: Sequence[int]) -> list[list[int]]:
+        """For each request, `ks[i]` tokens (at most; none where it has no guess) to follow `prompts[i]` and
+        `outputs[i]` (the tokens it has taken so far)."""
+
+
 @dataclass
 class Speculation:
-    """One request's drafting state: its n-gram index, the tokens indexed so far and its acceptance estimate."""
+    """One request's drafting state: the proposer's, its acceptance estimate and this step's draft."""
 
-    index: NgramIndex
+    state: Any  # the proposer's (`Proposer.begin`)
     acceptance: float = PRIOR_ACCEPTANCE
     shadow: int | None = None  # the first proposed token of a step that did not speculate, to compare afterwards
     drafted: list[int] = field(default_factory=list)  # this step's draft
+    idle: int = 0  # steps since it last drafted or was probed
 
     def observe(self, accepted: bool) -> None:
         self.acceptance += ACCEPTANCE_WEIGHT * (float(accepted) - self.acceptance)
 
 
+@dataclass
+class Drafting:
+    """A speculating request as a step's drafting sees it: its state, its prompt and output so far, and its room
+    (what it may still generate and its window hold, less the one token every step yields)."""
+
+    spec: Speculation
+    prompt: list[int]
+    output: list[int]
+    room: int
+
+
 class Speculator:
-    """Drafts for prompt lookup (`--speculative-model [ngram]`) with up to `k_max` tokens a step."""
+    """Drafts from `proposer` (`--speculative-model`) with up to `k_max` tokens a request and step."""
 
-    def __init__(self, k_max: int, n_min: int, n_max: int) -> None:
-        self.k_max, self.n_min, self.n_max = k_max, n_min, n_max
+    def __init__(self, proposer: Proposer, k_max: int) -> None:
+        self.proposer, self.k_max = proposer, k_max
+        self.probe_every = probe_every(proposer.token_cost)
 
-    def begin(self) -> Speculation:
-        return Speculation(NgramIndex(self.n_min, self.n_max))
+    def begin(self, row: int) -> Speculation:
+        return Speculation(self.proposer.begin(row))
 
-    def draft(self, spec: Speculation, prompt: list[int], output: list[int], room: int, batch: int = 1) -> list[int]:
-        """The tokens to verify this step (at most `room`: what the request may still generate and its window
-        hold, less the one token every step yields), after its `prompt` and `output` so far (the index catches up
-        with them), in a step of `batch` requests. Sets `spec.shadow` where it proposes but drafts nothing."""
-        indexed = len(spec.index.tokens)
-        if indexed < len(prompt):
-            spec.index.extend(prompt[indexed:])
-            indexed = len(prompt)
-        spec.index.extend(output[indexed - len(prompt):])
-        proposal = spec.index.propose(min(self.k_max, room))
-        k = best_k(spec.acceptance, len(proposal), batch)
-        spec.drafted = proposal[:k]
-        spec.shadow = proposal[0] if proposal and not k else None
-        return spec.drafted
+    def drafts(self, requests: Sequence[Drafting], batch: int = 1) -> list[list[int]]:
+        """The tokens each of `requests` verifies this step (at most its room), in a step of `batch` requests: k
+        by `best_k`, or a one-token probe where k is 0 and a probe is due (every `probe_every` steps; kept in
+        `spec.shadow`, drafting nothing)."""
+        wants, probes = [], []
+        for r in requests:
+            spec = r.spec
+            k = best_k(spec.acceptance, min(self.k_max, r.room), batch, self.proposer.token_cost)
+            probe = not k and r.room > 0 and spec.idle + 1 >= self.probe_every
+            spec.idle = 0 if k or probe else spec.idle + 1
+            wants.append(k or int(probe))
+            probes.append(probe)
+        asked = [i for i, want in enumerate(wants) if want]
+        proposals: list[list[int]] = [[] for _ in requests]
+        if asked:
+            got = self.proposer.propose([requests[i].spec.state for i in asked], [requests[i].prompt for i in asked],
+                                        [requests[i].output for i in asked], [wants[i] for i in asked])
+            for i, proposal in zip(asked, got):
+                proposals[i] = proposal
+        for r, proposal, probe in zip(requests, proposals, probes):
+            r.spec.drafted = [] if probe else proposal[: r.room]
+            r.spec.shadow = proposal[0] if probe and proposal else None
+        return [r.spec.drafted for r in requests]
 
     @staticmethod
     def verified(spec: Speculation, accepted: int) -> None:

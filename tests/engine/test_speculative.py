@@ -133,7 +133,10 @@ def test_requests_that_cannot_or_will_not_speculate_decode_plainly(make_checkpoi
 
 def test_the_options_are_checked(make_checkpoint, make_engine) -> None:
     ck = make_checkpoint()
-    with pytest.raises(ValueError, match=r"speculative_model must be '\[ngram\]' \(prompt lookup\) or unset, got 'x'"):
+    with pytest.raises(ValueError, match=r"speculative_model must be '\[ngram\]' \(prompt lookup\), a draft model's "
+                       r"checkpoint directory or unset, got ' '"):
+        make_engine(ck, speculative_model=" ")
+    with pytest.raises(ValueError, match="checkpoint directory not found: x"):  # a draft model's directory
         make_engine(ck, speculative_model="x")
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 16\], got 0"):
         make_engine(ck, speculative_model="[ngram]", num_speculative_tokens=0)

@@ -449,15 +449,18 @@ def test_a_reload_is_refused_while_memory_is_short_and_tried_again_when_it_is_no
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16"])
-def test_the_memory_a_reload_checks_is_what_the_engine_takes(models, kv_cache_dtype: str) -> None:
+@pytest.mark.parametrize("draft", [False, True])
+def test_the_memory_a_reload_checks_is_what_the_engine_takes(models, kv_cache_dtype: str, draft: bool) -> None:
     """`memory_needed`, known before loading, against what the engine then holds: its weights, their packed
-    copy (the CPU kernels) and its KV cache. At least that, and not far above: the packed copy is estimated as
-    large as all the weights (this tiny model's embeddings and layer norms are a tenth of them; GPT-2's are unpacked
-    wpe and norms, 1%)."""
+    copy (the CPU kernels) and its KV cache, and those of its draft model where it speculates with one. At least
+    that, and not far above: the packed copy is estimated as large as all the weights (this tiny model's embeddings
+    and layer norms are a tenth of them; GPT-2's are unpacked wpe and norms, 1%)."""
     ck = load_checkpoint(models["a"])
-    engine = Engine(ck, device="cpu", threads=1, max_batch_size=4, kv_cache_dtype=kv_cache_dtype)
-    held = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    held += engine.runner.packed_bytes + engine.runner.kv_cache_bytes
-    estimate = memory_needed(ck.config, (models["a"] / "model.safetensors").stat().st_size,
-                             EngineConfig(device="cpu", max_batch_size=4, kv_cache_dtype=kv_cache_dtype))
+    config = EngineConfig(device="cpu", threads=1, max_batch_size=4, kv_cache_dtype=kv_cache_dtype,
+                          speculative_model=str(models["a"]) if draft else None, draft_token_cost=0.0)
+    engine = Engine(ck, config)
+    runners = [engine.runner] + ([engine.draft_runner] if draft else [])
+    held = sum(sum(p.numel() * p.element_size() for p in r.model.parameters()) + r.packed_bytes + r.kv_cache_bytes
+               for r in runners if r is not None)
+    estimate = memory_needed(ck.config, (models["a"] / "model.safetensors").stat().st_size, config)
     assert held <= estimate <= 1.15 * held, (held, estimate)

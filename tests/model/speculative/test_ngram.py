@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from model.speculative import NgramIndex, Speculator, best_k
+from model.speculative import Drafting, NgramIndex, NgramProposer, Speculator, best_k
 from model.speculative.speculator import PRIOR_ACCEPTANCE
 
 
@@ -67,21 +67,25 @@ def test_k_grows_with_the_acceptance_rate_and_is_0_where_no_draft_pays() -> None
 
 
 def test_rejections_turn_drafting_off_and_matching_proposals_turn_it_back_on() -> None:
-    speculator = Speculator(k_max=4, n_min=1, n_max=2)
-    spec = speculator.begin()
+    speculator = Speculator(NgramProposer(n_min=1, n_max=2), k_max=4)
+    spec = speculator.begin(row=0)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    first = speculator.draft(spec, prompt, [], room=10)
+
+    def step(room: int = 10) -> list[int]:
+        return speculator.drafts([Drafting(spec, prompt, [], room)])[0]
+
+    first = step()
     assert first and first == [3, 1, 2, 3][: best_k(PRIOR_ACCEPTANCE, 4)]  # as many as the prior rate pays for
     for _ in range(20):  # every draft rejected at its first token
-        draft = speculator.draft(spec, prompt, [], room=10)
+        draft = step()
         if not draft:
             break
         Speculator.verified(spec, accepted=0)
     assert draft == [] and spec.shadow == 3  # off; the proposal is still compared with what comes
     for _ in range(20):  # the model now takes what the proposal says
-        draft = speculator.draft(spec, prompt, [], room=10)
+        draft = step()
         if draft:
             break
         Speculator.chose(spec, 3)
     assert draft[:1] == [3]
-    assert speculator.draft(spec, prompt, [], room=2) == [3, 1][: len(draft)]  # never more than the room
+    assert step(room=2) == [3, 1][: len(draft)]  # never more than the room
