@@ -1,5 +1,5 @@
 """`python -m bench.peers`: set up and measure each server in turn, then print and write the report
-(bench/results/peers.json and peers.png; `--smoke`: under the cache directory)."""
+(bench/results/peers.json and peers.png, `--tier avx2`: peers_avx2.*; `--smoke`: under the cache directory)."""
 
 from __future__ import annotations
 
@@ -110,9 +110,10 @@ def write(report: dict[str, Any], setup: Setup, args: argparse.Namespace, cache:
         print(f"note: {note}")
     out = Path(args.out_dir) if args.out_dir else (cache / "smoke" if args.smoke else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.json").write_text(json.dumps(report, indent=2))
-    plot(report, out / "peers.png")
-    print(f"wrote {out / 'peers.json'} and {out / 'peers.png'}"
+    name = "peers" if args.tier == "native" else f"peers_{args.tier}"  # each tier's figures beside the other's
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(report, out / f"{name}.png")
+    print(f"wrote {out / name}.json and {out / name}.png"
           + ("\nSMOKE RUN: a few requests per server on a shared machine; these figures are not results" if args.smoke
              else ""))
 
