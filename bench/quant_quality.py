@@ -16,10 +16,11 @@ as a miss). Merging tokens into a bucket can only lower a KL divergence (the log
 lower bound on the full KL; Folio's full-vocabulary KL is reported beside it.
 
 Two models of GPT-2's BPE: "trained", a 4-layer, 256-wide GPT-2 (biases, tied head) trained with Folio's trainer
-on tiny Shakespeare (a few minutes on 2 cores; GPT-2 124M itself is too slow to train here), and "gpt2-124m",
+on tiny Shakespeare (once, cached: 38 minutes on 2 shared cores; GPT-2 124M would take far longer), and "gpt2-124m",
 GPT-2 small's shape at random init (bench.peers' model). Each is exported to `transformers`' layout and converted
 by llama.cpp's own tools (bench.peers.builds, cached under --cache-dir). Also the validation loss ratio of int8 and
-int4 on the bundled model (bench.quantize.quality). Prints a table; writes bench/results/<name>.json and .png.
+int4 on the bundled model, read from a bench.quantize run (`--bundled measure`: measured again by
+bench.quantize.quality, slow). Prints a table; writes bench/results/<name>.json and .png.
 """
 
 from __future__ import annotations
