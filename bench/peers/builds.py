@@ -37,11 +37,15 @@ class Setup:
     bpe_dir: Path
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # another model than GPT-2 124M at random init (bench.quant_quality's trained one): its folder's name under
+    # cache/models and a function returning it as a transformers model, whose weights hf_model() saves
+    model_name: str = f"gpt2-124m-seed{SEED}"
+    make_hf: Callable[[], Any] | None = None
 
     def __post_init__(self) -> None:
         self.logs = self.cache / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.models = self.cache / "models" / f"gpt2-124m-seed{SEED}"
+        self.models = self.cache / "models" / self.model_name
 
     def step(self, name: str, done: Path, build: Callable[[], None], needs: Sequence[Callable[[], Path]] = ()) -> Path:
         """`done` exists once `build` has succeeded; build it unless it is there (or failed earlier this run).
@@ -77,8 +81,9 @@ class Setup:
     # -- the model, in every format
 
     def hf_model(self) -> Path:
-        """GPT-2 124M, random init with a fixed seed, as `save_pretrained` writes it, with GPT-2's tokenizer files
-        (vocab.json = encoder.json, merges.txt = vocab.bpe, and the tokenizer.json `transformers` builds)."""
+        """GPT-2 124M, random init with a fixed seed (or what `make_hf` returns), as `save_pretrained` writes it,
+        with GPT-2's tokenizer files (vocab.json = encoder.json, merges.txt = vocab.bpe, and the tokenizer.json
+        `transformers` builds)."""
         out = self.models / "hf"
 
         def build() -> None:
@@ -96,7 +101,7 @@ class Setup:
             shutil.copyfile(self.bpe_dir / "vocab.bpe", tmp / "merges.txt")
             GPT2Tokenizer.from_pretrained(str(tmp)).save_pretrained(str(tmp))
             torch.manual_seed(SEED)
-            GPT2LMHeadModel(GPT2Config()).save_pretrained(str(tmp))
+            (self.make_hf() if self.make_hf else GPT2LMHeadModel(GPT2Config())).save_pretrained(str(tmp))
             # the hub's gpt2 config.json also has n_ctx, which llama.cpp's converter reads
             cfg = json.loads((tmp / "config.json").read_text())
             cfg["n_ctx"] = cfg["n_positions"]
@@ -104,7 +109,8 @@ class Setup:
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
 
-        return self.step("gpt2 124M (transformers, random init)", out / "config.json", build).parent
+        name = "gpt2 124M (transformers, random init)" if self.make_hf is None else f"{self.model_name} (transformers)"
+        return self.step(name, out / "config.json", build).parent
 
     def folio_checkpoint(self) -> Path:
         """Converted once per run: it is the project's own code under test, and takes seconds."""
