@@ -4,6 +4,7 @@ fails says which command failed and how its log ended."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -19,6 +20,7 @@ from typing import Any
 
 from bench import REPO
 from bench.peers import LLAMA_CPP_PYTHON, LLAMA_QUANTIZED, SEED, VLLM_CPU
+from bench.peers.report import cpu_info
 
 
 class SetupError(RuntimeError):
@@ -27,6 +29,13 @@ class SetupError(RuntimeError):
 
 def tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def instruction_sets() -> str:
+    """A short name for this CPU's SIMD instruction sets, which a native build (-march=native) is made for and needs
+    all of: the cache is kept across machines, and llama.cpp's native server built on an AMD Zen 5 died of an
+    invalid opcode on an Intel Sapphire Rapids."""
+    return hashlib.sha1(" ".join(sorted(cpu_info()["simd_flags"])).encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -141,7 +150,7 @@ class Setup:
     def llama_tool(self, native: bool, tool: str = "llama-server") -> Path:
         """llama.cpp's `tool` (llama-server, llama-quantize), built from the vendored source for this machine's best
         instruction set (`native`) or llama.cpp's generic x86-64 one (AVX2, FMA, F16C: GGML_NATIVE=OFF)."""
-        variant = "native" if native else "generic"
+        variant = f"native-{instruction_sets()}" if native else "generic"
         build_dir = self.cache / f"llama.cpp-{LLAMA_CPP_PYTHON}-{variant}"
         binary = build_dir / "bin" / tool
 
