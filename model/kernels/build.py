@@ -42,6 +42,9 @@ BF16_GEMM_MIN_ROWS = 16
 INT8_GEMM_MIN_ROWS = 8
 VNNI_GEMM_MIN_ROWS = 4  # ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp)
 AVX2_GEMM_MIN_ROWS = 1  # ... or from this many in the AVX2 builds, whose own int8 GEMM (vnni_gemm.cpp) decodes too
+# from this many rows 4-bit weights go to their GEMM (csrc/int4.cpp: panels unpacked to bytes, registers of outputs)
+# in the AVX-512 builds, fewer to their dot products (lanes over columns); the AVX2 builds from AVX2_GEMM_MIN_ROWS
+INT4_GEMM_MIN_ROWS = 4
 INT8_GEMM_MIN_WEIGHTS = 256 * 1024  # ... and only for weights of this many values or more (small ones: the kernels)
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
 PANEL = 16
@@ -112,7 +115,7 @@ def cflags(variant: Variant) -> list[str]:
             f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}",
             f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}", f"-DFOLIO_VNNI_GEMM_MIN_ROWS={VNNI_GEMM_MIN_ROWS}",
             f"-DFOLIO_INT8_GEMM_MIN_WEIGHTS={INT8_GEMM_MIN_WEIGHTS}",
-            f"-DFOLIO_AVX2_GEMM_MIN_ROWS={AVX2_GEMM_MIN_ROWS}"]
+            f"-DFOLIO_AVX2_GEMM_MIN_ROWS={AVX2_GEMM_MIN_ROWS}", f"-DFOLIO_INT4_GEMM_MIN_ROWS={INT4_GEMM_MIN_ROWS}"]
 
 
 def sources() -> list[Path]:

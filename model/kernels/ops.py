@@ -49,8 +49,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     int8, bf16 weights (and int8 ones for a prompt the int8 GEMM does not take) to torch's bf16 GEMM with x rounded
     to bf16; and the avx512vnni kernels' own int8 products round the rows to int16. The library answers which, for
     any rows and weight (`bf16_gemm`, `int8_gemm`, `vnni_gemm`, `rows_rounded_to`: what the tests' bounds read).
-    4-bit weights (uint8, `scale` per group) go through the kernels at any number of rows (csrc/int4.cpp): each row
-    rounded to int8 per group of 32, the integer products summed exactly, then scaled."""
+    4-bit weights (uint8, `scale` per group) go through the kernels at any number of rows (csrc/int4.cpp: dot
+    products for a few rows, a GEMM from `INT4_GEMM_MIN_ROWS` in build.py): each row rounded to int8 per group of
+    32, the integer products summed exactly, then scaled."""
     lib = library()
     if (lib is None or torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype not in KERNEL_WEIGHTS):

@@ -110,19 +110,42 @@ def test_int4_products_equal_the_reference(kernel_variant: build.Variant, rows: 
           f"(bound {bound.min().item():.1e}..{bound.max().item():.1e})")
 
 
-def test_a_row_with_a_nan_comes_out_nan_and_leaves_the_others(kernel_variant: build.Variant) -> None:
+GEMM_ROWS = [build.INT4_GEMM_MIN_ROWS - 1, build.INT4_GEMM_MIN_ROWS, build.INT4_GEMM_MIN_ROWS + 1, 7, 13, 256, 301]
+
+
+@pytest.mark.parametrize("rows", sorted({r for r in GEMM_ROWS if r >= 1}))
+@pytest.mark.parametrize(("width", "outputs"), [(32, 100), (96, 7), (1056, 61)])
+def test_int4_gemm_equals_the_reference(kernel_variant: build.Variant, rows: int, width: int, outputs: int) -> None:
+    """Either side of INT4_GEMM_MIN_ROWS (the dot products below, the GEMM from it) and of the GEMM's pieces of 256
+    rows, rows not a multiple of its tiles (4 or 3 rows), outputs not a multiple of a task's (48 or 16) or of a
+    register's, one group a row or 33: within the fp32 bound of the float64 reference of the integer path."""
+    torch.manual_seed(rows * width + outputs)
+    lin = torch.nn.Linear(width, outputs)
+    q = Int4Linear(lin)
+    x = torch.randn(rows, width) * torch.rand(rows, 1) * 4
+    x[-1, -32:] = 0.0  # an all-zero group
+    with torch.inference_mode():
+        got = q(x).double()
+    want, bound = int4_reference(x, q.stored, q.scale, lin.bias)
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_a_row_with_a_nan_comes_out_nan_and_leaves_the_others(kernel_variant: build.Variant, rows: int) -> None:
     torch.manual_seed(1)
     q = Int4Linear(torch.nn.Linear(160, 40))
-    x = torch.randn(5, 160)
+    x = torch.randn(rows, 160)
     with torch.inference_mode():
         clean = q(x)
         x[1, 150], x[3, 3] = float("nan"), float("inf")
         poisoned = q(x)
     assert poisoned[[1, 3]].isnan().all()
-    assert torch.equal(poisoned[[0, 2, 4]], clean[[0, 2, 4]])
+    others = [m for m in range(rows) if m not in (1, 3)]
+    assert torch.equal(poisoned[others], clean[others])
 
 
-def test_the_widest_values_do_not_overflow(kernel_variant: build.Variant) -> None:
+@pytest.mark.parametrize("rows", [3, 40])
+def test_the_widest_values_do_not_overflow(kernel_variant: build.Variant, rows: int) -> None:
     """Every weight -8 or +7 steps and every activation +-127 steps over 4096 columns: a lane's int32 sum and the
     unsigned-by-signed byte products (at most 15 * 127 a byte, 2 * 15 * 127 a pair in vpmaddubsw's int16) exact."""
     lin = torch.nn.Linear(4096, 8, bias=False)
@@ -131,8 +154,8 @@ def test_the_widest_values_do_not_overflow(kernel_variant: build.Variant) -> Non
         lin.weight[::2, 1::2] = 0.875  # +7 steps of the scale 1/8
     q = Int4Linear(lin)
     assert int4_values(q.stored).min() == -8 and int4_values(q.stored).max() == 7
-    x = torch.full((3, 4096), 2.0)
-    x[1] = -2.0
+    x = torch.full((rows, 4096), 2.0)
+    x[1::3] = -2.0
     with torch.inference_mode():
         got = q(x)
     want = x.double() @ q.dequantized().double().T

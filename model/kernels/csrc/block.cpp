@@ -184,13 +184,19 @@ at::Tensor Stack::forward(const at::Tensor& x_in, at::Tensor k_cache, at::Tensor
   // are split over the pool (linear.cpp): an OpenMP team of their own would compete for the cores with this pool's
   // workers, which spin between jobs
   OneOpenMPThread serial(true);
-  std::vector<std::array<int64_t, 2>> shapes;  // each block's products' (I, O), in order
-  for (const auto& blk : blocks_)
-    for (const auto& w : blk.products) shapes.push_back({w.I, w.O});
-  const auto groups = lora_rows(lora, B, shapes);
-  int64_t values = 0;  // the LoRA scratch: n x r values a group
-  for (const auto& g : groups) values += g.n * g.r;
-  auto lora_scratch = at::empty({values}, x_in.options());
+  // the LoRA groups and their scratch (n x r values a group), only where the call has any: a base-only step
+  // builds neither
+  std::vector<LoraRows> groups;
+  at::Tensor lora_scratch;
+  if (!lora.empty()) {
+    std::vector<std::array<int64_t, 2>> shapes;  // each block's products' (I, O), in order
+    for (const auto& blk : blocks_)
+      for (const auto& w : blk.products) shapes.push_back({w.I, w.O});
+    groups = lora_rows(lora, B, shapes);
+    int64_t values = 0;
+    for (const auto& g : groups) values += g.n * g.r;
+    if (!groups.empty()) lora_scratch = at::empty({values}, x_in.options());
+  }
   auto x = x_in.contiguous().clone();
   const int64_t F = layers ? blocks_[0].products[2].O : 0;  // the MLP's width
   auto scratch = at::empty({B * (6 * C + F)}, x.options());

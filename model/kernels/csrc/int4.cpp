@@ -4,11 +4,16 @@
 //
 // Every product multiplies in integers, as llama.cpp's ggml_vec_dot_q4_0_q8_0 does: each row
 // of x is rounded to int8 per group of 32 (a scale max |x_g| / 127 per row and group, half to even), the nibbles
-// (q + 8, unsigned) times those bytes summed in int32 lanes (AVX512-VNNI's vpdpbusd; else vpmaddubsw then vpmaddwd,
-// exact: at most 2 * 15 * 127 per pair), the +8 taken off by starting each lane at -8 times its bytes' sum, and each
-// group's lanes added into fp32 times the group's two scales. 8 lanes take one group (AVX2), 16 take two (AVX-512;
-// x's bytes laid out to match the nibbles' order, a group's half of a pair empty at an odd end), tiles of 4 weight
-// rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool.
+// (q + 8, unsigned) times those bytes summed in int32 lanes (AVX512-VNNI's vpdpbusd, AVX-VNNI's in avx2vnni; else
+// vpmaddubsw then vpmaddwd, exact: at most 2 * 15 * 127 per pair), the +8 taken off by starting each lane at -8 times
+// its bytes' sum, and each group's lanes added into fp32 times the group's two scales. Two ways, by the rows:
+// - dot products (a few rows, AVX-512 builds: fewer than INT4_GEMM_MIN_ROWS): lanes over columns, 8 lanes a group
+//   (AVX2), 16 two (AVX-512; x's bytes laid out to match the nibbles' order, a group's half of a pair empty at an
+//   odd end), tiles of 4 weight rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool;
+// - a GEMM (batched steps and prompts; in the AVX2 builds every product): registers of outputs x 4 columns, as
+//   vnni_gemm.cpp's int8 GEMM, from each task's outputs unpacked to bytes in a scratch of its thread (the 4-bit
+//   weight stays the only copy), the sums scaled per group into fp32 accumulators. int4 at 32 rows went from
+//   0.20x int8's speed to 0.58x (AVX-512 VNNI, int8 in AMX) and 0.60x to 0.78x (AVX2); docs/quantization.md.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -41,6 +46,27 @@ void check_int4(const Weight& w) {
   check_floats(w.bias, w.O, "linear: bias");
 }
 
+// A group of x's row (INT4_GROUP values) rounded to int8 in q: returns the scale, max |x_g| / 127 (1 for all zeros),
+// each value round(x / scale) half to even; for a group holding a NaN or an infinity NaN, and zeros
+static float round_group(const float* xg, int8_t* q) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t j = 0; j < INT4_GROUP; j++) {
+    finite = finite && std::isfinite(xg[j]);
+    amax = std::max(amax, std::fabs(xg[j]));
+  }
+  if (!finite) {
+    std::fill(q, q + INT4_GROUP, int8_t(0));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float scale = amax > 0.f ? amax / 127.f : 1.f;
+  alignas(64) float rounded[INT4_GROUP];
+  const Vec divisor = vbroadcast(scale);
+  for (int64_t j = 0; j < INT4_GROUP; j += LANES) vstore(rounded + j, vround(vdiv(vload(xg + j), divisor)));
+  for (int64_t j = 0; j < INT4_GROUP; j++) q[j] = int8_t(rounded[j]);
+  return scale;
+}
+
 // x (M, I) rounded to int8 per group for the integer products: per row and block, BLOCK bytes of x in the order the
 // nibbles unpack to (unpack below), LANES int32 of -8 times the sum of each lane's 4 bytes (the accumulators' start),
 // and LANES fp32 of each lane's group's scale (0 in the empty half of an odd end's block; NaN for a group holding
@@ -57,24 +83,11 @@ struct Int4Rows {
   static int64_t position(int64_t h, int64_t j) { return (j / 16 * PAIR + h) * 16 + j % 16; }
   void row(const float* x, int64_t I, uint8_t* out) const {
     for (int64_t g = 0; g < I / INT4_GROUP; g++) {
-      const float* xg = x + g * INT4_GROUP;
       uint8_t* blk = out + (g / PAIR) * 3 * BLOCK;
       const int64_t h = g % PAIR;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t j = 0; j < INT4_GROUP; j++) {
-        finite = finite && std::isfinite(xg[j]);
-        amax = std::max(amax, std::fabs(xg[j]));
-      }
-      const float scale = !finite ? std::numeric_limits<float>::quiet_NaN() : amax > 0.f ? amax / 127.f : 1.f;
-      alignas(64) float rounded[INT4_GROUP];
-      if (finite) {
-        const Vec divisor = vbroadcast(scale);
-        for (int64_t j = 0; j < INT4_GROUP; j += LANES) vstore(rounded + j, vround(vdiv(vload(xg + j), divisor)));
-      } else {
-        std::fill(rounded, rounded + INT4_GROUP, 0.f);
-      }
-      for (int64_t j = 0; j < INT4_GROUP; j++) blk[position(h, j)] = uint8_t(int8_t(rounded[j]));
+      int8_t q[INT4_GROUP];
+      const float scale = round_group(x + g * INT4_GROUP, q);
+      for (int64_t j = 0; j < INT4_GROUP; j++) blk[position(h, j)] = uint8_t(q[j]);
       float* scales = reinterpret_cast<float*>(blk + 2 * BLOCK);
       for (int64_t piece = 0; piece < 2; piece++)  // lanes of (piece, h): 4 a piece of 16 bytes
         for (int64_t k = 0; k < 4; k++) scales[(piece * PAIR + h) * 4 + k] = scale;
@@ -127,7 +140,7 @@ static inline IVec dot(IVec w, IVec x, IVec start) {
 #elif defined(FOLIO_VEC512)
   return _mm512_add_epi32(start, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 #else
-  return _mm256_add_epi32(start, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  return products_by_fours(start, w, x);  // AVX-VNNI's vpdpbusd (avx2vnni), else vpmaddubsw and vpmaddwd (simd.h)
 #endif
 }
 
@@ -136,6 +149,14 @@ static inline IVec iload(const uint8_t* p) {
   return _mm512_loadu_si512(p);
 #else
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+#endif
+}
+
+static inline IVec ibroadcast(int32_t v) {
+#ifdef FOLIO_VEC512
+  return _mm512_set1_epi32(v);
+#else
+  return _mm256_set1_epi32(v);
 #endif
 }
 
@@ -216,11 +237,179 @@ static void int4_kernel(const Weight& w, const float* x, int64_t M, float* y) {
   });
 }
 
-// Any number of rows, MAX_ROWS at a time: each piece's rounded rows (3 bytes a value) stay in L2 while every weight
-// row streams past them. Dequantizing the weight to bf16 for torch's bf16 GEMM instead (what a prompt's rows against
-// bf16 weights get) was slower: 128 rows against GPT-2's 768 x 2304 took 64 ms that way and 2.3 ms here for 64 rows
-// (a 2-vCPU Xeon with AMX shared with other work, torch's bare bf16 GEMM 8.4 ms for the 128 rows).
+// The GEMM, for GEMM_MIN_ROWS rows or more (a batched decode step, a prompt): registers of LANES outputs x 4
+// columns, as vnni_gemm.cpp's int8 GEMM, instead of the dot products' lanes over columns, which reduce every output
+// across a vector per row and load each x block's bytes, sums and scales once per weight row. Each task unpacks
+// GEMM_OUTPUTS outputs' nibbles into a scratch of its thread (gemm_panel: the 4-bit weight is the only copy kept,
+// and the unpacking, ~1 instruction per 8 weights, is shared by all the rows), then every row meets them in tiles
+// of GEMM_ROWS rows x GEMM_REGS registers: per group, the tile's int32 sums start at -8 times the row's group sum
+// (the nibbles are q + 8), take 8 steps of 4 columns (each a register of weights times a row's 4 bytes broadcast),
+// and are added into fp32 accumulators times the group's weight scales and the row's group scale.
+#ifdef FOLIO_VEC512
+static constexpr int GEMM_ROWS = 4, GEMM_REGS = 3;  // 12 int32 and 12 fp32 accumulators of AVX-512's 32 registers
+#else
+static constexpr int GEMM_ROWS = 3, GEMM_REGS = 2;  // 6 and 6 of AVX2's 16
+#endif
+static constexpr int64_t GEMM_OUTPUTS = GEMM_REGS * LANES;  // outputs a task: 48 (AVX-512) or 16 (AVX2)
+static constexpr int64_t STEPS = INT4_GROUP / 4;             // 4-column steps a group
+static constexpr int64_t STEP_BYTES = GEMM_OUTPUTS * 4;      // a step's weights in the scratch
+// rows rounded at a time: x's bytes (GEMM_MAX_ROWS x I), read by every task, stay in L2
+static constexpr int64_t GEMM_MAX_ROWS = 256;
+// from how many rows: in the AVX2 builds from AVX2_GEMM_MIN_ROWS (1: at batch 1 too, as their int8 GEMM)
+#ifdef FOLIO_VEC512
+static constexpr int64_t GEMM_MIN_ROWS = INT4_GEMM_MIN_ROWS;
+#else
+static constexpr int64_t GEMM_MIN_ROWS = AVX2_GEMM_MIN_ROWS;
+#endif
+
+// x (M, I) rounded per row and group (round_group) in the columns' order, each (row, group)'s scale, and -8 times
+// its bytes' sum (the accumulators' start: the nibbles are q + 8)
+struct GemmRows {
+  GemmRows(const float* x, int64_t M, int64_t I)
+      : I(I), groups(I / INT4_GROUP), values(M * I), scales(M * groups), starts(M * groups) {
+    pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++)
+        for (int64_t g = 0; g < groups; g++) {
+          int8_t* q = values.data() + m * I + g * INT4_GROUP;
+          scales[m * groups + g] = round_group(x + m * I + g * INT4_GROUP, q);
+          int32_t sum = 0;
+          for (int64_t j = 0; j < INT4_GROUP; j++) sum += q[j];
+          starts[m * groups + g] = -8 * sum;
+        }
+    });
+  }
+  int64_t I, groups;
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> starts;
+};
+
+// Outputs [o, o + GEMM_OUTPUTS) of w unpacked into `steps`: for each 4-column step of a row (a group's 8: its low
+// nibbles' 4, columns 0-15, then its high ones', 16-31), GEMM_OUTPUTS outputs x 4 bytes (q + 8); outputs past O
+// repeat the last (computed, never stored). Their scales as fp32 into `scales`, GEMM_OUTPUTS a group. 8 outputs at a
+// time in AVX2 registers (every variant has them): a group's 16 bytes of outputs i and i + 4 in a register's two
+// halves, a 4 x 4 transpose of int32 in each half, and the nibbles split.
+static void gemm_panel(const Weight& w, int64_t o, uint8_t* steps, float* scales) {
+  const int64_t row_bytes = w.I / 2, groups = w.I / INT4_GROUP;
+  const uint8_t* wp = w.w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>());
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t u = 0; u < GEMM_OUTPUTS; u += 8) {
+    const uint8_t* rows[8];
+    for (int i = 0; i < 8; i++) rows[i] = wp + std::min(o + u + i, w.O - 1) * row_bytes;
+    for (int64_t g = 0; g < groups; g++) {
+      __m256i r[4];
+      for (int i = 0; i < 4; i++) {
+        const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + g * 16));
+        const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 4] + g * 16));
+        r[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
+      }
+      const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+      // c[k]: bytes 4k..4k+3 of outputs u..u+3 | u+4..u+7
+      const __m256i c[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+      uint8_t* dst = steps + g * STEPS * STEP_BYTES + u * 4;
+      for (int k = 0; k < 4; k++) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * STEP_BYTES), _mm256_and_si256(c[k], nibble));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k + 4) * STEP_BYTES),
+                            _mm256_and_si256(_mm256_srli_epi16(c[k], 4), nibble));
+      }
+    }
+  }
+  for (int64_t j = 0; j < GEMM_OUTPUTS; j++) {
+    const uint16_t* sj = sp + std::min(o + j, w.O - 1) * groups;
+    for (int64_t g = 0; g < groups; g++) scales[g * GEMM_OUTPUTS + j] = _cvtsh_ss(sj[g]);
+  }
+}
+
+// y[m..m+R-1, o..] for R rows from m against the task's unpacked outputs from o (y's row stride O)
+template <int R>
+static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* steps, const float* scales,
+                             const float* bias, int64_t O, int64_t o, float* y) {
+  const int64_t I = x.I, groups = x.groups;
+  Vec f[R][GEMM_REGS];
+  for (int r = 0; r < R; r++)
+    for (int p = 0; p < GEMM_REGS; p++) f[r][p] = vzero();
+  for (int64_t g = 0; g < groups; g++) {
+    IVec acc[R][GEMM_REGS];
+    for (int r = 0; r < R; r++) {
+      const IVec start = ibroadcast(x.starts[(m + r) * groups + g]);
+      for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = start;
+    }
+    const uint8_t* sg = steps + g * STEPS * STEP_BYTES;
+    const int8_t* xg = x.values.data() + m * I + g * INT4_GROUP;
+#pragma GCC unroll 8
+    for (int k = 0; k < STEPS; k++) {
+      IVec wv[GEMM_REGS];
+      for (int p = 0; p < GEMM_REGS; p++) wv[p] = iload(sg + k * STEP_BYTES + p * LANES * 4);
+      for (int r = 0; r < R; r++) {
+        int32_t four;
+        std::memcpy(&four, xg + r * I + 4 * k, 4);
+        const IVec a = ibroadcast(four);
+        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = dot(wv[p], a, acc[r][p]);
+      }
+    }
+    for (int p = 0; p < GEMM_REGS; p++) {
+      const Vec ws = vload(scales + g * GEMM_OUTPUTS + p * LANES);
+      for (int r = 0; r < R; r++)
+        f[r][p] = vfma(to_floats(acc[r][p]), vmul(ws, vbroadcast(x.scales[(m + r) * groups + g])), f[r][p]);
+    }
+  }
+  for (int p = 0; p < GEMM_REGS; p++) {
+    const int64_t op = o + p * LANES, n = std::min<int64_t>(LANES, O - op);
+    if (n <= 0) break;
+    alignas(64) float b[LANES] = {}, out[LANES];
+    if (bias) std::copy(bias + op, bias + op + n, b);
+    for (int r = 0; r < R; r++) {
+      vstore(out, vadd(f[r][p], vload(b)));
+      std::copy(out, out + n, y + (m + r) * O + op);
+    }
+  }
+}
+
+// the last R < GEMM_ROWS rows from m
+template <int R = GEMM_ROWS - 1>
+static inline void gemm_rest(int64_t left, const GemmRows& x, int64_t m, const uint8_t* steps, const float* scales,
+                             const float* bias, int64_t O, int64_t o, float* y) {
+  if (left == R) gemm_tile<R>(x, m, steps, scales, bias, O, o, y);
+  else if constexpr (R > 1) gemm_rest<R - 1>(left, x, m, steps, scales, bias, O, o, y);
+}
+
+// M rows through the GEMM: GEMM_OUTPUTS outputs a task, split over the pool
+static void int4_gemm(const Weight& w, const float* x, int64_t M, float* y) {
+  const GemmRows rows(x, M, w.I);
+  const int64_t groups = w.I / INT4_GROUP, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
+  const int64_t grain = grain_for(GEMM_OUTPUTS * (w.I / 2 + 2 * groups), 2 * GEMM_OUTPUTS * w.I * M);
+  const float* bias = w.bias ? w.bias->data_ptr<float>() : nullptr;
+  pool().run(tasks, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> steps;
+    thread_local std::vector<float> scales;
+    steps.resize(w.I * GEMM_OUTPUTS);
+    scales.resize(groups * GEMM_OUTPUTS);
+    for (int64_t t = begin; t < end; t++) {
+      const int64_t o = t * GEMM_OUTPUTS;
+      gemm_panel(w, o, steps.data(), scales.data());
+      int64_t m = 0;
+      for (; m + GEMM_ROWS <= M; m += GEMM_ROWS)
+        gemm_tile<GEMM_ROWS>(rows, m, steps.data(), scales.data(), bias, w.O, o, y);
+      if (m < M) gemm_rest(M - m, rows, m, steps.data(), scales.data(), bias, w.O, o, y);
+    }
+  });
+}
+
+// Any number of rows: fewer than GEMM_MIN_ROWS through the dot products above (each piece's rounded rows, 3 bytes a
+// value, stay in L2 while every weight row streams past them), more through the GEMM, GEMM_MAX_ROWS at a time.
+// Dequantizing the weight to bf16 for torch's bf16 GEMM instead (what a prompt's rows against bf16 weights get) was
+// slower for a batch (32 rows of GPT-2's four block products: 44 ms to dequantize through torch's ops, 4.7 ms to
+// multiply, 6.5 in the GEMM here); for a 512-row prompt torch's bf16 GEMM in AMX took 31 ms against 64 here, which
+// a dequantization of a few ms in C++ could turn into a win on CPUs with AMX (not done: docs/quantization.md).
 void int4_product(const Weight& w, const float* x, int64_t M, float* y) {
+  if (M >= GEMM_MIN_ROWS) {
+    for (int64_t m = 0; m < M; m += GEMM_MAX_ROWS)
+      int4_gemm(w, x + m * w.I, std::min(GEMM_MAX_ROWS, M - m), y + m * w.O);
+    return;
+  }
   for (int64_t m = 0; m < M; m += MAX_ROWS) int4_kernel(w, x + m * w.I, std::min(MAX_ROWS, M - m), y + m * w.O);
 }
 

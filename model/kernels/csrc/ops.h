@@ -10,7 +10,7 @@
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
     || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
     || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)             \
-    || !defined(FOLIO_AVX2_GEMM_MIN_ROWS)
+    || !defined(FOLIO_AVX2_GEMM_MIN_ROWS) || !defined(FOLIO_INT4_GEMM_MIN_ROWS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -25,6 +25,7 @@ static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
 static constexpr int64_t VNNI_GEMM_MIN_ROWS = FOLIO_VNNI_GEMM_MIN_ROWS;
 static constexpr int64_t AVX2_GEMM_MIN_ROWS = FOLIO_AVX2_GEMM_MIN_ROWS;
+static constexpr int64_t INT4_GEMM_MIN_ROWS = FOLIO_INT4_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
 static constexpr int64_t PANEL = FOLIO_PANEL;
