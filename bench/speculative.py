@@ -156,7 +156,8 @@ def main() -> None:
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1,
                     "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)]},
         "settings": {**vars(args), "copy_model": str(args.copy_model.resolve().relative_to(REPO))
-                     if args.copy_model.resolve().is_relative_to(REPO) else str(args.copy_model)},
+                     if args.copy_model.resolve().is_relative_to(REPO)
+                     else str(args.copy_model).replace(str(Path.home()), "~", 1)},
         "tasks": results,
     }
     print(f"{'task':<14}{'plain tok/s':>12}{'spec tok/s':>12}{'speedup':>9}{'median':>8}{'cpu-time':>9}"
