@@ -7,8 +7,9 @@ plain decoding, in the same run, at batch 1 and greedy unless said:
 Tasks, on the bundled model (a 2.7M-parameter character model trained on tinyshakespeare) unless said:
 - `copy`: a passage of the validation text (the last 10%, never trained on), a blank line, then the passage's first
   8 characters: a continuation grounded in its input, which a model that copies continues with the rest of the
-  passage (quoting, editing). On `--copy-model` (default: the bundled model, which never learned to copy: it goes on
-  in its own words, and its drafts are mostly rejected);
+  passage (quoting, editing). On `--copy-model` (default: the bundled model fine-tuned to copy by
+  `python -m bench.copy_model`, in ~/.cache/folio/copy-model, built first where absent: minutes; the bundled model
+  itself never learned to copy: it goes on in its own words, and its drafts are mostly rejected);
 - `oracle`: `free` below with drafts that are always right (what plain decoding generates, known beforehand, k
   tokens every step): the engine's speedup where every draft is taken, as on a span a model copies from its prompt;
 - `free`: a passage of the validation text continued in the model's own words, `--new-tokens` of them: prompt
@@ -35,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import REPO, RESULTS, SHARED_DATA
+from bench import REPO, RESULTS
+from bench.copy_model import BEGINNING, BUNDLED, PASSAGE, TEXT, copy_model, line_passages, validation_split
 from bench.quantize import cpu_name
 from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
@@ -43,25 +45,10 @@ from model.engine import Engine
 from model.sampling_params import SamplingParams
 from model.speculative import Drafting, NgramProposer, Speculator
 
-BUNDLED = REPO / "weights" / "shakespeare-char"
-TEXT = SHARED_DATA / "tinyshakespeare" / "input.txt"
-SPLIT = 0.9  # the trainer's: the last 10% of the text is validation
-PASSAGE = 56  # characters of a copy prompt's passage: passage, blank line and beginning fit the 128-token context
-BEGINNING = 8
-
 
 def passages(n: int, length: int, seed: int) -> list[str]:
     """`n` passages of the validation text, each starting at a line."""
-    text = TEXT.read_text()
-    val = text[int(len(text) * SPLIT):]
-    rng = random.Random(seed)
-    out = []
-    while len(out) < n:
-        start = val.find("\n", rng.randrange(len(val) - 2 * length)) + 1
-        piece = val[start:start + length]
-        if len(piece) == length and piece.strip():
-            out.append(piece)
-    return out
+    return line_passages(validation_split(TEXT.read_text()), n, (length, length), random.Random(seed))
 
 
 def run(engine: Engine, jobs: list[tuple[list[int], SamplingParams]], together: bool
@@ -144,9 +131,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each free-text request generates")
     p.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
-    p.add_argument("--copy-model", type=Path, default=BUNDLED, help="the model of the copy task")
+    p.add_argument("--copy-model", type=Path, default=None,
+                   help="the model of the copy task (default: python -m bench.copy_model's, built first if absent)")
     p.add_argument("--draft-model", type=Path, help="the draft model of the draft task (none: no draft task)")
     args = p.parse_args()
+    args.copy_model = args.copy_model or copy_model()
     bundled, copier = load_checkpoint(BUNDLED), load_checkpoint(args.copy_model)
     greedy = SamplingParams(max_new_tokens=PASSAGE - BEGINNING)
     copy_jobs = [(copier.tokenizer.encode(f"{t}\n\n{t[:BEGINNING]}"), greedy)
@@ -177,7 +166,8 @@ def main() -> None:
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1,
                     "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)]},
         "settings": {**vars(args), "copy_model": str(args.copy_model.resolve().relative_to(REPO))
-                     if args.copy_model.resolve().is_relative_to(REPO) else str(args.copy_model)},
+                     if args.copy_model.resolve().is_relative_to(REPO)
+                     else str(args.copy_model).replace(str(Path.home()), "~", 1)},
         "tasks": results,
     }
     print(f"{'task':<14}{'plain tok/s':>12}{'spec tok/s':>12}{'speedup':>9}{'median':>8}{'cpu-time':>9}"
