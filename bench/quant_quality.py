@@ -50,7 +50,7 @@ from model import kernels
 from model.checkpoint import load_checkpoint
 from model.tokenizer import gpt2_tokenizer
 
-FOLIO_KINDS = ("int8", "int4")
+OUR_KINDS = ("int8", "int4")
 LLAMA_KINDS = ("q8_0", *LLAMA_QUANTIZED)
 # the trained model: Folio's trainer, GPT-2's BPE on tiny Shakespeare; n_embd 256 so that every row is whole
 # 256-weight super-blocks of Q4_K (llama-quantize would fall back to another type for a row that is not)
@@ -179,7 +179,7 @@ def measure_model(setup: Setup, folio_dir: Path, wins: list[list[int]], args: ar
     out["entropy_fp32_bucketed"] = bucketed_entropy(ref, args.top_k).mean().item()
     out["max_entropy"] = float(torch.log(torch.tensor(float(ck.tokenizer.n_vocab))))
     folio: dict[str, Any] = {}
-    for kind in FOLIO_KINDS:
+    for kind in OUR_KINDS:
         print(f"{setup.model_name}: Folio {kind} ...", flush=True)
         full = folio_logprobs(variant(ck, kind).model, wins)
         folio[kind] = {**compare(ref, TopTokens.of(full, args.top_n), args.top_k),
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         report["models"][name]["setup"] = setup.steps
     if args.bundled == "measure":
         bundled = named_checkpoint("default")
-        report["bundled"] = {k: quality(bundled, k, args.quality_chars) for k in FOLIO_KINDS}
+        report["bundled"] = {k: quality(bundled, k, args.quality_chars) for k in OUR_KINDS}
     else:
         report["bundled"] = bundled_from(Path(args.bundled))
     print_table(report)
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def rows(m: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(label, figures) for each quantized engine of one model, Folio's first."""
-    return [(f"Folio {k}", m["folio"][k]) for k in FOLIO_KINDS] + [(f"llama.cpp {k}", m["llama"].get(k, {}))
+    return [(f"Folio {k}", m["folio"][k]) for k in OUR_KINDS] + [(f"llama.cpp {k}", m["llama"].get(k, {}))
                                                                    for k in LLAMA_KINDS]
 
 
