@@ -15,6 +15,7 @@ from app.testing import stop as stop_process
 from bench import REPO
 from bench.peers import CONTEXT, LLAMA_QUANTIZED, MODEL_ID
 from bench.peers.builds import Setup, SetupError
+from bench.peers.report import cpu_info
 
 # Folio as served: (name, extra `python -m app` flags), one line per variant: ("folio-int8", ["--quantize", "int8"])
 VARIANTS_OF_FOLIO: list[tuple[str, list[str]]] = [
@@ -43,6 +44,13 @@ AVX2_TIER_ENV = {"FOLIO_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ON
                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+# llama.cpp's native build on a CPU with AMX (this version): its AMX kernels for q8_0 and the 4-bit formats die of
+# SIGILL at their first tile instruction (tilezero, in a worker thread; seen on a 2-vCPU Sapphire Rapids VM, where
+# oneDNN's AMX GEMMs run, and still with the tile state requested by arch_prctl before start). --no-repack keeps
+# the weights in their own layout, off AMX's (and off the repacked AVX layouts): its AVX-512 VNNI dot products
+NO_AMX = ["--no-repack"]
+
+
 def server_factories(setup: Setup, threads: int, slots: int, tier: str = "native") -> dict[str, Callable[[], Server]]:
     """Each server by name, as a function that sets up what it needs and returns its `Server`; the order is the
     order they run in (Folio first: the others' greedy text is compared with its). `tier` "avx2": Folio held to
@@ -61,7 +69,8 @@ def server_factories(setup: Setup, threads: int, slots: int, tier: str = "native
             # -np slots of the full context each (-c is shared by the slots); continuous batching is on by default
             out[name] = lambda name=name, native=native, outtype=outtype: Server(name, [
                 str(setup.llama_tool(native)), "-m", str(setup.gguf(outtype)), *host, "--alias", MODEL_ID,
-                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT), "-cb"])
+                "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * CONTEXT), "-cb",
+                *(NO_AMX if native and "amx_tile" in cpu_info()["flags"] else [])])
     for suffix, dtype in VLLM_DTYPES.items() if tier == "native" else ():
         name = f"vllm-{suffix}"
         out[name] = lambda name=name, dtype=dtype: Server(name, [
