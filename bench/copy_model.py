@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from bench import REPO, SHARED_DATA
+from bench import REPO, SHARED_DATA, training_split, validation_split
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint
-from model.data import TRAIN_FRACTION
 from model.engine import Engine
 from model.sampling_params import SamplingParams
 from model.train.trainer import lm_loss
@@ -49,15 +48,6 @@ RECIPE: dict[str, Any] = {
     "train": {"max_iters": 800, "batch_size": 16, "learning_rate": 2e-3, "min_lr": 2e-4, "warmup_iters": 20,
               "dropout": 0.0, "eval_interval": 400, "eval_iters": 10, "log_interval": 10, "seed": 1337, "threads": 1},
 }
-
-
-def training_split(text: str) -> str:
-    """The part of `text` the trainer trains on (a character model's tokens are its characters)."""
-    return text[:int(len(text) * TRAIN_FRACTION)]
-
-
-def validation_split(text: str) -> str:
-    return text[int(len(text) * TRAIN_FRACTION):]
 
 
 def line_passages(text: str, n: int, lengths: tuple[int, int], rng: random.Random) -> list[str]:

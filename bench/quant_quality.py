@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import torch
 
-from bench import REPO, RESULTS, SHARED_DATA
+from bench import REPO, RESULTS, SHARED_DATA, validation_split
 from bench.engine_decode import named_checkpoint
 from bench.models import to_hf
 from bench.peers import LLAMA_QUANTIZED
@@ -111,7 +111,7 @@ def compare(ref: TopTokens, other: TopTokens, k: int) -> dict[str, float]:
 def windows(n: int, length: int, bpe_dir: Path) -> list[list[int]]:
     """`n` windows of `length` tokens spread evenly over tiny Shakespeare's last 10%, in GPT-2's BPE."""
     raw = (SHARED_DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
-    ids = gpt2_tokenizer(bpe_dir).encode(raw[int(len(raw) * 0.9):])
+    ids = gpt2_tokenizer(bpe_dir).encode(validation_split(raw))
     stride = (len(ids) - length) // n
     return [ids[i * stride:i * stride + length] for i in range(n)]
 

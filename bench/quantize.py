@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench import REPO, RESULTS, SHARED_DATA
+from bench import REPO, RESULTS, SHARED_DATA, validation_split
 from bench.engine_decode import measure_read_bandwidth, named_checkpoint, prompts
 from bench.report import pyplot, save_figure, write_json
 from model import kernels
@@ -113,7 +113,7 @@ def validation_ids(ck: Checkpoint, chars: int) -> list[int] | None:
     if not text.is_file():
         return None
     raw = text.read_text(encoding="utf-8")
-    val = raw[int(len(raw) * 0.9):][:chars]
+    val = validation_split(raw)[:chars]
     if ck.config.vocab_size >= 50257:  # the GPT-2 shape: its own BPE, ids within the random model's vocabulary
         return gpt2_tokenizer(SHARED_DATA / "gpt2-bpe").encode(val)[:4096]  # a 124M forward per token: enough
     return ck.tokenizer.encode(val)

@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import REPO, RESULTS
-from bench.copy_model import BEGINNING, BUNDLED, PASSAGE, TEXT, copy_model, line_passages, validation_split
+from bench import REPO, RESULTS, validation_split
+from bench.copy_model import BEGINNING, BUNDLED, PASSAGE, TEXT, copy_model, line_passages
 from bench.quantize import cpu_name
 from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint

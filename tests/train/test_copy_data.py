@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import copy_model
-from bench.copy_model import RECIPE, RECIPE_FILE, examples, is_built, line_passages, training_split, validation_split
+from bench import copy_model, training_split, validation_split
+from bench.copy_model import RECIPE, RECIPE_FILE, examples, is_built, line_passages
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from model.tokenizer import CharTokenizer
 from model.train.instructions import IGNORE_INDEX, prepare_instructions
