@@ -3,6 +3,7 @@ printed as a table and drawn as bar charts."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ from bench.report import pyplot, save_figure
 SIMD_FLAG = re.compile(r"^(sse4_2|avx|avx2|fma|f16c|avx_vnni|avx512.*|amx.*)$")
 
 
+@functools.cache  # the CPU does not change within a run: the native builds' cache key, each native server, the report
 def cpu_info() -> dict[str, Any]:
     try:
         text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
