@@ -23,6 +23,7 @@
 
 #include "ops.h"
 #include "pool.h"
+#include "quantized_rows.h"
 #include "simd.h"
 
 namespace folio {
@@ -46,24 +47,12 @@ void check_int4(const Weight& w) {
   check_floats(w.bias, w.O, "linear: bias");
 }
 
-// A group of x's row (INT4_GROUP values) rounded to int8 in q: returns the scale, max |x_g| / 127 (1 for all zeros),
-// each value round(x / scale) half to even; for a group holding a NaN or an infinity NaN, and zeros
+// A group of x's row (INT4_GROUP values) rounded to int8 in q as a row of linear.cpp's int8 products is: returns
+// the scale, max |x_g| / 127 (1 for all zeros), each value round(x / scale) half to even; for a group holding a NaN
+// or an infinity NaN, and zeros
 static float round_group(const float* xg, int8_t* q) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int64_t j = 0; j < INT4_GROUP; j++) {
-    finite = finite && std::isfinite(xg[j]);
-    amax = std::max(amax, std::fabs(xg[j]));
-  }
-  if (!finite) {
-    std::fill(q, q + INT4_GROUP, int8_t(0));
-    return std::numeric_limits<float>::quiet_NaN();
-  }
-  const float scale = amax > 0.f ? amax / 127.f : 1.f;
-  alignas(64) float rounded[INT4_GROUP];
-  const Vec divisor = vbroadcast(scale);
-  for (int64_t j = 0; j < INT4_GROUP; j += LANES) vstore(rounded + j, vround(vdiv(vload(xg + j), divisor)));
-  for (int64_t j = 0; j < INT4_GROUP; j++) q[j] = int8_t(rounded[j]);
+  float scale;
+  QuantizedRows<int8_t>::quantize_row(xg, INT4_GROUP, 127.f, 0, q, scale);
   return scale;
 }
 
