@@ -35,7 +35,7 @@ def tier(name: str, flags: list[str]) -> str:
         held = " on a CPU with more, Folio and torch held to it" if "avx512f" in flags else ""
         return f"AVX2{held} (llama.cpp: its generic AVX2 build)"
     variant = best_variant(frozenset(flags))
-    amx = " + AMX (oneDNN's int8 and bf16 GEMMs)" if "amx_int8" in flags else ""
+    amx = " + AMX (the kernels' int8 GEMM, oneDNN's bf16 one)" if "amx_int8" in flags else ""
     return f"{variant.name if variant else 'no kernels'}{amx}"
 
 

@@ -37,13 +37,17 @@ MAX_ROWS = 64  # up to this many rows (a step's tokens) the kernels do a product
 PACKED_MIN_ROWS = 1  # from this many rows through a weight's packed copy, where it has one (else dot products)
 # from this many rows bf16 weights go to torch's bf16 GEMM (oneDNN), where the CPU multiplies bf16 natively
 BF16_GEMM_MIN_ROWS = 16
-# from this many rows int8 weights go to an int8 GEMM (the rows rounded to int8: W8A8) where the CPU multiplies int8
-# natively (VNNI, AMX): oneDNN's; fewer rows are bandwidth-bound and keep the kernels' products
+# from this many rows int8 weights go to an int8 GEMM (the rows rounded to int8: W8A8): the kernels' own
+# (csrc/vnni_gemm.cpp), in every build that has one (avx2, avx2vnni, avx512vnni), at batch 1 too ...
+OWN_GEMM_MIN_ROWS = 1
+# ... in AMX-INT8's tiles from this many rows, where the CPU has them (fewer: vpdpbusd, which reads closer to
+# bandwidth) ...
+AMX_GEMM_MIN_ROWS = 8
+# ... else (the avx512 build, a width the own GEMM does not take) oneDNN's, where the CPU multiplies int8 natively
+# (VNNI, AMX); fewer rows are bandwidth-bound and keep the kernels' products
 INT8_GEMM_MIN_ROWS = 8
-VNNI_GEMM_MIN_ROWS = 4  # ... or from this many where the kernels' own VNNI GEMM takes them (vnni_gemm.cpp)
-AVX2_GEMM_MIN_ROWS = 1  # ... or from this many in the AVX2 builds, whose own int8 GEMM (vnni_gemm.cpp) decodes too
 # from this many rows 4-bit weights go to their GEMM (csrc/int4.cpp: panels unpacked to bytes, registers of outputs)
-# in the AVX-512 builds, fewer to their dot products (lanes over columns); the AVX2 builds from AVX2_GEMM_MIN_ROWS
+# in the AVX-512 builds, fewer to their dot products (lanes over columns); the AVX2 builds from OWN_GEMM_MIN_ROWS
 INT4_GEMM_MIN_ROWS = 4
 INT8_GEMM_MIN_WEIGHTS = 256 * 1024  # ... and only for weights of this many values or more (small ones: the kernels)
 # a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (`ops.pack`)
@@ -113,9 +117,9 @@ def best_variant(flags: frozenset[str] | None = None) -> Variant | None:
 def cflags(variant: Variant) -> list[str]:
     return ["-O3", *variant.cflags, f"-DFOLIO_MAX_ROWS={MAX_ROWS}", f"-DFOLIO_PACKED_MIN_ROWS={PACKED_MIN_ROWS}",
             f"-DFOLIO_PANEL={PANEL}", f"-DFOLIO_BF16_GEMM_MIN_ROWS={BF16_GEMM_MIN_ROWS}",
-            f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}", f"-DFOLIO_VNNI_GEMM_MIN_ROWS={VNNI_GEMM_MIN_ROWS}",
+            f"-DFOLIO_INT8_GEMM_MIN_ROWS={INT8_GEMM_MIN_ROWS}", f"-DFOLIO_OWN_GEMM_MIN_ROWS={OWN_GEMM_MIN_ROWS}",
             f"-DFOLIO_INT8_GEMM_MIN_WEIGHTS={INT8_GEMM_MIN_WEIGHTS}",
-            f"-DFOLIO_AVX2_GEMM_MIN_ROWS={AVX2_GEMM_MIN_ROWS}", f"-DFOLIO_INT4_GEMM_MIN_ROWS={INT4_GEMM_MIN_ROWS}"]
+            f"-DFOLIO_AMX_GEMM_MIN_ROWS={AMX_GEMM_MIN_ROWS}", f"-DFOLIO_INT4_GEMM_MIN_ROWS={INT4_GEMM_MIN_ROWS}"]
 
 
 def sources() -> list[Path]:

@@ -64,18 +64,21 @@ def with_kernels_and_without(forward: Callable[[], T]) -> tuple[T, T]:
 def gemm(rows: int, weight: torch.Tensor) -> str | None:
     """The GEMM the loaded kernels' `linear` sends `rows` rows against `weight` (as stored) to, by the library's own
     rule (linear.cpp's `int8_gemm`, `vnni_gemm`, `bf16_gemm`; the thresholds are model/kernels/build.py's): "int8"
-    (oneDNN's int8 GEMM, the rows rounded to int8), "vnni int8" (the same product in the kernels' own VNNI GEMM,
-    vnni_gemm.cpp), "bf16" (torch's bf16 GEMM: x and the product rounded to bf16), or None: the kernels' products or
-    torch's fp32 linear (always, without the kernels)."""
+    (oneDNN's int8 GEMM, the rows rounded to int8), "vnni int8" (the same product in the kernels' own GEMM,
+    vnni_gemm.cpp, in vpdpbusd or vpmaddubsw), "amx int8" (the kernels' own GEMM in AMX-INT8's tiles), "bf16"
+    (torch's bf16 GEMM: x and the product rounded to bf16), or None: the kernels' products or torch's fp32 linear
+    (always, without the kernels)."""
     lib = kernels.library()
     if lib is None:
         return None
     if lib.int8_gemm(rows, weight.dtype, weight.numel()):
-        return "vnni int8" if lib.vnni_gemm(weight.size(1)) else "int8"
+        if not lib.vnni_gemm(weight.size(1)):
+            return "int8"
+        return "amx int8" if lib.amx_gemm(rows, weight.size(1)) else "vnni int8"
     return "bf16" if lib.bf16_gemm(rows, weight.dtype, weight.numel()) else None
 
 
-INT8_GEMMS = ("int8", "vnni int8")
+INT8_GEMMS = ("int8", "vnni int8", "amx int8")
 
 
 def rows_rounded_to(rows: int, weight: torch.Tensor, packed: bool) -> int | None:

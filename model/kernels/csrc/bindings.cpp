@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_gemm", &folio::bf16_gemm);
   m.def("int8_gemm", &folio::int8_gemm);
   m.def("vnni_gemm", &folio::vnni_gemm);
+  m.def("amx_gemm", &folio::amx_gemm);
+  m.def("set_amx_min_rows", &folio::set_amx_min_rows);
   m.def("rows_rounded_to", &folio::rows_rounded_to);
   m.def("decode_attention", &folio::decode_attention, release_gil());
   m.def("row_argmax_logsumexp", &folio::row_argmax_logsumexp, release_gil());

@@ -244,11 +244,11 @@ static constexpr int64_t STEPS = INT4_GROUP / 4;             // 4-column steps a
 static constexpr int64_t STEP_BYTES = GEMM_OUTPUTS * 4;      // a step's weights in the scratch
 // rows rounded at a time: x's bytes (GEMM_MAX_ROWS x I), read by every task, stay in L2
 static constexpr int64_t GEMM_MAX_ROWS = 256;
-// from how many rows: in the AVX2 builds from AVX2_GEMM_MIN_ROWS (1: at batch 1 too, as their int8 GEMM)
+// from how many rows: in the AVX2 builds from OWN_GEMM_MIN_ROWS (1: at batch 1 too, as their int8 GEMM)
 #ifdef FOLIO_VEC512
 static constexpr int64_t GEMM_MIN_ROWS = INT4_GEMM_MIN_ROWS;
 #else
-static constexpr int64_t GEMM_MIN_ROWS = AVX2_GEMM_MIN_ROWS;
+static constexpr int64_t GEMM_MIN_ROWS = OWN_GEMM_MIN_ROWS;
 #endif
 
 // x (M, I) rounded per row and group (round_group) in the columns' order, each (row, group)'s scale, and -8 times

@@ -317,12 +317,8 @@ static bool native_int8() {
 
 bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
   const bool own = vnni_gemm_cpu();
-#ifdef FOLIO_VEC512
-  const int64_t min_rows = own ? VNNI_GEMM_MIN_ROWS : INT8_GEMM_MIN_ROWS;
-#else
-  const int64_t min_rows = AVX2_GEMM_MIN_ROWS;  // own is true: the AVX2 builds always have their GEMM
-#endif
-  return weight == at::kChar && rows >= min_rows && weights >= INT8_GEMM_MIN_WEIGHTS && (own || native_int8());
+  return weight == at::kChar && rows >= (own ? OWN_GEMM_MIN_ROWS : INT8_GEMM_MIN_ROWS)
+         && weights >= INT8_GEMM_MIN_WEIGHTS && (own || native_int8());
 }
 
 bool bf16_gemm(int64_t rows, at::ScalarType weight, int64_t weights) {
@@ -357,9 +353,9 @@ Weight::Weight(at::Tensor weight, OptionalTensor bias_, OptionalTensor packed_, 
 }
 
 // The one rule for who does a product of M fp32 rows. Where the kernels have their own int8 GEMM (vnni_gemm_cpu: the
-// AVX2 builds, the avx512vnni build without AMX) int8 weights that are not small go to it from AVX2_GEMM_MIN_ROWS
-// (AVX2) or VNNI_GEMM_MIN_ROWS rows, else on a CPU that multiplies int8 to oneDNN's from INT8_GEMM_MIN_ROWS, with x
-// rounded to int8 (`int8_gemm`, `int8_product`); other products of int8 weights round x to int8 (AVX2) or int16
+// AVX2 builds and avx512vnni, in AMX tiles from AMX_GEMM_MIN_ROWS where the CPU has them) int8 weights that are not
+// small go to it from OWN_GEMM_MIN_ROWS rows, else on a CPU that multiplies int8 to oneDNN's from INT8_GEMM_MIN_ROWS,
+// with x rounded to int8 (`int8_gemm`, `int8_product`); other products of int8 weights round x to int8 (AVX2) or int16
 // (avx512vnni) in the kernels' own dot products and panels (`kernel_rows_limit`). On a
 // CPU that multiplies bf16: bf16 weights from BF16_GEMM_MIN_ROWS rows, and a prompt against the other int8 weights
 // (dequantized to bf16 once for the call, as it would be to fp32), go to torch's bf16 GEMM (oneDNN); x and the
@@ -513,9 +509,10 @@ static void int8_product(const Weight& w, const at::Tensor& x, at::Tensor out) {
   // weight, which needs its version counter (an inference tensor has none)
   const bool packable = !w.w.is_inference(), vnni = packable && vnni_gemm(w.I);
   if (vnni || (packable && M <= MAX_ROWS && packed.available())) {
-    const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, vnni ? vnni_rows_offset() : 128);
+    const int64_t held = vnni ? vnni_rows(M, w.I) : M;
+    const QuantizedRows<uint8_t> xq(x.data_ptr<float>(), M, w.I, 127.f, vnni ? vnni_rows_offset() : 128, held);
     if (vnni) {
-      vnni_product(w.w, xq.values.data(), xq.scales.data(), M, ws, b, y);
+      vnni_product(w.w, xq.values.data(), held, xq.scales.data(), M, ws, b, y);
       return;
     }
     const at::Tensor xu8 = at::from_blob(const_cast<uint8_t*>(xq.values.data()), {M, w.I}, at::kByte);

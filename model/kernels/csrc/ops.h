@@ -9,8 +9,8 @@
 // the thresholds are defined once, in model/kernels/build.py, which passes them to the compiler
 #if !defined(FOLIO_MAX_ROWS) || !defined(FOLIO_PACKED_MIN_ROWS) || !defined(FOLIO_PANEL) \
     || !defined(FOLIO_BF16_GEMM_MIN_ROWS) || !defined(FOLIO_INT8_GEMM_MIN_ROWS)             \
-    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_VNNI_GEMM_MIN_ROWS)             \
-    || !defined(FOLIO_AVX2_GEMM_MIN_ROWS) || !defined(FOLIO_INT4_GEMM_MIN_ROWS)
+    || !defined(FOLIO_INT8_GEMM_MIN_WEIGHTS) || !defined(FOLIO_OWN_GEMM_MIN_ROWS)              \
+    || !defined(FOLIO_AMX_GEMM_MIN_ROWS) || !defined(FOLIO_INT4_GEMM_MIN_ROWS)
 #error "build with model/kernels/build.py: it defines the FOLIO_ limits"
 #endif
 
@@ -23,8 +23,8 @@ static constexpr int64_t MAX_ROWS = FOLIO_MAX_ROWS;
 static constexpr int64_t PACKED_MIN_ROWS = FOLIO_PACKED_MIN_ROWS;
 static constexpr int64_t BF16_GEMM_MIN_ROWS = FOLIO_BF16_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_ROWS = FOLIO_INT8_GEMM_MIN_ROWS;
-static constexpr int64_t VNNI_GEMM_MIN_ROWS = FOLIO_VNNI_GEMM_MIN_ROWS;
-static constexpr int64_t AVX2_GEMM_MIN_ROWS = FOLIO_AVX2_GEMM_MIN_ROWS;
+static constexpr int64_t OWN_GEMM_MIN_ROWS = FOLIO_OWN_GEMM_MIN_ROWS;
+static constexpr int64_t AMX_GEMM_MIN_ROWS = FOLIO_AMX_GEMM_MIN_ROWS;
 static constexpr int64_t INT4_GEMM_MIN_ROWS = FOLIO_INT4_GEMM_MIN_ROWS;
 static constexpr int64_t INT8_GEMM_MIN_WEIGHTS = FOLIO_INT8_GEMM_MIN_WEIGHTS;
 // a packed weight's panels hold this many outputs each: (ceil(O / PANEL), I, PANEL) (made by ops.pack in Python)
@@ -76,21 +76,31 @@ bool int8_gemm(int64_t rows, at::ScalarType weight, int64_t weights);
 // are multiplied as they are (fp32; the bf16 GEMM rounds them to bf16 instead) (linear.cpp)
 int64_t rows_rounded_to(int64_t rows, at::ScalarType weight, int64_t O, int64_t I, bool packed);
 
-// whether this build and CPU have the kernels' own int8 GEMM: a build with AVX512-VNNI on a CPU without AMX-INT8
-// (where oneDNN's AMX GEMM is faster), or an AVX2 build (AVX-VNNI's vpdpbusd in avx2vnni, else vpmaddubsw), and
+// whether this build has the kernels' own int8 GEMM: avx512vnni (AVX512-VNNI's vpdpbusd, AMX-INT8's tiles where the
+// CPU has them), or an AVX2 build (AVX-VNNI's vpdpbusd in avx2vnni, else vpmaddubsw), and
 // whether it multiplies rows of `columns` int8 values: a multiple of 4 within int32's exact range (vnni_gemm.cpp)
 bool vnni_gemm_cpu();
 bool vnni_gemm(int64_t columns);
+
+// whether the kernels' own int8 GEMM multiplies `rows` rows of `columns` in AMX-INT8's tiles (the avx512vnni build on
+// a CPU with AMX, where Linux grants its state, from AMX_GEMM_MIN_ROWS rows), and how many rows the rows' buffer must
+// hold for it (padded to whole tiles) (vnni_gemm.cpp)
+bool amx_gemm(int64_t rows, int64_t columns);
+int64_t vnni_rows(int64_t rows, int64_t columns);
+// from how many rows the process's products go to AMX's tiles from now on (0: never), so that the tests and
+// benchmarks compare both on one CPU; returns the previous count (0 in a build without AMX code)
+int64_t set_amx_min_rows(int64_t rows);
 
 // the offset the GEMM takes its int8 rows with, as unsigned bytes: 128 where it multiplies in vpdpbusd (unsigned
 // times signed), 0 (the int8's own bits) in AVX2's vpmaddubsw
 int vnni_rows_offset();
 
 // y (M, O) = (x - offset) . w.T * (xs[m] * ws[o]) + b[o]: x (M, I) int8 rows stored as unsigned bytes with the
-// offset above and a scale per row, w (O, I) int8 (packed at first use and kept while w lives unchanged: not an
-// inference tensor), ws its scale per output, b a bias or nullptr; split over the pool (vnni_gemm.cpp)
-void vnni_product(const at::Tensor& w, const uint8_t* x, const float* xs, int64_t M, const float* ws, const float* b,
-                  float* y);
+// offset above and a scale per row (x's buffer holding `held` >= M rows: vnni_rows), w (O, I) int8 (packed at first
+// use and kept while w lives unchanged: not an inference tensor), ws its scale per output, b a bias or nullptr; split
+// over the pool (vnni_gemm.cpp)
+void vnni_product(const at::Tensor& w, const uint8_t* x, int64_t held, const float* xs, int64_t M, const float* ws,
+                  const float* b, float* y);
 
 // an IEEE half's bits (simd.h): a KV cache's element where it is stored in fp16
 struct fp16;

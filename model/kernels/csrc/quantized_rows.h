@@ -20,7 +20,8 @@ namespace folio {
 // GPT-2 step).
 template <typename T>
 struct QuantizedRows {
-  QuantizedRows(const float* x, int64_t M, int64_t I, float limit, int offset = 0) : values(M * I), scales(M) {
+  QuantizedRows(const float* x, int64_t M, int64_t I, float limit, int offset = 0, int64_t rows = 0)
+      : values(std::max(M, rows) * I, T(offset)), scales(M) {
     pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; m++)
         quantize_row(x + m * I, I, limit, offset, values.data() + m * I, scales[m]);
