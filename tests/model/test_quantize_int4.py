@@ -130,6 +130,29 @@ def test_int4_gemm_equals_the_reference(kernel_variant: build.Variant, rows: int
     assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
 
 
+def test_the_gemm_follows_a_weight_changed_in_place_and_an_inference_weight(kernel_variant: build.Variant) -> None:
+    """The GEMM multiplies from a packed copy of the weight, made at first use: a weight written in place since (a
+    new version) is packed again, and a weight made under inference mode (no version to tell) is packed for each
+    call; either way the product is the reference's for the weight as it is now."""
+    torch.manual_seed(0)
+    a, b = Int4Linear(torch.nn.Linear(96, 61)), Int4Linear(torch.nn.Linear(96, 61))
+    x = torch.randn(build.INT4_GEMM_MIN_ROWS + 3, 96)
+    with torch.inference_mode():
+        a(x)  # packed
+    with torch.no_grad():
+        a.stored.copy_(b.stored)
+        a.scale.copy_(b.scale)
+    with torch.inference_mode():
+        got = a(x).double()
+        fresh = Int4Linear(torch.nn.Linear(96, 61))
+        assert fresh.stored.is_inference()
+        got_fresh = fresh(x).double()
+    want, bound = int4_reference(x, b.stored, b.scale, a.bias)
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    want, bound = int4_reference(x, fresh.stored, fresh.scale, fresh.bias)
+    assert ((got_fresh - want).abs() <= bound).all(), (got_fresh - want).abs().max()
+
+
 @pytest.mark.parametrize("rows", [5, 40])
 def test_a_row_with_a_nan_comes_out_nan_and_leaves_the_others(kernel_variant: build.Variant, rows: int) -> None:
     torch.manual_seed(1)

@@ -11,9 +11,8 @@
 //   (AVX2), 16 two (AVX-512; x's bytes laid out to match the nibbles' order, a group's half of a pair empty at an
 //   odd end), tiles of 4 weight rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool;
 // - a GEMM (batched steps and prompts; in the AVX2 builds every product): registers of outputs x 4 columns, as
-//   vnni_gemm.cpp's int8 GEMM, from each task's outputs unpacked to bytes in a scratch of its thread (the 4-bit
-//   weight stays the only copy), the sums scaled per group into fp32 accumulators. int4 at 32 rows went from
-//   0.20x int8's speed to 0.58x (AVX-512 VNNI, int8 in AMX) and 0.60x to 0.78x (AVX2); docs/quantization.md.
+//   vnni_gemm.cpp's int8 GEMM, from a copy of the weight's bytes regrouped once so that a load and a mask or shift
+//   give a register of them, the sums scaled per group into fp32 accumulators; docs/quantization.md.
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -21,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "copies.h"
 #include "ops.h"
 #include "pool.h"
 #include "quantized_rows.h"
@@ -149,6 +149,31 @@ static inline IVec ibroadcast(int32_t v) {
 #endif
 }
 
+static inline void istore(uint8_t* p, IVec v) {
+#ifdef FOLIO_VEC512
+  _mm512_storeu_si512(p, v);
+#else
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+#endif
+}
+
+static inline IVec iand(IVec a, IVec b) {
+#ifdef FOLIO_VEC512
+  return _mm512_and_si512(a, b);
+#else
+  return _mm256_and_si256(a, b);
+#endif
+}
+
+// each 16-bit lane shifted right by 4: a byte's high nibble to its low one (the bits from the next byte masked after)
+static inline IVec isrl4(IVec v) {
+#ifdef FOLIO_VEC512
+  return _mm512_srli_epi16(v, 4);
+#else
+  return _mm256_srli_epi16(v, 4);
+#endif
+}
+
 static inline Vec to_floats(IVec v) {
 #ifdef FOLIO_VEC512
   return _mm512_cvtepi32_ps(v);
@@ -226,22 +251,25 @@ static void int4_kernel(const Weight& w, const float* x, int64_t M, float* y) {
   });
 }
 
-// The GEMM, for GEMM_MIN_ROWS rows or more (a batched decode step, a prompt): registers of LANES outputs x 4
-// columns, as vnni_gemm.cpp's int8 GEMM, instead of the dot products' lanes over columns, which reduce every output
-// across a vector per row and load each x block's bytes, sums and scales once per weight row. Each task unpacks
-// GEMM_OUTPUTS outputs' nibbles into a scratch of its thread (gemm_panel: the 4-bit weight is the only copy kept,
-// and the unpacking, ~1 instruction per 8 weights, is shared by all the rows), then every row meets them in tiles
-// of GEMM_ROWS rows x GEMM_REGS registers: per group, the tile's int32 sums start at -8 times the row's group sum
-// (the nibbles are q + 8), take 8 steps of 4 columns (each a register of weights times a row's 4 bytes broadcast),
-// and are added into fp32 accumulators times the group's weight scales and the row's group scale.
+// The GEMM, for GEMM_MIN_ROWS rows or more (a batched decode step, a prompt; in the AVX2 builds every product):
+// registers of LANES outputs x 4 columns, as vnni_gemm.cpp's int8 GEMM, instead of the dot products' lanes over
+// columns, which reduce every output across a vector per row and load each x block's bytes, sums and scales once per
+// weight row. The weight's bytes are packed once (pack_int4: regrouped, not unpacked, so a copy as large as the
+// weight; the scales stay as they are) so that one load holds LANES outputs x 4 bytes of a group, each byte two
+// 4-column steps' nibbles: an AND and a shift make two registers of weights. Every row meets them in tiles of
+// GEMM_ROWS rows x GEMM_REGS registers: per group, the tile's int32 sums start at -8 times the row's group sum (the
+// nibbles are q + 8), take 8 steps of 4 columns (each a register of weights times a row's 4 bytes broadcast), and
+// are added into fp32 accumulators times the group's weight scales and the row's group scale. With more rows than a
+// tile the task first splits its nibbles into a scratch of its thread, which every tile then loads. Before, each
+// task transposed its outputs' bytes as well at every call (a 4 x 4 transpose of int32, then the split): at batch 1
+// that took 5x the products' time.
 #ifdef FOLIO_VEC512
 static constexpr int GEMM_ROWS = 4, GEMM_REGS = 3;  // 12 int32 and 12 fp32 accumulators of AVX-512's 32 registers
 #else
 static constexpr int GEMM_ROWS = 3, GEMM_REGS = 2;  // 6 and 6 of AVX2's 16
 #endif
 static constexpr int64_t GEMM_OUTPUTS = GEMM_REGS * LANES;  // outputs a task: 48 (AVX-512) or 16 (AVX2)
-static constexpr int64_t STEPS = INT4_GROUP / 4;             // 4-column steps a group
-static constexpr int64_t STEP_BYTES = GEMM_OUTPUTS * 4;      // a step's weights in the scratch
+static constexpr int64_t GROUP_BYTES = INT4_GROUP / 2 * GEMM_OUTPUTS;  // a task's packed bytes a group
 // rows rounded at a time: x's bytes (GEMM_MAX_ROWS x I), read by every task, stay in L2
 static constexpr int64_t GEMM_MAX_ROWS = 256;
 // from how many rows: in the AVX2 builds from OWN_GEMM_MIN_ROWS (1: at batch 1 too, as their int8 GEMM)
@@ -273,50 +301,50 @@ struct GemmRows {
   std::vector<int32_t> starts;
 };
 
-// Outputs [o, o + GEMM_OUTPUTS) of w unpacked into `steps`: for each 4-column step of a row (a group's 8: its low
-// nibbles' 4, columns 0-15, then its high ones', 16-31), GEMM_OUTPUTS outputs x 4 bytes (q + 8); outputs past O
-// repeat the last (computed, never stored). Their scales as fp32 into `scales`, GEMM_OUTPUTS a group. 8 outputs at a
-// time in AVX2 registers (every variant has them): a group's 16 bytes of outputs i and i + 4 in a register's two
-// halves, a 4 x 4 transpose of int32 in each half, and the nibbles split.
-static void gemm_panel(const Weight& w, int64_t o, uint8_t* steps, float* scales) {
-  const int64_t row_bytes = w.I / 2, groups = w.I / INT4_GROUP;
+// w's bytes packed for the GEMM (w.w's copy alone: the scales are read from w.scale at each call): for each task's
+// GEMM_OUTPUTS outputs (outputs past O repeat the last: computed, never stored) and group, 4 pieces k of GEMM_OUTPUTS
+// outputs x 4 bytes, bytes 4k..4k+3 of the output's 16 for the group (low nibbles: columns 4k..4k+3, high: 16 + 4k
+// ..16 + 4k + 3)
+static at::Tensor pack_int4(const Weight& w) {
+  const int64_t groups = w.I / INT4_GROUP, row_bytes = w.I / 2, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
+  at::Tensor out = at::empty({tasks, groups, GROUP_BYTES}, w.w.options());
   const uint8_t* wp = w.w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  pool().run(tasks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++)
+      for (int64_t j = 0; j < GEMM_OUTPUTS; j++) {
+        const uint8_t* row = wp + std::min(t * GEMM_OUTPUTS + j, w.O - 1) * row_bytes;
+        for (int64_t g = 0; g < groups; g++)
+          for (int64_t k = 0; k < 4; k++)
+            std::memcpy(dst + (t * groups + g) * GROUP_BYTES + k * GEMM_OUTPUTS * 4 + j * 4, row + g * 16 + 4 * k, 4);
+      }
+  });
+  return out;
+}
+
+static WeightCopies<at::Tensor>& int4_copies() {
+  static WeightCopies<at::Tensor> copies;
+  return copies;
+}
+
+// the scales of outputs [o, o + GEMM_OUTPUTS) as fp32, GEMM_OUTPUTS a group (outputs past O repeat the last)
+static void task_scales(const Weight& w, int64_t o, float* scales) {
+  const int64_t groups = w.I / INT4_GROUP;
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>());
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  for (int64_t u = 0; u < GEMM_OUTPUTS; u += 8) {
-    const uint8_t* rows[8];
-    for (int i = 0; i < 8; i++) rows[i] = wp + std::min(o + u + i, w.O - 1) * row_bytes;
-    for (int64_t g = 0; g < groups; g++) {
-      __m256i r[4];
-      for (int i = 0; i < 4; i++) {
-        const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + g * 16));
-        const __m128i high = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 4] + g * 16));
-        r[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(low), high, 1);
-      }
-      const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-      const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-      // c[k]: bytes 4k..4k+3 of outputs u..u+3 | u+4..u+7
-      const __m256i c[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                            _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
-      uint8_t* dst = steps + g * STEPS * STEP_BYTES + u * 4;
-      for (int k = 0; k < 4; k++) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * STEP_BYTES), _mm256_and_si256(c[k], nibble));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k + 4) * STEP_BYTES),
-                            _mm256_and_si256(_mm256_srli_epi16(c[k], 4), nibble));
-      }
-    }
-  }
   for (int64_t j = 0; j < GEMM_OUTPUTS; j++) {
     const uint16_t* sj = sp + std::min(o + j, w.O - 1) * groups;
     for (int64_t g = 0; g < groups; g++) scales[g * GEMM_OUTPUTS + j] = _cvtsh_ss(sj[g]);
   }
 }
 
-// y[m..m+R-1, o..] for R rows from m against the task's unpacked outputs from o (y's row stride O)
-template <int R>
-static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* steps, const float* scales,
+// y[m..m+R-1, o..] for R rows from m against the task's outputs from o (y's row stride O): `panel` its packed bytes
+// (GROUP_BYTES a group), or with SPLIT those bytes' nibbles split (split_panel: 2 GROUP_BYTES a group, the low
+// nibbles' 4 pieces then the high ones')
+template <int R, bool SPLIT>
+static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* panel, const float* scales,
                              const float* bias, int64_t O, int64_t o, float* y) {
   const int64_t I = x.I, groups = x.groups;
+  const IVec nibble = ibroadcast(0x0F0F0F0F);
   Vec f[R][GEMM_REGS];
   for (int r = 0; r < R; r++)
     for (int p = 0; p < GEMM_REGS; p++) f[r][p] = vzero();
@@ -326,17 +354,29 @@ static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* steps,
       const IVec start = ibroadcast(x.starts[(m + r) * groups + g]);
       for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = start;
     }
-    const uint8_t* sg = steps + g * STEPS * STEP_BYTES;
+    const uint8_t* pg = panel + g * (SPLIT ? 2 : 1) * GROUP_BYTES;
     const int8_t* xg = x.values.data() + m * I + g * INT4_GROUP;
-#pragma GCC unroll 8
-    for (int k = 0; k < STEPS; k++) {
-      IVec wv[GEMM_REGS];
-      for (int p = 0; p < GEMM_REGS; p++) wv[p] = iload(sg + k * STEP_BYTES + p * LANES * 4);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+      IVec low[GEMM_REGS], high[GEMM_REGS];
+      for (int p = 0; p < GEMM_REGS; p++) {
+        const uint8_t* piece = pg + k * GEMM_OUTPUTS * 4 + p * LANES * 4;
+        if constexpr (SPLIT) {
+          low[p] = iload(piece);
+          high[p] = iload(piece + GROUP_BYTES);
+        } else {
+          const IVec v = iload(piece);
+          low[p] = iand(v, nibble);
+          high[p] = iand(isrl4(v), nibble);
+        }
+      }
       for (int r = 0; r < R; r++) {
         int32_t four;
         std::memcpy(&four, xg + r * I + 4 * k, 4);
         const IVec a = ibroadcast(four);
-        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = dot(wv[p], a, acc[r][p]);
+        std::memcpy(&four, xg + r * I + 16 + 4 * k, 4);
+        const IVec b = ibroadcast(four);
+        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = dot(high[p], b, dot(low[p], a, acc[r][p]));
       }
     }
     for (int p = 0; p < GEMM_REGS; p++) {
@@ -358,31 +398,61 @@ static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* steps,
 }
 
 // the last R < GEMM_ROWS rows from m
-template <int R = GEMM_ROWS - 1>
-static inline void gemm_rest(int64_t left, const GemmRows& x, int64_t m, const uint8_t* steps, const float* scales,
+template <bool SPLIT, int R = GEMM_ROWS - 1>
+static inline void gemm_rest(int64_t left, const GemmRows& x, int64_t m, const uint8_t* panel, const float* scales,
                              const float* bias, int64_t O, int64_t o, float* y) {
-  if (left == R) gemm_tile<R>(x, m, steps, scales, bias, O, o, y);
-  else if constexpr (R > 1) gemm_rest<R - 1>(left, x, m, steps, scales, bias, O, o, y);
+  if (left == R) gemm_tile<R, SPLIT>(x, m, panel, scales, bias, O, o, y);
+  else if constexpr (R > 1) gemm_rest<SPLIT, R - 1>(left, x, m, panel, scales, bias, O, o, y);
 }
 
-// M rows through the GEMM: GEMM_OUTPUTS outputs a task, split over the pool
+// every row from m0 against a task's outputs, GEMM_ROWS at a time
+template <bool SPLIT>
+static void gemm_rows(const GemmRows& x, int64_t M, const uint8_t* panel, const float* scales, const float* bias,
+                      int64_t O, int64_t o, float* y) {
+  int64_t m = 0;
+  for (; m + GEMM_ROWS <= M; m += GEMM_ROWS) gemm_tile<GEMM_ROWS, SPLIT>(x, m, panel, scales, bias, O, o, y);
+  if (m < M) gemm_rest<SPLIT>(M - m, x, m, panel, scales, bias, O, o, y);
+}
+
+// a task's packed bytes (groups x GROUP_BYTES) with their nibbles split into `out` (groups x 2 GROUP_BYTES): for
+// more than one tile of rows, which then load their weights rather than each split them again
+static void split_panel(const uint8_t* panel, int64_t groups, uint8_t* out) {
+  const IVec nibble = ibroadcast(0x0F0F0F0F);
+  for (int64_t g = 0; g < groups; g++)
+    for (int64_t b = 0; b < GROUP_BYTES; b += 4 * LANES) {
+      const IVec v = iload(panel + g * GROUP_BYTES + b);
+      istore(out + 2 * g * GROUP_BYTES + b, iand(v, nibble));
+      istore(out + (2 * g + 1) * GROUP_BYTES + b, iand(isrl4(v), nibble));
+    }
+}
+
+// M rows through the GEMM: GEMM_OUTPUTS outputs a task, split over the pool, from the weight's packed copy (made at
+// first use and kept while the weight lives unchanged; an inference tensor, which has no version counter to tell,
+// is packed for the call)
 static void int4_gemm(const Weight& w, const float* x, int64_t M, float* y) {
+  const at::Tensor packed = w.w.is_inference() ? pack_int4(w) : int4_copies().get(w.w, 0, w.O, [&] {
+    return pack_int4(w);
+  });
   const GemmRows rows(x, M, w.I);
   const int64_t groups = w.I / INT4_GROUP, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
-  const int64_t grain = grain_for(GEMM_OUTPUTS * (w.I / 2 + 2 * groups), 2 * GEMM_OUTPUTS * w.I * M);
+  const int64_t grain = grain_for(groups * (GROUP_BYTES + 2 * GEMM_OUTPUTS), 2 * GEMM_OUTPUTS * w.I * M);
   const float* bias = w.bias ? w.bias->data_ptr<float>() : nullptr;
+  const uint8_t* bytes = packed.data_ptr<uint8_t>();
   pool().run(tasks, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<uint8_t> steps;
     thread_local std::vector<float> scales;
-    steps.resize(w.I * GEMM_OUTPUTS);
+    thread_local std::vector<uint8_t> split;
     scales.resize(groups * GEMM_OUTPUTS);
+    split.resize(M > GEMM_ROWS ? 2 * groups * GROUP_BYTES : 0);
     for (int64_t t = begin; t < end; t++) {
       const int64_t o = t * GEMM_OUTPUTS;
-      gemm_panel(w, o, steps.data(), scales.data());
-      int64_t m = 0;
-      for (; m + GEMM_ROWS <= M; m += GEMM_ROWS)
-        gemm_tile<GEMM_ROWS>(rows, m, steps.data(), scales.data(), bias, w.O, o, y);
-      if (m < M) gemm_rest(M - m, rows, m, steps.data(), scales.data(), bias, w.O, o, y);
+      const uint8_t* panel = bytes + t * groups * GROUP_BYTES;
+      task_scales(w, o, scales.data());
+      if (M > GEMM_ROWS) {
+        split_panel(panel, groups, split.data());
+        gemm_rows<true>(rows, M, split.data(), scales.data(), bias, w.O, o, y);
+      } else {
+        gemm_rows<false>(rows, M, panel, scales.data(), bias, w.O, o, y);
+      }
     }
   });
 }
