@@ -109,7 +109,8 @@ class StoredLinear(nn.Module):
         return ops.dequantize(self.stored, self.scale_or_none)
 
     def pack(self) -> None:
-        if self.packed is None:
+        """Make the kernels' packed copy, unless there is one or the products never read it (`ops.reads_packed`)."""
+        if self.packed is None and ops.reads_packed(self.stored):
             self.packed = ops.pack(self.stored)
 
     def current_packed(self) -> torch.Tensor | None:

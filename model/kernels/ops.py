@@ -87,6 +87,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return packed
 
 
+def reads_packed(weight: torch.Tensor) -> bool:
+    """Whether the loaded kernels' products read `pack(weight)` at some number of rows: not for int8 weights that the
+    kernels' own int8 GEMM takes from one row (it keeps its own packed copy, csrc/vnni_gemm.cpp), so that a model
+    holds one packed copy of those, not two; without the kernels, whatever `pack` is asked for."""
+    lib = library()
+    if lib is None or weight.dtype != torch.int8 or weight.dim() != 2:
+        return True
+    return not (lib.int8_gemm(1, weight.dtype, weight.numel()) and lib.vnni_gemm(weight.size(1)))
+
+
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      pos: torch.Tensor, n_head: int) -> torch.Tensor:
     """Attention for B new tokens in one call: qkv (B, 3C) -> (B, C). Writes each token's key and value to slot

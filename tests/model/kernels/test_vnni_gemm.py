@@ -152,3 +152,21 @@ def test_the_avx2_variants_decide_as_on_a_cpu_of_their_tier(name: str) -> None:
             assert gemm(rows, small.stored) is None
             assert rows_rounded_to(rows, q.stored, packed=True) == 127
             assert rows_rounded_to(rows, small.stored, packed=True) == (127 if rows <= kernels.MAX_ROWS else None)
+
+
+def test_an_int8_weight_the_own_gemm_takes_keeps_no_second_packed_copy(kernel_variant: build.Variant) -> None:
+    """The own GEMM keeps its own packed copy (its panels) and never reads the kernels' panels of 16 outputs for a
+    weight it takes from one row, so `pack()` makes none for it (124 MB saved on int8 GPT-2 small); small weights,
+    which the kernels' products take, and variants without the own GEMM still get theirs. Products are unchanged."""
+    big, small = _int8_linear(512, 768, bias=True, seed=1), _int8_linear(40, 104, bias=True, seed=1)
+    big.pack()
+    small.pack()
+    own = gemm(1, big.stored) in ("vnni int8", "amx int8")
+    assert (big.packed is None) == own
+    assert small.packed is not None
+    x = torch.randn(5, 768)
+    with torch.inference_mode():
+        got = big(x)
+    if own:
+        torch.testing.assert_close(got.double(), w8a8_product(x, big.stored, big.scale, big.bias), rtol=1e-6,
+                                   atol=1e-6)
