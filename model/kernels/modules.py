@@ -194,13 +194,16 @@ class InstallReport:
 
     linears: int  # kernel-backed linear layers (KernelLinear, StoredLinear)
     blocks: int  # blocks run fused (in FusedBlocks)
-    packed_bytes: int  # the current packed weight copies' memory
+    packed_bytes: int  # packed weight copies' memory: the kernels' current ones, their own GEMMs' (made at first use)
 
 
 def _packed_bytes(linear: KernelLinear | StoredLinear) -> int:
-    """A kernel-backed linear's current packed copy's memory (0 without one)."""
+    """A kernel-backed linear's packed copy's memory: its current one, else the one the kernels' own GEMM makes of
+    its stored weight (`ops.own_copy_bytes`), else 0."""
     packed = linear.current_packed()
-    return 0 if packed is None else packed.numel() * packed.element_size()
+    if packed is not None:
+        return packed.numel() * packed.element_size()
+    return ops.own_copy_bytes(linear.stored) if isinstance(linear, StoredLinear) else 0
 
 
 def _on_cpu_in_fp32(module: nn.Module) -> bool:

@@ -97,6 +97,20 @@ def reads_packed(weight: torch.Tensor) -> bool:
     return not (lib.int8_gemm(1, weight.dtype, weight.numel()) and lib.vnni_gemm(weight.size(1)))
 
 
+def own_copy_bytes(weight: torch.Tensor) -> int:
+    """The memory of the copy the loaded kernels' own GEMMs make of `weight` (as stored) at its first use and keep:
+    an int8 weight the own int8 GEMM takes (`reads_packed` false: panels of 16 outputs and an int32 offset each), a
+    4-bit one (its bytes regrouped, as large; csrc/int4.cpp); 0 for any other, and without the kernels."""
+    if library() is None or weight.dim() != 2:
+        return 0
+    if weight.dtype == torch.uint8:
+        return weight.numel()
+    if weight.dtype == torch.int8 and not reads_packed(weight):
+        padded = -(-weight.size(0) // PANEL) * PANEL
+        return padded * weight.size(1) + 4 * padded
+    return 0
+
+
 def decode_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      pos: torch.Tensor, n_head: int) -> torch.Tensor:
     """Attention for B new tokens in one call: qkv (B, 3C) -> (B, C). Writes each token's key and value to slot

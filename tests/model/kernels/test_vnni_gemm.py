@@ -18,7 +18,7 @@ import torch
 from model import kernels
 from model.kernels import build, loader
 from model.kernels.loader import library
-from model.quantize import Int8Linear
+from model.quantize import Int4Linear, Int8Linear
 from tests.model.conftest import INT8_GEMMS, gemm, rows_rounded_to, variant_library, w8a8_product
 
 
@@ -170,3 +170,17 @@ def test_an_int8_weight_the_own_gemm_takes_keeps_no_second_packed_copy(kernel_va
     if own:
         torch.testing.assert_close(got.double(), w8a8_product(x, big.stored, big.scale, big.bias), rtol=1e-6,
                                    atol=1e-6)
+
+
+def test_the_own_gemms_copies_count_in_the_packed_bytes(kernel_variant: build.Variant) -> None:
+    """`install`'s report (the engine's `packed_bytes`, /info's `packed_weight_bytes`, what `memory_needed` estimates)
+    counts the copy the own int8 GEMM makes of a weight it takes, as it counts the kernels' own packed copies: the
+    panels of 16 outputs (512 outputs x 768 bytes) and an int32 offset per output; and the int4 GEMM's regrouped
+    bytes, as large as the 4-bit weight."""
+    model = torch.nn.Sequential(_int8_linear(512, 768, bias=True, seed=2), _int8_linear(40, 104, bias=True, seed=2),
+                                Int4Linear(torch.nn.Linear(96, 61)))
+    report = kernels.install(model)
+    own = gemm(1, model[0].stored) in ("vnni int8", "amx int8")
+    small, int4 = model[1].packed.numel(), 61 * 96 // 2
+    assert model[2].packed is None
+    assert report.packed_bytes == (512 * 768 + 4 * 512 if own else model[0].packed.numel()) + small + int4
