@@ -252,9 +252,12 @@ bool amx_gemm(int64_t rows, int64_t columns) {
 
 int64_t set_amx_min_rows(int64_t rows) { return amx_min_rows.exchange(rows); }
 
-int64_t vnni_rows(int64_t rows, int64_t columns) {
-  return amx_gemm(rows, columns) && rows > AMX_ROWS ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
+// the rows the tiles read: past one tile, whole tiles of them
+static int64_t amx_rows_read(int64_t rows) {
+  return rows > AMX_ROWS ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
 }
+
+int64_t vnni_rows(int64_t rows, int64_t columns) { return amx_gemm(rows, columns) ? amx_rows_read(rows) : rows; }
 
 // LDTILECFG's operand: tiles 0..3 the sums (rows x 16 int32), 4 the rows (rows x 64 bytes), 5..7 panels' 16 groups
 struct alignas(64) TileConfig {
@@ -348,20 +351,16 @@ static void amx_product(const VnniArgs& a) {
     for (int64_t g = begin; g < end; g++) {
       const int64_t p = g * per_group, np = std::min<int64_t>(per_group, P - p);
       for (int64_t m = 0; m < a.M; m += 2 * AMX_ROWS) {
-        const bool two = m + AMX_ROWS < a.M;
-        if (per_group == 4) {
+        if (m + AMX_ROWS < a.M) {  // two tiles of rows (past 16 rows, so groups of 2 panels)
+          if (np == 2) amx_sums<2, 2>(a, m, p, sums);
+          else amx_sums<2, 1>(a, m, p, sums);
+        } else {
           switch (np) {
             case 4: amx_sums<1, 4>(a, m, p, sums); break;
             case 3: amx_sums<1, 3>(a, m, p, sums); break;
             case 2: amx_sums<1, 2>(a, m, p, sums); break;
             default: amx_sums<1, 1>(a, m, p, sums);
           }
-        } else if (two) {
-          if (np == 2) amx_sums<2, 2>(a, m, p, sums);
-          else amx_sums<2, 1>(a, m, p, sums);
-        } else {
-          if (np == 2) amx_sums<1, 2>(a, m, p, sums);
-          else amx_sums<1, 1>(a, m, p, sums);
         }
         const int64_t rows = std::min<int64_t>(2 * AMX_ROWS, a.M - m);
         for (int64_t j = 0; j < np; j++)
@@ -383,7 +382,7 @@ void vnni_product(const at::Tensor& w, const uint8_t* x, int64_t held, const flo
 #ifdef FOLIO_AMX_INT8
   // the tiles read whole tiles of rows past 16: only where x's buffer holds them (set_amx_min_rows may have changed
   // since vnni_rows sized it)
-  if (amx_gemm(M, I) && (M <= AMX_ROWS || held >= (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS)) return amx_product(a);
+  if (amx_gemm(M, I) && held >= amx_rows_read(M)) return amx_product(a);
 #endif
   const int64_t groups = (Q + TILE_PANELS - 1) / TILE_PANELS, group_bytes = TILE_PANELS * OUTPUTS * I;
   pool().run(groups, grain_for(group_bytes, 2 * group_bytes * M), [&](int64_t begin, int64_t end) {
