@@ -100,11 +100,12 @@ def reads_packed(weight: torch.Tensor) -> bool:
 def own_copy_bytes(weight: torch.Tensor) -> int:
     """The memory of the copy the loaded kernels' own GEMMs make of `weight` (as stored) at its first use and keep:
     an int8 weight the own int8 GEMM takes (`reads_packed` false: panels of 16 outputs and an int32 offset each), a
-    4-bit one (its bytes regrouped, as large; csrc/int4.cpp); 0 for any other, and without the kernels."""
+    4-bit one (its bytes regrouped, as large, and its fp16 scales, one per 32 weights; csrc/int4.cpp); 0 for any
+    other, and without the kernels."""
     if library() is None or weight.dim() != 2:
         return 0
     if weight.dtype == torch.uint8:
-        return weight.numel()
+        return weight.numel() + weight.numel() // 8  # 16 bytes of nibbles to each 2-byte scale
     if weight.dtype == torch.int8 and not reads_packed(weight):
         padded = -(-weight.size(0) // PANEL) * PANEL
         return padded * weight.size(1) + 4 * padded

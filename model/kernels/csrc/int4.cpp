@@ -122,12 +122,45 @@ static inline Vec block_scales(const uint16_t* s, bool half) {
 #endif
 }
 
+// Without vpdpbusd (the avx2 and avx512 builds), a GEMM tile keeps each group's products as vpmaddubsw's pairs in
+// int16 lanes, widened to int32 once a group (vpmaddwd) rather than once per 4 columns: 8 steps of two pairs of at
+// most 15 * 127 each, 30,480 at most, exact below 32,767.
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+static constexpr bool PAIRS_IN_INT16 = false;
+#else
+static constexpr bool PAIRS_IN_INT16 = true;
+#endif
+
+// the products of w's unsigned bytes with x's signed ones, summed by pairs into int16 lanes; their sum
+static inline IVec pairs(IVec w, IVec x) {
+#ifdef FOLIO_VEC512
+  return _mm512_maddubs_epi16(w, x);
+#else
+  return _mm256_maddubs_epi16(w, x);
+#endif
+}
+static inline IVec add_pairs(IVec a, IVec b) {
+#ifdef FOLIO_VEC512
+  return _mm512_add_epi16(a, b);
+#else
+  return _mm256_add_epi16(a, b);
+#endif
+}
+// start + the int16 pairs summed by twos into int32 lanes
+static inline IVec widen_pairs(IVec start, IVec p) {
+#ifdef FOLIO_VEC512
+  return _mm512_add_epi32(start, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#else
+  return _mm256_add_epi32(start, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+
 // start + the sums of each lane's 4 products of w's unsigned bytes with x's signed ones, exact in int32
 static inline IVec dot(IVec w, IVec x, IVec start) {
 #if defined(FOLIO_VEC512) && defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(start, w, x);
 #elif defined(FOLIO_VEC512)
-  return _mm512_add_epi32(start, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+  return widen_pairs(start, pairs(w, x));
 #else
   return products_by_fours(start, w, x);  // AVX-VNNI's vpdpbusd (avx2vnni), else vpmaddubsw and vpmaddwd (simd.h)
 #endif
@@ -254,12 +287,13 @@ static void int4_kernel(const Weight& w, const float* x, int64_t M, float* y) {
 // The GEMM, for GEMM_MIN_ROWS rows or more (a batched decode step, a prompt; in the AVX2 builds every product):
 // registers of LANES outputs x 4 columns, as vnni_gemm.cpp's int8 GEMM, instead of the dot products' lanes over
 // columns, which reduce every output across a vector per row and load each x block's bytes, sums and scales once per
-// weight row. The weight's bytes are packed once (pack_int4: regrouped, not unpacked, so a copy as large as the
-// weight; the scales stay as they are) so that one load holds LANES outputs x 4 bytes of a group, each byte two
-// 4-column steps' nibbles: an AND and a shift make two registers of weights. Every row meets them in tiles of
-// GEMM_ROWS rows x GEMM_REGS registers: per group, the tile's int32 sums start at -8 times the row's group sum (the
-// nibbles are q + 8), take 8 steps of 4 columns (each a register of weights times a row's 4 bytes broadcast), and
-// are added into fp32 accumulators times the group's weight scales and the row's group scale. With more rows than a
+// weight row. The weight is packed once (pack_int4: its bytes regrouped, not unpacked, each group's fp16 scales
+// beside them, so a copy as large as the weight and its scales) so that one load holds LANES outputs x 4 bytes of a
+// group, each byte two 4-column steps' nibbles: an AND and a shift make two registers of weights. Every row meets
+// them in tiles of GEMM_ROWS rows x GEMM_REGS registers: per group, the tile's int32 sums start at -8 times the
+// row's group sum (the nibbles are q + 8), take 8 steps of 4 columns (each a register of weights times a row's 4
+// bytes broadcast; without vpdpbusd as int16 pairs, PAIRS_IN_INT16), and are added into fp32 accumulators times the
+// group's weight scales and the row's group scale. With more rows than a
 // tile the task first splits its nibbles into a scratch of its thread, which every tile then loads. Before, each
 // task transposed its outputs' bytes as well at every call (a 4 x 4 transpose of int32, then the split): at batch 1
 // that took 5x the products' time.
@@ -269,7 +303,9 @@ static constexpr int GEMM_ROWS = 4, GEMM_REGS = 3;  // 12 int32 and 12 fp32 accu
 static constexpr int GEMM_ROWS = 3, GEMM_REGS = 2;  // 6 and 6 of AVX2's 16
 #endif
 static constexpr int64_t GEMM_OUTPUTS = GEMM_REGS * LANES;  // outputs a task: 48 (AVX-512) or 16 (AVX2)
-static constexpr int64_t GROUP_BYTES = INT4_GROUP / 2 * GEMM_OUTPUTS;  // a task's packed bytes a group
+static constexpr int64_t GROUP_BYTES = INT4_GROUP / 2 * GEMM_OUTPUTS;  // a task's nibbles a group
+// a task's packed copy a group: its nibbles, then its outputs' fp16 scales
+static constexpr int64_t PACKED_GROUP = GROUP_BYTES + 2 * GEMM_OUTPUTS;
 // rows rounded at a time: x's bytes (GEMM_MAX_ROWS x I), read by every task, stay in L2
 static constexpr int64_t GEMM_MAX_ROWS = 256;
 // from how many rows: in the AVX2 builds from OWN_GEMM_MIN_ROWS (1: at batch 1 too, as their int8 GEMM)
@@ -301,22 +337,27 @@ struct GemmRows {
   std::vector<int32_t> starts;
 };
 
-// w's bytes packed for the GEMM (w.w's copy alone: the scales are read from w.scale at each call): for each task's
-// GEMM_OUTPUTS outputs (outputs past O repeat the last: computed, never stored) and group, 4 pieces k of GEMM_OUTPUTS
-// outputs x 4 bytes, bytes 4k..4k+3 of the output's 16 for the group (low nibbles: columns 4k..4k+3, high: 16 + 4k
-// ..16 + 4k + 3)
+// w packed for the GEMM: for each task's GEMM_OUTPUTS outputs (outputs past O repeat the last: computed, never
+// stored) and group (PACKED_GROUP bytes), 4 pieces k of GEMM_OUTPUTS outputs x 4 bytes, bytes 4k..4k+3 of the output's
+// 16 for the group (low nibbles: columns 4k..4k+3, high: 16 + 4k..16 + 4k + 3), then the outputs' scales for the
+// group (fp16, as stored). Read from w.scale at each call instead, the scales took a scalar transpose per task and
+// group (one value per 32 weights): at batch 1 on AVX2 about as long as the products.
 static at::Tensor pack_int4(const Weight& w) {
   const int64_t groups = w.I / INT4_GROUP, row_bytes = w.I / 2, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
-  at::Tensor out = at::empty({tasks, groups, GROUP_BYTES}, w.w.options());
+  at::Tensor out = at::empty({tasks, groups, PACKED_GROUP}, w.w.options());
   const uint8_t* wp = w.w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>());
   uint8_t* dst = out.data_ptr<uint8_t>();
   pool().run(tasks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++)
       for (int64_t j = 0; j < GEMM_OUTPUTS; j++) {
-        const uint8_t* row = wp + std::min(t * GEMM_OUTPUTS + j, w.O - 1) * row_bytes;
-        for (int64_t g = 0; g < groups; g++)
+        const int64_t o = std::min(t * GEMM_OUTPUTS + j, w.O - 1);
+        for (int64_t g = 0; g < groups; g++) {
+          uint8_t* group = dst + (t * groups + g) * PACKED_GROUP;
           for (int64_t k = 0; k < 4; k++)
-            std::memcpy(dst + (t * groups + g) * GROUP_BYTES + k * GEMM_OUTPUTS * 4 + j * 4, row + g * 16 + 4 * k, 4);
+            std::memcpy(group + k * GEMM_OUTPUTS * 4 + j * 4, wp + o * row_bytes + g * 16 + 4 * k, 4);
+          std::memcpy(group + GROUP_BYTES + 2 * j, sp + o * groups + g, 2);
+        }
       }
   });
   return out;
@@ -327,21 +368,11 @@ static WeightCopies<at::Tensor>& int4_copies() {
   return copies;
 }
 
-// the scales of outputs [o, o + GEMM_OUTPUTS) as fp32, GEMM_OUTPUTS a group (outputs past O repeat the last)
-static void task_scales(const Weight& w, int64_t o, float* scales) {
-  const int64_t groups = w.I / INT4_GROUP;
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>());
-  for (int64_t j = 0; j < GEMM_OUTPUTS; j++) {
-    const uint16_t* sj = sp + std::min(o + j, w.O - 1) * groups;
-    for (int64_t g = 0; g < groups; g++) scales[g * GEMM_OUTPUTS + j] = _cvtsh_ss(sj[g]);
-  }
-}
-
-// y[m..m+R-1, o..] for R rows from m against the task's outputs from o (y's row stride O): `panel` its packed bytes
-// (GROUP_BYTES a group), or with SPLIT those bytes' nibbles split (split_panel: 2 GROUP_BYTES a group, the low
-// nibbles' 4 pieces then the high ones')
+// y[m..m+R-1, o..] for R rows from m against the task's outputs from o (y's row stride O): `packed` its packed copy
+// (PACKED_GROUP a group: the scales are read there), `panel` its nibbles: the same, or with SPLIT those nibbles split
+// (split_panel: 2 GROUP_BYTES a group, the low nibbles' 4 pieces then the high ones')
 template <int R, bool SPLIT>
-static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* panel, const float* scales,
+static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* packed, const uint8_t* panel,
                              const float* bias, int64_t O, int64_t o, float* y) {
   const int64_t I = x.I, groups = x.groups;
   const IVec nibble = ibroadcast(0x0F0F0F0F);
@@ -349,12 +380,13 @@ static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* panel,
   for (int r = 0; r < R; r++)
     for (int p = 0; p < GEMM_REGS; p++) f[r][p] = vzero();
   for (int64_t g = 0; g < groups; g++) {
-    IVec acc[R][GEMM_REGS];
-    for (int r = 0; r < R; r++) {
-      const IVec start = ibroadcast(x.starts[(m + r) * groups + g]);
-      for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = start;
-    }
-    const uint8_t* pg = panel + g * (SPLIT ? 2 : 1) * GROUP_BYTES;
+    IVec acc[R][GEMM_REGS], held[R][GEMM_REGS];  // held: the group's pairs (PAIRS_IN_INT16), acc set after them
+    if constexpr (!PAIRS_IN_INT16)
+      for (int r = 0; r < R; r++) {
+        const IVec start = ibroadcast(x.starts[(m + r) * groups + g]);
+        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = start;
+      }
+    const uint8_t* pg = panel + g * (SPLIT ? 2 * GROUP_BYTES : PACKED_GROUP);
     const int8_t* xg = x.values.data() + m * I + g * INT4_GROUP;
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
@@ -376,11 +408,23 @@ static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* panel,
         const IVec a = ibroadcast(four);
         std::memcpy(&four, xg + r * I + 16 + 4 * k, 4);
         const IVec b = ibroadcast(four);
-        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = dot(high[p], b, dot(low[p], a, acc[r][p]));
+        for (int p = 0; p < GEMM_REGS; p++) {
+          if constexpr (PAIRS_IN_INT16) {
+            const IVec both = add_pairs(pairs(low[p], a), pairs(high[p], b));
+            held[r][p] = k == 0 ? both : add_pairs(held[r][p], both);
+          } else {
+            acc[r][p] = dot(high[p], b, dot(low[p], a, acc[r][p]));
+          }
+        }
       }
     }
+    if constexpr (PAIRS_IN_INT16)
+      for (int r = 0; r < R; r++) {
+        const IVec start = ibroadcast(x.starts[(m + r) * groups + g]);
+        for (int p = 0; p < GEMM_REGS; p++) acc[r][p] = widen_pairs(start, held[r][p]);
+      }
     for (int p = 0; p < GEMM_REGS; p++) {
-      const Vec ws = vload(scales + g * GEMM_OUTPUTS + p * LANES);
+      const Vec ws = vload(reinterpret_cast<const fp16*>(packed + g * PACKED_GROUP + GROUP_BYTES) + p * LANES);
       for (int r = 0; r < R; r++)
         f[r][p] = vfma(to_floats(acc[r][p]), vmul(ws, vbroadcast(x.scales[(m + r) * groups + g])), f[r][p]);
     }
@@ -399,28 +443,28 @@ static inline void gemm_tile(const GemmRows& x, int64_t m, const uint8_t* panel,
 
 // the last R < GEMM_ROWS rows from m
 template <bool SPLIT, int R = GEMM_ROWS - 1>
-static inline void gemm_rest(int64_t left, const GemmRows& x, int64_t m, const uint8_t* panel, const float* scales,
+static inline void gemm_rest(int64_t left, const GemmRows& x, int64_t m, const uint8_t* packed, const uint8_t* panel,
                              const float* bias, int64_t O, int64_t o, float* y) {
-  if (left == R) gemm_tile<R, SPLIT>(x, m, panel, scales, bias, O, o, y);
-  else if constexpr (R > 1) gemm_rest<SPLIT, R - 1>(left, x, m, panel, scales, bias, O, o, y);
+  if (left == R) gemm_tile<R, SPLIT>(x, m, packed, panel, bias, O, o, y);
+  else if constexpr (R > 1) gemm_rest<SPLIT, R - 1>(left, x, m, packed, panel, bias, O, o, y);
 }
 
 // every row from m0 against a task's outputs, GEMM_ROWS at a time
 template <bool SPLIT>
-static void gemm_rows(const GemmRows& x, int64_t M, const uint8_t* panel, const float* scales, const float* bias,
+static void gemm_rows(const GemmRows& x, int64_t M, const uint8_t* packed, const uint8_t* panel, const float* bias,
                       int64_t O, int64_t o, float* y) {
   int64_t m = 0;
-  for (; m + GEMM_ROWS <= M; m += GEMM_ROWS) gemm_tile<GEMM_ROWS, SPLIT>(x, m, panel, scales, bias, O, o, y);
-  if (m < M) gemm_rest<SPLIT>(M - m, x, m, panel, scales, bias, O, o, y);
+  for (; m + GEMM_ROWS <= M; m += GEMM_ROWS) gemm_tile<GEMM_ROWS, SPLIT>(x, m, packed, panel, bias, O, o, y);
+  if (m < M) gemm_rest<SPLIT>(M - m, x, m, packed, panel, bias, O, o, y);
 }
 
-// a task's packed bytes (groups x GROUP_BYTES) with their nibbles split into `out` (groups x 2 GROUP_BYTES): for
-// more than one tile of rows, which then load their weights rather than each split them again
-static void split_panel(const uint8_t* panel, int64_t groups, uint8_t* out) {
+// a task's packed nibbles (groups x PACKED_GROUP) split into `out` (groups x 2 GROUP_BYTES): for more than one tile
+// of rows, which then load their weights rather than each split them again
+static void split_panel(const uint8_t* packed, int64_t groups, uint8_t* out) {
   const IVec nibble = ibroadcast(0x0F0F0F0F);
   for (int64_t g = 0; g < groups; g++)
     for (int64_t b = 0; b < GROUP_BYTES; b += 4 * LANES) {
-      const IVec v = iload(panel + g * GROUP_BYTES + b);
+      const IVec v = iload(packed + g * PACKED_GROUP + b);
       istore(out + 2 * g * GROUP_BYTES + b, iand(v, nibble));
       istore(out + (2 * g + 1) * GROUP_BYTES + b, iand(isrl4(v), nibble));
     }
@@ -435,23 +479,20 @@ static void int4_gemm(const Weight& w, const float* x, int64_t M, float* y) {
   });
   const GemmRows rows(x, M, w.I);
   const int64_t groups = w.I / INT4_GROUP, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
-  const int64_t grain = grain_for(groups * (GROUP_BYTES + 2 * GEMM_OUTPUTS), 2 * GEMM_OUTPUTS * w.I * M);
+  const int64_t grain = grain_for(groups * PACKED_GROUP, 2 * GEMM_OUTPUTS * w.I * M);
   const float* bias = w.bias ? w.bias->data_ptr<float>() : nullptr;
   const uint8_t* bytes = packed.data_ptr<uint8_t>();
   pool().run(tasks, grain, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scales;
     thread_local std::vector<uint8_t> split;
-    scales.resize(groups * GEMM_OUTPUTS);
     split.resize(M > GEMM_ROWS ? 2 * groups * GROUP_BYTES : 0);
     for (int64_t t = begin; t < end; t++) {
       const int64_t o = t * GEMM_OUTPUTS;
-      const uint8_t* panel = bytes + t * groups * GROUP_BYTES;
-      task_scales(w, o, scales.data());
+      const uint8_t* packed = bytes + t * groups * PACKED_GROUP;
       if (M > GEMM_ROWS) {
-        split_panel(panel, groups, split.data());
-        gemm_rows<true>(rows, M, split.data(), scales.data(), bias, w.O, o, y);
+        split_panel(packed, groups, split.data());
+        gemm_rows<true>(rows, M, packed, split.data(), bias, w.O, o, y);
       } else {
-        gemm_rows<false>(rows, M, panel, scales.data(), bias, w.O, o, y);
+        gemm_rows<false>(rows, M, packed, packed, bias, w.O, o, y);
       }
     }
   });

@@ -176,11 +176,11 @@ def test_the_own_gemms_copies_count_in_the_packed_bytes(kernel_variant: build.Va
     """`install`'s report (the engine's `packed_bytes`, /info's `packed_weight_bytes`, what `memory_needed` estimates)
     counts the copy the own int8 GEMM makes of a weight it takes, as it counts the kernels' own packed copies: the
     panels of 16 outputs (512 outputs x 768 bytes) and an int32 offset per output; and the int4 GEMM's regrouped
-    bytes, as large as the 4-bit weight."""
+    bytes, as large as the 4-bit weight, with its fp16 scales (one per 32 weights)."""
     model = torch.nn.Sequential(_int8_linear(512, 768, bias=True, seed=2), _int8_linear(40, 104, bias=True, seed=2),
                                 Int4Linear(torch.nn.Linear(96, 61)))
     report = kernels.install(model)
     own = gemm(1, model[0].stored) in ("vnni int8", "amx int8")
-    small, int4 = model[1].packed.numel(), 61 * 96 // 2
+    small, int4 = model[1].packed.numel(), 61 * 96 // 2 + 61 * (96 // 32) * 2
     assert model[2].packed is None
     assert report.packed_bytes == (512 * 768 + 4 * 512 if own else model[0].packed.numel()) + small + int4
