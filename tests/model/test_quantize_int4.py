@@ -153,6 +153,22 @@ def test_the_gemm_follows_a_weight_changed_in_place_and_an_inference_weight(kern
     assert ((got_fresh - want).abs() <= bound).all(), (got_fresh - want).abs().max()
 
 
+def test_the_gemm_follows_scales_changed_in_place(kernel_variant: build.Variant) -> None:
+    """The packed copy holds the scales beside the nibbles: scales written in place since it was made (the bytes
+    unchanged) are packed again too."""
+    torch.manual_seed(2)
+    a = Int4Linear(torch.nn.Linear(96, 61))
+    x = torch.randn(build.INT4_GEMM_MIN_ROWS + 3, 96)
+    with torch.inference_mode():
+        a(x)  # packed
+    with torch.no_grad():
+        a.scale.mul_(2)
+    with torch.inference_mode():
+        got = a(x).double()
+    want, bound = int4_reference(x, a.stored, a.scale, a.bias)
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+
+
 @pytest.mark.parametrize("rows", [5, 40])
 def test_a_row_with_a_nan_comes_out_nan_and_leaves_the_others(kernel_variant: build.Variant, rows: int) -> None:
     torch.manual_seed(1)

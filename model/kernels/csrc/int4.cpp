@@ -471,12 +471,12 @@ static void split_panel(const uint8_t* packed, int64_t groups, uint8_t* out) {
 }
 
 // M rows through the GEMM: GEMM_OUTPUTS outputs a task, split over the pool, from the weight's packed copy (made at
-// first use and kept while the weight lives unchanged; an inference tensor, which has no version counter to tell,
-// is packed for the call)
+// first use and kept while the weight and its scales live unchanged; an inference tensor, which has no version
+// counter to tell, is packed for the call)
 static void int4_gemm(const Weight& w, const float* x, int64_t M, float* y) {
-  const at::Tensor packed = w.w.is_inference() ? pack_int4(w) : int4_copies().get(w.w, 0, w.O, [&] {
-    return pack_int4(w);
-  });
+  const at::Tensor packed = w.w.is_inference() || w.scale->is_inference()
+                                ? pack_int4(w)
+                                : int4_copies().get(w.w, 0, w.O, [&] { return pack_int4(w); }, &*w.scale);
   const GemmRows rows(x, M, w.I);
   const int64_t groups = w.I / INT4_GROUP, tasks = (w.O + GEMM_OUTPUTS - 1) / GEMM_OUTPUTS;
   const int64_t grain = grain_for(groups * PACKED_GROUP, 2 * GEMM_OUTPUTS * w.I * M);
