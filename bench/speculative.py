@@ -1,7 +1,7 @@
 """Speculative decoding by prompt lookup (`--speculative-model [ngram]`; a draft model in the `draft` task) against
 plain decoding, in the same run, at batch 1 and greedy unless said:
 
-    python -m bench.speculative [--prompts 8] [--repeats 5] [--new-tokens 64] [--k 8] [--copy-model DIR]
+    python -m bench.speculative [--prompts 8] [--repeats 11] [--new-tokens 64] [--k 8] [--copy-model DIR]
         [--draft-model DIR]
 
 Tasks, on the bundled model (a 2.7M-parameter character model trained on tinyshakespeare) unless said:
@@ -128,7 +128,7 @@ def measure(ck: Checkpoint, jobs: list[tuple[list[int], SamplingParams]], *, tog
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each free-text request generates")
     p.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
     p.add_argument("--copy-model", type=Path, default=None,

@@ -24,13 +24,14 @@ class NgramIndex:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Append `tokens` to the history."""
-        for token in tokens:
-            # the n-grams ending just before this token are followed by it
-            i = len(self.tokens)
-            tail = tuple(self.tokens[-self.n_max:])
-            for n in range(self.n_min, min(self.n_max, i) + 1):
-                self._follow[n - self.n_min][tail[-n:]] = i
-            self.tokens.append(token)
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        history, end = self.tokens, len(self.tokens)
+        for n in range(self.n_min, self.n_max + 1):
+            # the n-grams ending just before each new token i are followed by it (a later i overwrites an earlier)
+            first = max(start, n)
+            grams = zip(*(history[first - n + j:end - n + j] for j in range(n)))
+            self._follow[n - self.n_min].update(zip(grams, range(first, end)))
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the history's longest matching suffix

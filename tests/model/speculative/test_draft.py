@@ -21,6 +21,7 @@ from model.engine.runner import ModelRunner
 from model.gpt import GPT
 from model.sampling_params import SamplingParams
 from model.speculative import Drafting, DraftModelProposer, Speculator, best_k
+from model.speculative.speculator import PROBE_BUDGET, PROPOSAL_COST, probe_every
 from model.tokenizer import CharTokenizer
 from tests.engine.references import together
 
@@ -166,15 +167,20 @@ class CountingProposer:
 
 def test_a_drafted_tokens_cost_enters_k_and_spaces_the_probes() -> None:
     assert [best_k(0.9, 4, token_cost=c) for c in (0.0, 0.5, 1.0)] == [4, 3, 0]  # dearer drafts, fewer
-    proposer = CountingProposer(token_cost=0.05)  # a probe every ceil(0.05 / PROBE_BUDGET) = 5 steps
-    speculator = Speculator(proposer, k_max=4)
-    spec = speculator.begin(row=0)
-    spec.acceptance = 0.05  # no k pays
-    shadows = []
-    for _ in range(20):
-        assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[]]
-        shadows.append(spec.shadow)
-        spec.shadow = None  # as `Speculator.chose` leaves it
-    assert proposer.calls == 4 and shadows == ([None] * 4 + [7]) * 4
+    assert probe_every(0.0) == 1  # prompt lookup alone: every step
+    for batch in (1, 4):
+        # the closest spacing at which probing every request of the batch stays within the budget
+        every, cost = probe_every(0.05, batch), batch * (0.05 + PROPOSAL_COST)
+        assert cost / every <= PROBE_BUDGET < cost / (every - 1)
+        proposer = CountingProposer(token_cost=0.05)
+        speculator = Speculator(proposer, k_max=4)
+        spec = speculator.begin(row=0)
+        spec.acceptance = 0.05  # no k pays
+        shadows = []
+        for _ in range(every * 3):
+            assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)], batch) == [[]]
+            shadows.append(spec.shadow)
+            spec.shadow = None  # as `Speculator.chose` leaves it
+        assert proposer.calls == 3 and shadows == ([None] * (every - 1) + [7]) * 3
     spec.acceptance = 0.9  # drafts taken: k tokens a step, proposed every step
     assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[7] * best_k(0.9, 4, token_cost=0.05)]
