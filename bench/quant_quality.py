@@ -1,5 +1,6 @@
 """Quantized weights' quality beside llama.cpp's on the same weights and prompts (`python -m bench.quant_quality`):
-Folio int8 and int4 against Folio fp32, llama.cpp's q8_0, q4_0 and Q4_K_M (`llama-quantize`) against its f32 GGUF,
+Folio int8, int4 and int4 by GPTQ (`python -m model.quantize --calibration`: 4,096 tokens of the training split)
+against Folio fp32, llama.cpp's q8_0, q4_0 and Q4_K_M (`llama-quantize`) against its f32 GGUF,
 each engine against its own full-precision reference, on the same token windows of tiny Shakespeare's last 10%
 (GPT-2's BPE). Per position: KL(reference || quantized) of the next-token distributions and whether their top-1
 tokens agree; the mean over all positions is reported, with the reference's entropy (random-init weights give
@@ -26,6 +27,7 @@ bench.quantize.quality, slow). Prints a table; writes bench/results/<name>.json 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -38,7 +40,7 @@ from typing import Any
 import httpx
 import torch
 
-from bench import REPO, RESULTS, SHARED_DATA, validation_split
+from bench import REPO, RESULTS, SHARED_DATA, training_split, validation_split
 from bench.engine_decode import named_checkpoint
 from bench.models import to_hf
 from bench.peers import LLAMA_QUANTIZED
@@ -47,10 +49,12 @@ from bench.peers.servers import Server, start, stop
 from bench.quantize import cached_logits, cpu_name, quality, variant
 from bench.report import pyplot, save_figure, write_json
 from model import kernels
-from model.checkpoint import load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.quantize.gptq import CALIBRATION_TOKENS, quantize_calibrated
 from model.tokenizer import gpt2_tokenizer
 
-OUR_KINDS = ("int8", "int4")
+OUR_KINDS = ("int8", "int4", "int4-gptq")  # int4-gptq: `python -m model.quantize --calibration` (GPTQ)
+BUNDLED_KINDS = ("int8", "int4")  # read from bench.quantize's runs
 LLAMA_KINDS = ("q8_0", *LLAMA_QUANTIZED)
 # the trained model: Folio's trainer, GPT-2's BPE on tiny Shakespeare; n_embd 256 so that every row is whole
 # 256-weight super-blocks of Q4_K (llama-quantize would fall back to another type for a row that is not)
@@ -181,7 +185,8 @@ def measure_model(setup: Setup, folio_dir: Path, wins: list[list[int]], args: ar
     folio: dict[str, Any] = {}
     for kind in OUR_KINDS:
         print(f"{setup.model_name}: Folio {kind} ...", flush=True)
-        full = folio_logprobs(variant(ck, kind).model, wins)
+        full = folio_logprobs(calibrated(ck, args.calibration_tokens) if kind == "int4-gptq" else
+                              variant(ck, kind).model, wins)
         folio[kind] = {**compare(ref, TopTokens.of(full, args.top_n), args.top_k),
                        "kl_full_vocab": (ref_full.exp() * (ref_full - full)).sum(-1).mean().item()}
         del full
@@ -213,6 +218,19 @@ def measure_model(setup: Setup, folio_dir: Path, wins: list[list[int]], args: ar
     return out
 
 
+def calibrated(ck: Checkpoint, tokens: int) -> torch.nn.Module:
+    """A copy of `ck`'s model in int4 by GPTQ, calibrated on `tokens` tokens of tiny Shakespeare's training split
+    (the windows measured are from the rest), as `python -m model.quantize --calibration` does."""
+    model = copy.deepcopy(ck.model)
+    raw = (SHARED_DATA / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    t = time.perf_counter()
+    quantize_calibrated(model, ck.tokenizer.encode, ck.config.block_size,
+                        training_split(raw).encode("utf-8"), "tinyshakespeare (training split)",
+                        tokens)
+    print(f"  GPTQ, {tokens} calibration tokens: {time.perf_counter() - t:.1f} s", flush=True)
+    return model.eval()
+
+
 def bundled_from(path: Path) -> dict[str, Any]:
     """The bundled model's int8 and int4 quality from a bench.quantize run; where that run also has an int4 with the
     LM head int8 ("int4-head8", before model/quantize made that its int4), that one is int4."""
@@ -230,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window-len", type=int, default=60, help="tokens a window (the trained model's context: 64)")
     p.add_argument("--top-n", type=int, default=100, help="tokens each engine lists per position (n_probs)")
     p.add_argument("--top-k", type=int, default=40, help="the reference's tokens the KL keeps; the rest: a bucket")
+    p.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS, help="int4-gptq's calibration")
     p.add_argument("--bundled", default=str(RESULTS / "quantize_int4.json"),
                    help="bench.quantize's JSON to read the bundled model's figures from, or 'measure' (slow)")
     p.add_argument("--quality-chars", type=int, default=50_000, help="the bundled model's text, with 'measure'")
@@ -265,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         report["models"][name]["setup"] = setup.steps
     if args.bundled == "measure":
         bundled = named_checkpoint("default")
-        report["bundled"] = {k: quality(bundled, k, args.quality_chars) for k in OUR_KINDS}
+        report["bundled"] = {k: quality(bundled, k, args.quality_chars) for k in BUNDLED_KINDS}
     else:
         report["bundled"] = bundled_from(Path(args.bundled))
     print_table(report)

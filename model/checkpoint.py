@@ -73,10 +73,12 @@ def save_checkpoint(
     training: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     quantization: str = "none",
+    calibration: dict[str, Any] | None = None,
 ) -> Path:
     """Write weights, tokenizer and config.json into `directory` (created if needed). `quantization` names what
     `model.quantize` did to `model` ("int8": its linears are `Int8Linear`s); it is recorded in config.json so the
-    weights load as they are, without quantizing again."""
+    weights load as they are, without quantizing again, with `calibration` (how a calibrated quantization chose
+    them: model/quantize/gptq.py) beside it."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if tokenizer.n_vocab > model.config.vocab_size:
@@ -106,6 +108,8 @@ def save_checkpoint(
             }
             if quantization != "none":
                 config["quantization"] = quantization
+            if calibration:
+                config["calibration"] = calibration
             atomic_write_json(next_config, config)
     except BaseException:
         next_config.unlink(missing_ok=True)  # the old pair is intact; the pending config would only mislead

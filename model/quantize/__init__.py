@@ -7,7 +7,8 @@ LM head; activations stay fp32 (but see below for int8 products of many rows).
 - "int4": each group of 32 input weights of an output row scaled symmetrically into [-8, 7] (llama.cpp's q4_0: a
   fp16 scale per group, the value of largest magnitude / -8) and rounded, two weights a byte (`Int4Linear`): 4.5
   bits per weight. The LM head, and a product whose input width is not a multiple of 32, are int8 instead
-  (`stored_linear` says why).
+  (`four_bit` says why). Offline, with calibration text, the same layout is chosen by GPTQ instead of rounding to
+  nearest (`python -m model.quantize --calibration FILE`, model/quantize/gptq.py).
 The LM head (tied to the token embedding, ~30% of GPT-2 small's bytes) gets its own copy; the embedding lookup
 keeps the fp32 table (it reads one row a token).
 
@@ -87,22 +88,38 @@ class Bf16Linear(StoredLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
 
 
+def group_scales(groups: torch.Tensor) -> torch.Tensor:
+    """The fp16 scale (as fp32) of each group of `groups` (..., INT4_GROUP): as llama.cpp's q4_0, the group's value
+    of largest magnitude / -8, so that value is exactly -8 steps and the full range of 16 levels is used."""
+    largest = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
+    return (largest / -8).to(torch.float16).float()
+
+
+def round_to_steps(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(w / scale) (half to even) in [-8, 7], 0 where the scale is 0."""
+    return torch.where(scale == 0, 0, torch.round(w / torch.where(scale == 0, 1, scale))).clamp(-8, 7)
+
+
+def pack_groups(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps `q` (O, G, INT4_GROUP) in [-8, 7] and their scales (O, G, 1) as stored: the nibbles q + 8 two a byte
+    (O, G * INT4_GROUP / 2) uint8, the first half of a group in the low nibbles, and the scales fp16 (O, G)."""
+    out, n_groups, _ = q.shape
+    nibbles = (q + 8).to(torch.uint8)
+    packed = nibbles[:, :, : INT4_GROUP // 2] | (nibbles[:, :, INT4_GROUP // 2:] << 4)
+    scales = scale.to(torch.float16).view(out, -1)
+    return packed.reshape(out, n_groups * INT4_GROUP // 2).contiguous(), scales.contiguous()
+
+
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(4-bit weights packed two a byte (O, I / 2) uint8, fp16 scale per group (O, I / 32)) with weight ~= q * scale
-    per group of INT4_GROUP input weights, q in [-8, 7] (`ops.int4_values` reads them back). As llama.cpp's q4_0:
-    the scale is the group's value of largest magnitude / -8 (so that value is exactly -8 steps, the full range of
-    16 levels used), rounded to fp16, and q = round(w / scale) (half to even) with the fp16 scale, clamped."""
+    per group of INT4_GROUP input weights, q in [-8, 7] (`ops.int4_values` reads them back): round to nearest with
+    `group_scales`, as llama.cpp's q4_0. `model.quantize.gptq.gptq_groups` writes the same layout."""
     w = weight.detach().float()
     out, n_in = w.shape
     assert n_in % INT4_GROUP == 0, f"4-bit groups of {INT4_GROUP} need an input width that is a multiple: {n_in}"
     groups = w.view(out, n_in // INT4_GROUP, INT4_GROUP)
-    largest = groups.gather(2, groups.abs().argmax(dim=2, keepdim=True))  # (O, G, 1), signed
-    scale = (largest / -8).to(torch.float16)
-    divisor = scale.float()
-    q = torch.where(divisor == 0, 0, torch.round(groups / torch.where(divisor == 0, 1, divisor))).clamp(-8, 7)
-    nibbles = (q + 8).to(torch.uint8)
-    packed = nibbles[:, :, : INT4_GROUP // 2] | (nibbles[:, :, INT4_GROUP // 2:] << 4)
-    return packed.reshape(out, n_in // 2).contiguous(), scale.view(out, -1).contiguous()
+    scale = group_scales(groups)
+    return pack_groups(round_to_steps(groups, scale), scale)
 
 
 class Int4Linear(StoredLinear):
@@ -110,9 +127,13 @@ class Int4Linear(StoredLinear):
     row (`quantize_groups`); fp32 in and out. The kernels take the bytes as they are (csrc/int4.cpp): no packed
     copy."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, hessian: torch.Tensor | None = None) -> None:
         super().__init__(linear)
-        q, scale = quantize_groups(linear.weight)
+        if hessian is None:
+            q, scale = quantize_groups(linear.weight)
+        else:  # calibrated (model/quantize/gptq.py)
+            from model.quantize.gptq import gptq_groups
+            q, scale = gptq_groups(linear.weight, hessian)
         self.register_buffer("weight_int4", q.to(linear.weight.device))
         self.register_buffer("scale", scale.to(linear.weight.device))
 
@@ -141,29 +162,51 @@ class Int4Linear(StoredLinear):
 SWAPS: dict[str, type[StoredLinear]] = {"int8": Int8Linear, "bf16": Bf16Linear, "int4": Int4Linear}
 
 
-def stored_linear(kind: str, linear: nn.Linear, *, head: bool = False) -> StoredLinear:
-    """`linear` stored as `kind` says, except under "int4" the LM head (`head`) and a product whose input width holds
-    no whole groups of 32 (none of GPT-2's), which are int8. The head stays int8 by measurement (bench/quantize.py,
+def four_bit(linear: nn.Linear, *, head: bool = False) -> bool:
+    """Whether "int4" stores `linear` in 4 bits: not the LM head (`head`), nor a product whose input width holds no
+    whole groups of 32 (none of GPT-2's), which are int8. The head stays int8 by measurement (bench/quantize.py,
     docs/quantization.md has the runs): on the bundled model it takes a quarter off int4's KL divergence from fp32
     (1.40e-2 with an int4 head, 1.07e-2 with an int8 one), on GPT-2's shape a ninth (9.8e-3, 8.7e-3), as llama.cpp
     keeps q4_0 models' output matrix at 6 bits; for GPT-2's 70 -> 87 MB a step, which at batch 1 was within 2% in
     the AVX-512 VNNI kernels and 8% and 26% slower in the AVX2 ones (their int8 products are bound by widening
     arithmetic, issue 31), and at batch 8 1-10% faster (the int8 GEMM takes the head's rows)."""
-    if kind == "int4" and (head or linear.in_features % INT4_GROUP != 0):
-        return Int8Linear(linear)
+    return not head and linear.in_features % INT4_GROUP == 0
+
+
+def stored_linear(kind: str, linear: nn.Linear, *, head: bool = False,
+                  hessian: torch.Tensor | None = None) -> StoredLinear:
+    """`linear` stored as `kind` says, except that under "int4" a product `four_bit` refuses is int8; a 4-bit one
+    with its inputs' `hessian` is calibrated (GPTQ, model/quantize/gptq.py)."""
+    if kind == "int4":
+        return Int4Linear(linear, hessian) if four_bit(linear, head=head) else Int8Linear(linear)
     return SWAPS[kind](linear)
 
 
-def quantize(model: nn.Module, kind: str) -> int:
+def four_bit_names(model: nn.Module) -> list[str]:
+    """The names of `model`'s products that "int4" stores in 4 bits (those a calibration measures)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and four_bit(m, head=name.rsplit(".", 1)[-1] == "lm_head")]
+
+
+def quantize(model: nn.Module, kind: str, hessians: dict[str, torch.Tensor] | None = None,
+             progress: Callable[[str], None] | None = None) -> int:
     """`kind` (one of QUANTIZATIONS) applied to `model` in place: every `nn.Linear` (the blocks' products and the
-    LM head) swapped for its stored form. Returns the bytes of the stored weights and their scales (0 for none)."""
+    LM head) swapped for its stored form; under "int4", the products named in `hessians` calibrated by their inputs'
+    second moments (`gptq.calibration_hessians`), `progress(name)` after each. Returns the bytes of the stored
+    weights and their scales (0 for none)."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {kind!r}")
+    if hessians and kind != "int4":
+        raise ValueError(f"calibration (GPTQ) is for int4 weights, got quantize={kind!r}")
     if kind == "none":
         return 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):  # a KernelLinear too (a model the kernels were installed in)
-                setattr(parent, name, stored_linear(kind, child, head=name == "lm_head"))
+                full = f"{parent_name}.{name}" if parent_name else name
+                hessian = (hessians or {}).get(full)
+                setattr(parent, name, stored_linear(kind, child, head=name == "lm_head", hessian=hessian))
+                if progress is not None and hessian is not None:
+                    progress(full)
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)

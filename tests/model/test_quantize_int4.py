@@ -232,7 +232,7 @@ def test_an_offline_int4_checkpoint_equals_quantizing_at_load_and_an_engine_its_
     at_load = load_checkpoint(repo / "weights" / "shakespeare-char").model
     quantize(at_load, "int4")
     assert sum(isinstance(m, Int4Linear) for m in ck.model.modules()) == 4 * ck.config.n_layer
-    assert isinstance(ck.model.lm_head, Int8Linear)  # the head stays int8 (model/quantize, stored_linear)
+    assert isinstance(ck.model.lm_head, Int8Linear)  # the head stays int8 (model/quantize, four_bit)
     for (name, a), (_, b) in zip(ck.model.state_dict().items(), at_load.state_dict().items(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     stored = sum(t.numel() * t.element_size() for n, t in ck.model.state_dict().items() if "h." in n and "ln" not in n
