@@ -17,8 +17,9 @@ Tasks, on the bundled model (a 2.7M-parameter character model trained on tinysha
 - `free-long`: the same, 4x as many tokens (the window slides; the model falls into its loops);
 - `sampled`: `free` at temperature 0.8: drafts are mostly rejected (the cost of speculating where it does not pay);
 - `free-batch-8`: `free`, 8 requests at once (each request's k counts the batch: drafts must be surer);
-- `draft` (with `--draft-model DIR`): `free` drafted by that model instead of prompt lookup (`--speculative-model
-  DIR`; its tokenizer must be the bundled model's).
+- `draft`: `free` drafted by a draft model instead of prompt lookup (`--speculative-model DIR`): `--draft-model DIR`
+  (its tokenizer must be the bundled model's), by default `python -m bench.draft_model`'s, a 2-layer, 64-wide
+  character model (trained first where absent: minutes); `--draft-model none` leaves the task out.
 
 Each task runs plain and speculative engines in alternating rounds: the best round of each, the median of the rounds'
 ratios, and the ratio of tokens per CPU-second of the process (less disturbed on a machine shared with other work);
@@ -38,6 +39,7 @@ from typing import Any
 
 from bench import REPO, RESULTS, validation_split
 from bench.copy_model import BEGINNING, BUNDLED, PASSAGE, TEXT, copy_model, line_passages
+from bench.draft_model import draft_model
 from bench.quantize import cpu_name
 from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
@@ -125,6 +127,13 @@ def measure(ck: Checkpoint, jobs: list[tuple[list[int], SamplingParams]], *, tog
     }
 
 
+def shown(path: Path) -> str:
+    """`path` as the report shows it: relative to the repository, or with ~ for the home directory."""
+    if path.resolve().is_relative_to(REPO):
+        return str(path.resolve().relative_to(REPO))
+    return str(path).replace(str(Path.home()), "~", 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=8)
@@ -133,9 +142,11 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8, help="--num-speculative-tokens")
     p.add_argument("--copy-model", type=Path, default=None,
                    help="the model of the copy task (default: python -m bench.copy_model's, built first if absent)")
-    p.add_argument("--draft-model", type=Path, help="the draft model of the draft task (none: no draft task)")
+    p.add_argument("--draft-model", default=None,
+                   help="the draft model of the draft task (default: python -m bench.draft_model's; none: no task)")
     args = p.parse_args()
     args.copy_model = args.copy_model or copy_model()
+    args.draft_model = None if args.draft_model == "none" else Path(args.draft_model or draft_model())
     bundled, copier = load_checkpoint(BUNDLED), load_checkpoint(args.copy_model)
     greedy = SamplingParams(max_new_tokens=PASSAGE - BEGINNING)
     copy_jobs = [(copier.tokenizer.encode(f"{t}\n\n{t[:BEGINNING]}"), greedy)
@@ -165,9 +176,8 @@ def main() -> None:
     report = {
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": 1,
                     "load_average_1min": [round(load, 2), round(os.getloadavg()[0], 2)]},
-        "settings": {**vars(args), "copy_model": str(args.copy_model.resolve().relative_to(REPO))
-                     if args.copy_model.resolve().is_relative_to(REPO)
-                     else str(args.copy_model).replace(str(Path.home()), "~", 1)},
+        "settings": {**vars(args), "copy_model": shown(args.copy_model),
+                     "draft_model": args.draft_model and shown(args.draft_model)},
         "tasks": results,
     }
     print(f"{'task':<14}{'plain tok/s':>12}{'spec tok/s':>12}{'speedup':>9}{'median':>8}{'cpu-time':>9}"

@@ -294,6 +294,7 @@ class Scheduler:
             return
         normal = [req for req in reqs if req.id not in slid]
         drafts = self._drafts(normal)
+        start = time.perf_counter()
         logits = None
         first: dict[int, int] = {}  # by request id: its first row among the forward's
         if normal:
@@ -319,6 +320,8 @@ class Scheduler:
             if r.id in drafts:
                 draft = drafts[r.id]
                 self._emit_verified(r, logits[first[r.id]: first[r.id] + len(draft) + 1], draft)
+        if self.speculator is not None and not drafts and not slid:
+            self.speculator.stepped(time.perf_counter() - start)  # what a probe's cost is measured against
 
     def _drafts(self, reqs: list[Request]) -> dict[int, list[int]]:
         """The tokens each speculating request drafts this step, by request id (only those that draft some): at

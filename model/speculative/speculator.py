@@ -14,9 +14,11 @@ count n times, so requests speculate only with drafts taken ever more often as t
 speculation off above a batch size instead). The estimate is an exponential moving average over every drafted
 position verified, and over probes of the steps that do not speculate: a one-token proposal compared with the token
 the model chose (for a sampled request that match has the acceptance's own probability, p(draft)), every so many
-steps that the batch's probing costs about PROBE_BUDGET of a plain step on average (`probe_every`: a proposal's own
-bookkeeping, PROPOSAL_COST, and a draft model's step where it has one, for each request in the batch); so a request
-whose drafts stopped being taken (k fell to 0) speculates again once they would be.
+steps that the batch's probing costs about PROBE_BUDGET of a plain step on average (`probe_every`); so a request
+whose drafts stopped being taken (k fell to 0) speculates again once they would be. What a probe costs is measured
+as the engine runs (`Speculator.probe_cost`: the proposals' seconds a request against the plain steps' seconds,
+moving averages), since it is more than a drafted token's cost: a draft model first catches up on every token since
+the request's last probe; until both are measured, a proposal's own bookkeeping (PROPOSAL_COST) and a drafted token.
 
 k may depend on the batch: what a request generates does not depend on k (`Sampler.verify` chooses every token as
 plain decoding does, with the same draws of a seeded request's generator), nor on the proposer.
@@ -25,6 +27,7 @@ plain decoding does, with the same draws of a seeded request's generator), nor o
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,13 +47,18 @@ PROBE_BUDGET = 0.02  # what probing the requests that draft nothing may cost, in
 # measured on the bundled model, whose step is ~1 ms, at ~19 us a request (155 us of a 2.5 ms step of 8 requests
 # probed every step, prompt lookup: 8% slower than plain decoding before probes were spaced by the batch)
 PROPOSAL_COST = 0.015
+TIMING_WEIGHT = 0.1  # each timed step's or probe's weight in the moving averages of their seconds
 
 
-def probe_every(token_cost: float, batch: int = 1) -> int:
+def probe_every(probe_cost: float, batch: int = 1) -> int:
     """How many steps apart a request that drafts nothing is probed (a one-token proposal), in a batch of `batch`
-    requests where a proposed token costs `token_cost` plain steps: probing all of them costs at most PROBE_BUDGET
-    of a plain step per step on average (every step for prompt lookup at batch 1)."""
-    return max(1, math.ceil(batch * (token_cost + PROPOSAL_COST) / PROBE_BUDGET))
+    requests where probing one costs `probe_cost` plain steps: probing all of them costs at most PROBE_BUDGET of a
+    plain step per step on average (every step for prompt lookup at batch 1)."""
+    return max(1, math.ceil(batch * probe_cost / PROBE_BUDGET))
+
+
+def _average(average: float | None, value: float) -> float:
+    return value if average is None else average + TIMING_WEIGHT * (value - average)
 
 
 def best_k(acceptance: float, k_max: int, batch: int = 1, token_cost: float = 0.0) -> int:
@@ -122,6 +130,20 @@ class Speculator:
 
     def __init__(self, proposer: Proposer, k_max: int) -> None:
         self.proposer, self.k_max = proposer, k_max
+        self.step_seconds: float | None = None  # a plain step's (one that verified nothing), a moving average
+        self.probe_seconds: float | None = None  # a probe's proposal, a request's share of its call
+
+    @property
+    def probe_cost(self) -> float:
+        """What probing a request costs, in plain steps: measured where both are, else its bookkeeping and a drafted
+        token."""
+        if self.step_seconds and self.probe_seconds is not None:
+            return self.probe_seconds / self.step_seconds
+        return self.proposer.token_cost + PROPOSAL_COST
+
+    def stepped(self, seconds: float) -> None:
+        """A decode step that verified no draft took `seconds` (its forward and choices: not its proposals)."""
+        self.step_seconds = _average(self.step_seconds, seconds)
 
     def begin(self, row: int) -> Speculation:
         return Speculation(self.proposer.begin(row))
@@ -131,7 +153,7 @@ class Speculator:
         by `best_k`, or a one-token probe where k is 0 and a probe is due (every `probe_every` steps; kept in
         `spec.shadow`, drafting nothing)."""
         wants, probes = [], []
-        every = probe_every(self.proposer.token_cost, batch)
+        every = probe_every(self.probe_cost, batch)
         for r in requests:
             spec = r.spec
             k = best_k(spec.acceptance, min(self.k_max, r.room), batch, self.proposer.token_cost)
@@ -142,8 +164,11 @@ class Speculator:
         asked = [i for i, want in enumerate(wants) if want]
         proposals: list[list[int]] = [[] for _ in requests]
         if asked:
+            start = time.perf_counter()
             got = self.proposer.propose([requests[i].spec.state for i in asked], [requests[i].prompt for i in asked],
                                         [requests[i].output for i in asked], [wants[i] for i in asked])
+            if all(probes[i] for i in asked):
+                self.probe_seconds = _average(self.probe_seconds, (time.perf_counter() - start) / len(asked))
             for i, proposal in zip(asked, got):
                 proposals[i] = proposal
         for r, proposal, probe in zip(requests, proposals, probes):

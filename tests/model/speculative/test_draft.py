@@ -8,6 +8,7 @@ token's cost in k and in how often requests that draft nothing are probed."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -167,10 +168,11 @@ class CountingProposer:
 
 def test_a_drafted_tokens_cost_enters_k_and_spaces_the_probes() -> None:
     assert [best_k(0.9, 4, token_cost=c) for c in (0.0, 0.5, 1.0)] == [4, 3, 0]  # dearer drafts, fewer
-    assert probe_every(0.0) == 1  # prompt lookup alone: every step
+    assert probe_every(PROPOSAL_COST) == 1  # prompt lookup alone: every step
     for batch in (1, 4):
-        # the closest spacing at which probing every request of the batch stays within the budget
-        every, cost = probe_every(0.05, batch), batch * (0.05 + PROPOSAL_COST)
+        # before any step is timed a probe costs its bookkeeping and a drafted token: the closest spacing at which
+        # probing every request of the batch stays within the budget
+        every, cost = probe_every(0.05 + PROPOSAL_COST, batch), batch * (0.05 + PROPOSAL_COST)
         assert cost / every <= PROBE_BUDGET < cost / (every - 1)
         proposer = CountingProposer(token_cost=0.05)
         speculator = Speculator(proposer, k_max=4)
@@ -184,3 +186,32 @@ def test_a_drafted_tokens_cost_enters_k_and_spaces_the_probes() -> None:
         assert proposer.calls == 3 and shadows == ([None] * (every - 1) + [7]) * 3
     spec.acceptance = 0.9  # drafts taken: k tokens a step, proposed every step
     assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[7] * best_k(0.9, 4, token_cost=0.05)]
+
+
+class SlowProposer(CountingProposer):
+    """A proposal that takes `seconds` (as a draft model's catch-up does), whatever it proposes."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(token_cost=0.0)
+        self.seconds = seconds
+
+    def propose(self, states, prompts, outputs, ks) -> list[list[int]]:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return super().propose(states, prompts, outputs, ks)
+
+
+def test_probes_are_spaced_by_what_they_are_measured_to_cost() -> None:
+    for seconds, steps in ((0.0, 150), (0.002, 150)):
+        proposer = SlowProposer(seconds)
+        speculator = Speculator(proposer, k_max=4)
+        spec = speculator.begin(row=0)
+        spec.acceptance = 0.0  # no k pays: only probes
+        for _ in range(steps):
+            speculator.drafts([Drafting(spec, [1, 2], [], room=8)])
+            spec.shadow = None
+            speculator.stepped(0.001)  # each plain step measured at 1 ms
+        if seconds:  # a 2 ms probe is 2 plain steps: within the budget once every 2 / PROBE_BUDGET = 100 steps
+            assert speculator.probe_cost >= 2 and proposer.calls <= 2 and probe_every(speculator.probe_cost) >= 100
+        else:  # a free one: every step
+            assert speculator.probe_cost < PROBE_BUDGET and proposer.calls == steps
