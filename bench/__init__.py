@@ -8,6 +8,9 @@ the benchmarks share is in `bench/report.py` (percentiles, JSON and PNG), `bench
 here (where the data live, and the trainer's split of a text).
 """
 
+import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from model.data import TRAIN_FRACTION
@@ -27,3 +30,24 @@ def training_split(text: str) -> str:
 def validation_split(text: str) -> str:
     """The rest: what the benchmarks evaluate on, never trained on."""
     return text[int(len(text) * TRAIN_FRACTION):]
+
+
+def cached_model(out: Path, is_built: Callable[[Path], bool], build: Callable[[Path], object], what: str) -> Path:
+    """A model a benchmark trains for itself (`bench.copy_model`, `bench.draft_model`): `out`, built first (by
+    `build`, minutes) unless `is_built(out)` (it holds the current recipe's model)."""
+    if not is_built(out):
+        print(f"building the {what} in {out} (minutes)", file=sys.stderr)
+        build(out)
+    return out
+
+
+def cached_model_main(doc: str, default: Path, is_built: Callable[[Path], bool], build: Callable[[Path], object],
+                      show: Callable[[Path], str]) -> None:
+    """`python -m bench.<model>`: build into --out (`default`) unless built there (or --force), then print `show`."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", type=Path, default=default, help="where the checkpoint goes (outside the repository)")
+    p.add_argument("--force", action="store_true", help="build it again even where it is built")
+    args = p.parse_args()
+    if args.force or not is_built(args.out):
+        build(args.out)
+    print(show(args.out), end="")

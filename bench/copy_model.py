@@ -16,19 +16,17 @@ are unchanged and builds it otherwise (minutes on two CPU cores; the trainer sho
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench import REPO, SHARED_DATA, training_split, validation_split
+from bench import REPO, SHARED_DATA, cached_model, cached_model_main, training_split, validation_split
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.sampling_params import SamplingParams
@@ -158,20 +156,11 @@ def build(out: Path = CACHE, base: Path = BUNDLED) -> dict[str, Any]:
 
 def copy_model(out: Path = CACHE) -> Path:
     """The copy model's directory: `out`, built first unless it holds this recipe's model."""
-    if not is_built(out):
-        print(f"building the copy model in {out} (python -m bench.copy_model; minutes)", file=sys.stderr)
-        build(out)
-    return out
+    return cached_model(out, is_built, build, "copy model")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=CACHE, help="where the checkpoint goes (outside the repository)")
-    p.add_argument("--force", action="store_true", help="build it again even where it is built")
-    args = p.parse_args()
-    if args.force or not is_built(args.out):
-        build(args.out)
-    print((args.out / REPORT_FILE).read_text(), end="")
+    cached_model_main(__doc__, CACHE, is_built, build, lambda out: (out / REPORT_FILE).read_text())
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ the bundled model's 1.51).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
+from bench import cached_model, cached_model_main
 from bench.copy_model import RECIPE_FILE, TEXT
 from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 
@@ -47,20 +46,11 @@ def build(out: Path = CACHE) -> None:
 
 def draft_model(out: Path = CACHE) -> Path:
     """The draft model's directory: `out`, trained first unless it holds this recipe's model."""
-    if not is_built(out):
-        print(f"training the draft model in {out} (python -m bench.draft_model; minutes)", file=sys.stderr)
-        build(out)
-    return out
+    return cached_model(out, is_built, build, "draft model")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=CACHE, help="where the checkpoint goes (outside the repository)")
-    p.add_argument("--force", action="store_true", help="train it again even where it is trained")
-    args = p.parse_args()
-    if args.force or not is_built(args.out):
-        build(args.out)
-    print(args.out)
+    cached_model_main(__doc__, CACHE, is_built, build, lambda out: f"{out}\n")
 
 
 if __name__ == "__main__":
