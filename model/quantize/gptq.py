@@ -44,17 +44,18 @@ def gptq_groups(weight: torch.Tensor, hessian: torch.Tensor, *, damp: float = DA
     w = weight.detach().float().clone()
     out, n_in = w.shape
     assert n_in % INT4_GROUP == 0 and block % INT4_GROUP == 0, (n_in, block)
-    h = hessian.detach().float().clone()
+    h = hessian.detach().to(w.device, torch.float32).clone()
     dead = h.diagonal() == 0  # an input that is always 0: its weights do not matter
     h[dead, dead] = 1
     w[:, dead] = 0
     h.diagonal().add_(damp * h.diagonal().mean())
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     steps = torch.empty_like(w)
-    scales = torch.empty(out, n_in // INT4_GROUP, 1)
+    scales = torch.empty(out, n_in // INT4_GROUP, 1, device=w.device)
     for start in range(0, n_in, block):
         end = min(start + block, n_in)
-        cols, errors, inv = w[:, start:end].clone(), torch.empty(out, end - start), inverse[start:end, start:end]
+        cols, inv = w[:, start:end].clone(), inverse[start:end, start:end]
+        errors = torch.empty(out, end - start, device=w.device)
         for i in range(end - start):
             if i % INT4_GROUP == 0:
                 group = (start + i) // INT4_GROUP
