@@ -50,7 +50,7 @@ from bench.quantize import cached_logits, cpu_name, quality, variant
 from bench.report import pyplot, save_figure, write_json
 from model import kernels
 from model.checkpoint import Checkpoint, load_checkpoint
-from model.quantize.gptq import CALIBRATION_TOKENS, quantize_calibrated
+from model.quantize.calibration import CALIBRATION_TOKENS, quantize_calibrated
 from model.tokenizer import gpt2_tokenizer
 
 OUR_KINDS = ("int8", "int4", "int4-gptq")  # int4-gptq: `python -m model.quantize --calibration` (GPTQ)

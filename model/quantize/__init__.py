@@ -31,6 +31,11 @@ import torch.nn as nn
 
 from model.kernels.modules import StoredLinear
 from model.kernels.ops import INT4_GROUP
+from model.quantize.gptq import gptq_groups
+from model.quantize.groups import group_scales, pack_groups, quantize_groups, round_to_steps
+
+__all__ = ["QUANTIZATIONS", "Bf16Linear", "Int4Linear", "Int8Linear", "four_bit", "four_bit_names", "group_scales",
+           "pack_groups", "quantize", "quantize_groups", "quantize_rows", "round_to_steps", "stored_linear"]
 
 QUANTIZATIONS = ("none", "int8", "bf16", "int4")
 
@@ -88,40 +93,6 @@ class Bf16Linear(StoredLinear):
         return f"in_features={self.in_features}, out_features={self.out_features}, bf16"
 
 
-def group_scales(groups: torch.Tensor) -> torch.Tensor:
-    """The fp16 scale (as fp32) of each group of `groups` (..., INT4_GROUP): as llama.cpp's q4_0, the group's value
-    of largest magnitude / -8, so that value is exactly -8 steps and the full range of 16 levels is used."""
-    largest = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
-    return (largest / -8).to(torch.float16).float()
-
-
-def round_to_steps(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """round(w / scale) (half to even) in [-8, 7], 0 where the scale is 0."""
-    return torch.where(scale == 0, 0, torch.round(w / torch.where(scale == 0, 1, scale))).clamp(-8, 7)
-
-
-def pack_groups(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps `q` (O, G, INT4_GROUP) in [-8, 7] and their scales (O, G, 1) as stored: the nibbles q + 8 two a byte
-    (O, G * INT4_GROUP / 2) uint8, the first half of a group in the low nibbles, and the scales fp16 (O, G)."""
-    out, n_groups, _ = q.shape
-    nibbles = (q + 8).to(torch.uint8)
-    packed = nibbles[:, :, : INT4_GROUP // 2] | (nibbles[:, :, INT4_GROUP // 2:] << 4)
-    scales = scale.to(torch.float16).view(out, -1)
-    return packed.reshape(out, n_groups * INT4_GROUP // 2).contiguous(), scales.contiguous()
-
-
-def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(4-bit weights packed two a byte (O, I / 2) uint8, fp16 scale per group (O, I / 32)) with weight ~= q * scale
-    per group of INT4_GROUP input weights, q in [-8, 7] (`ops.int4_values` reads them back): round to nearest with
-    `group_scales`, as llama.cpp's q4_0. `model.quantize.gptq.gptq_groups` writes the same layout."""
-    w = weight.detach().float()
-    out, n_in = w.shape
-    assert n_in % INT4_GROUP == 0, f"4-bit groups of {INT4_GROUP} need an input width that is a multiple: {n_in}"
-    groups = w.view(out, n_in // INT4_GROUP, INT4_GROUP)
-    scale = group_scales(groups)
-    return pack_groups(round_to_steps(groups, scale), scale)
-
-
 class Int4Linear(StoredLinear):
     """`nn.Linear` with 4-bit weights, two a byte, and a fp16 scale per group of 32 input weights of each output
     row (`quantize_groups`); fp32 in and out. The kernels take the bytes as they are (csrc/int4.cpp): no packed
@@ -132,7 +103,6 @@ class Int4Linear(StoredLinear):
         if hessian is None:
             q, scale = quantize_groups(linear.weight)
         else:  # calibrated (model/quantize/gptq.py)
-            from model.quantize.gptq import gptq_groups
             q, scale = gptq_groups(linear.weight, hessian)
         self.register_buffer("weight_int4", q.to(linear.weight.device))
         self.register_buffer("scale", scale.to(linear.weight.device))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.quantize import QUANTIZATIONS, quantize
-from model.quantize.gptq import CALIBRATION_TOKENS, quantize_calibrated
+from model.quantize.calibration import CALIBRATION_TOKENS, quantize_calibrated
 
 
 def convert(checkpoint: str | Path, out: str | Path, kind: str = "int8", calibration: str | Path | None = None,

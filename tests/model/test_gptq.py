@@ -16,7 +16,8 @@ from model.checkpoint import load_checkpoint
 from model.kernels.ops import INT4_GROUP, int4_values
 from model.quantize import Int4Linear, Int8Linear, group_scales, quantize, quantize_groups, round_to_steps
 from model.quantize.__main__ import convert, main
-from model.quantize.gptq import DAMP, calibration_hessians, gptq_groups
+from model.quantize.calibration import calibration_hessians
+from model.quantize.gptq import DAMP, gptq_groups
 
 BUNDLED = Path(__file__).parents[2] / "weights" / "shakespeare-char"
 
