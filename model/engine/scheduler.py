@@ -329,16 +329,16 @@ class Scheduler:
         or none, the more requests share the step (`Speculator.drafts`)."""
         if self.speculator is None:
             return {}
-        drafting, ids = [], []
+        drafting, ids, batch = [], [], len(reqs)
         for r in reqs:
-            if r.speculation is not None:
+            if r.speculation is not None and self.speculator.may_draft(r.speculation, batch):
                 room = min(r.params.max_new_tokens - len(r.output) - 1, self.block_size - r.pos)
                 if room > 0:
                     drafting.append(Drafting(r.speculation, r.prompt, r.output, room))
                     ids.append(r.id)
         if not drafting:
             return {}
-        return {i: draft for i, draft in zip(ids, self.speculator.drafts(drafting, len(reqs))) if draft}
+        return {i: draft for i, draft in zip(ids, self.speculator.drafts(drafting, batch)) if draft}
 
     def _emit_verified(self, req: Request, logits: torch.Tensor, draft: list[int]) -> None:
         """Stream the tokens a speculating request takes from its verified `draft`. Its cache row is recorded as

@@ -148,6 +148,17 @@ class Speculator:
     def begin(self, row: int) -> Speculation:
         return Speculation(self.proposer.begin(row))
 
+    def may_draft(self, spec: Speculation, batch: int = 1) -> bool:
+        """Whether `spec` may draft or be probed in a step of `batch` requests; where not (its acceptance pays for no
+        k at this batch, as `best_k`'s first test, and its probe is not due), the step counts as idle for it and the
+        caller leaves it out of `drafts`, sparing it the per-request bookkeeping."""
+        if (spec.acceptance > batch * (ROW_COST + self.proposer.token_cost)
+                or spec.idle + 1 >= probe_every(self.probe_cost, batch)):
+            return True
+        spec.idle += 1
+        spec.drafted, spec.shadow = [], None
+        return False
+
     def drafts(self, requests: Sequence[Drafting], batch: int = 1) -> list[list[int]]:
         """The tokens each of `requests` verifies this step (at most its room), in a step of `batch` requests: k
         by `best_k`, or a one-token probe where k is 0 and a probe is due (every `probe_every` steps; kept in

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from model.speculative import Drafting, NgramIndex, NgramProposer, Speculator, best_k
-from model.speculative.speculator import PRIOR_ACCEPTANCE
+from model.speculative.speculator import PRIOR_ACCEPTANCE, probe_every
 
 
 def naive_propose(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -89,3 +89,17 @@ def test_rejections_turn_drafting_off_and_matching_proposals_turn_it_back_on() -
         Speculator.chose(spec, 3)
     assert draft[:1] == [3]
     assert step(room=2) == [3, 1][: len(draft)]  # never more than the room
+
+
+def test_requests_with_nothing_to_draft_or_probe_are_left_out_until_their_probe_is_due() -> None:
+    speculator = Speculator(NgramProposer(n_min=1, n_max=2), k_max=4)
+    spec = speculator.begin(row=0)
+    spec.acceptance = 0.0
+    assert all(speculator.may_draft(spec, batch=1) for _ in range(5))  # alone: a probe every step
+    every = probe_every(speculator.probe_cost, batch=8)  # at 8 requests, further apart
+    assert every > 1
+    spec.idle = 0
+    asked = [speculator.may_draft(spec, batch=8) for _ in range(every)]
+    assert asked == [False] * (every - 1) + [True] and spec.idle == every - 1 and spec.drafted == []
+    spec.acceptance = 0.95  # drafts that pay even in a batch of 8: never left out
+    assert speculator.may_draft(spec, batch=8)
