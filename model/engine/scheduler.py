@@ -330,8 +330,9 @@ class Scheduler:
         if self.speculator is None:
             return {}
         drafting, ids, batch = [], [], len(reqs)
+        every = self.speculator.probe_spacing(batch)
         for r in reqs:
-            if r.speculation is not None and self.speculator.may_draft(r.speculation, batch):
+            if r.speculation is not None and self.speculator.may_draft(r.speculation, batch, every):
                 room = min(r.params.max_new_tokens - len(r.output) - 1, self.block_size - r.pos)
                 if room > 0:
                     drafting.append(Drafting(r.speculation, r.prompt, r.output, room))

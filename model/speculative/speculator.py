@@ -61,12 +61,18 @@ def _average(average: float | None, value: float) -> float:
     return value if average is None else average + TIMING_WEIGHT * (value - average)
 
 
+def no_k_pays(acceptance: float, batch: int = 1, token_cost: float = 0.0) -> bool:
+    """Whether `best_k` is 0 for want of any drafted token worth its row: a^j <= a, so where a <= batch * (ROW_COST
+    + token_cost) no k beats a plain step (a sufficient test, not a necessary one)."""
+    return acceptance <= batch * (ROW_COST + token_cost)
+
+
 def best_k(acceptance: float, k_max: int, batch: int = 1, token_cost: float = 0.0) -> int:
     """The k in [0, k_max] with the most tokens per unit of cost, (1 + a + ... + a^k) / (1 + batch * (VERIFY_COST +
     (ROW_COST + token_cost) * k)) for k >= 1, 1 for k = 0 (a plain step), in a batch of `batch` requests, where a
     drafted token costs `token_cost` plain steps to propose."""
-    if acceptance <= batch * (ROW_COST + token_cost):
-        return 0  # a^j <= a: no drafted token yields what its row costs, so no k beats a plain step
+    if no_k_pays(acceptance, batch, token_cost):
+        return 0
     best, best_rate, expected, term = 0, 1.0, 1.0, 1.0
     for k in range(1, k_max + 1):
         term *= acceptance
@@ -113,6 +119,10 @@ class Speculation:
     def observe(self, accepted: bool) -> None:
         self.acceptance += ACCEPTANCE_WEIGHT * (float(accepted) - self.acceptance)
 
+    def probe_due(self, every: int) -> bool:
+        """Whether this step is its probe's, probes coming `every` steps apart (`Speculator.probe_spacing`)."""
+        return self.idle + 1 >= every
+
 
 @dataclass
 class Drafting:
@@ -141,6 +151,10 @@ class Speculator:
             return self.probe_seconds / self.step_seconds
         return self.proposer.token_cost + PROPOSAL_COST
 
+    def probe_spacing(self, batch: int = 1) -> int:
+        """How many steps apart requests that draft nothing are probed in a step of `batch` requests."""
+        return probe_every(self.probe_cost, batch)
+
     def stepped(self, seconds: float) -> None:
         """A decode step that verified no draft took `seconds` (its forward and choices: not its proposals)."""
         self.step_seconds = _average(self.step_seconds, seconds)
@@ -148,12 +162,11 @@ class Speculator:
     def begin(self, row: int) -> Speculation:
         return Speculation(self.proposer.begin(row))
 
-    def may_draft(self, spec: Speculation, batch: int = 1) -> bool:
-        """Whether `spec` may draft or be probed in a step of `batch` requests; where not (its acceptance pays for no
-        k at this batch, as `best_k`'s first test, and its probe is not due), the step counts as idle for it and the
-        caller leaves it out of `drafts`, sparing it the per-request bookkeeping."""
-        if (spec.acceptance > batch * (ROW_COST + self.proposer.token_cost)
-                or spec.idle + 1 >= probe_every(self.probe_cost, batch)):
+    def may_draft(self, spec: Speculation, batch: int, every: int) -> bool:
+        """Whether `spec` may draft or be probed in a step of `batch` requests, probes `every` steps apart (the
+        step's `probe_spacing`); where not (`no_k_pays` and its probe is not due), the step counts as idle for it and
+        the caller leaves it out of `drafts`, sparing it the per-request bookkeeping."""
+        if not no_k_pays(spec.acceptance, batch, self.proposer.token_cost) or spec.probe_due(every):
             return True
         spec.idle += 1
         spec.drafted, spec.shadow = [], None
@@ -164,11 +177,11 @@ class Speculator:
         by `best_k`, or a one-token probe where k is 0 and a probe is due (every `probe_every` steps; kept in
         `spec.shadow`, drafting nothing)."""
         wants, probes = [], []
-        every = probe_every(self.probe_cost, batch)
+        every = self.probe_spacing(batch)
         for r in requests:
             spec = r.spec
             k = best_k(spec.acceptance, min(self.k_max, r.room), batch, self.proposer.token_cost)
-            probe = not k and r.room > 0 and spec.idle + 1 >= every
+            probe = not k and r.room > 0 and spec.probe_due(every)
             spec.idle = 0 if k or probe else spec.idle + 1
             wants.append(k or int(probe))
             probes.append(probe)

@@ -95,11 +95,12 @@ def test_requests_with_nothing_to_draft_or_probe_are_left_out_until_their_probe_
     speculator = Speculator(NgramProposer(n_min=1, n_max=2), k_max=4)
     spec = speculator.begin(row=0)
     spec.acceptance = 0.0
-    assert all(speculator.may_draft(spec, batch=1) for _ in range(5))  # alone: a probe every step
-    every = probe_every(speculator.probe_cost, batch=8)  # at 8 requests, further apart
-    assert every > 1
+    alone = speculator.probe_spacing(batch=1)
+    assert all(speculator.may_draft(spec, 1, alone) for _ in range(5))  # alone: a probe every step
+    every = speculator.probe_spacing(batch=8)  # at 8 requests, further apart
+    assert every == probe_every(speculator.probe_cost, batch=8) > 1
     spec.idle = 0
-    asked = [speculator.may_draft(spec, batch=8) for _ in range(every)]
+    asked = [speculator.may_draft(spec, 8, every) for _ in range(every)]
     assert asked == [False] * (every - 1) + [True] and spec.idle == every - 1 and spec.drafted == []
     spec.acceptance = 0.95  # drafts that pay even in a batch of 8: never left out
-    assert speculator.may_draft(spec, batch=8)
+    assert speculator.may_draft(spec, 8, every)
