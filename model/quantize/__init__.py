@@ -35,7 +35,7 @@ from model.quantize.gptq import gptq_groups
 from model.quantize.groups import group_scales, pack_groups, quantize_groups, round_to_steps
 
 __all__ = ["QUANTIZATIONS", "Bf16Linear", "Int4Linear", "Int8Linear", "four_bit", "four_bit_names", "group_scales",
-           "pack_groups", "quantize", "quantize_groups", "quantize_rows", "round_to_steps", "stored_linear"]
+           "pack_groups", "products", "quantize", "quantize_groups", "quantize_rows", "round_to_steps", "stored_linear"]
 
 QUANTIZATIONS = ("none", "int8", "bf16", "int4")
 
@@ -152,17 +152,24 @@ def stored_linear(kind: str, linear: nn.Linear, *, head: bool = False,
     return SWAPS[kind](linear)
 
 
+def products(model: nn.Module) -> list[tuple[nn.Module, str, str, nn.Linear]]:
+    """Every `nn.Linear` of `model` (a KernelLinear too: a model the kernels were installed in) as (its parent, its
+    name there, its full name, it)."""
+    return [(parent, name, f"{parent_name}.{name}" if parent_name else name, child)
+            for parent_name, parent in model.named_modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
 def four_bit_names(model: nn.Module) -> list[str]:
     """The names of `model`'s products that "int4" stores in 4 bits (those a calibration measures)."""
-    return [name for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and four_bit(m, head=name.rsplit(".", 1)[-1] == "lm_head")]
+    return [full for _, name, full, linear in products(model) if four_bit(linear, head=name == "lm_head")]
 
 
 def quantize(model: nn.Module, kind: str, hessians: dict[str, torch.Tensor] | None = None,
              progress: Callable[[str], None] | None = None) -> int:
     """`kind` (one of QUANTIZATIONS) applied to `model` in place: every `nn.Linear` (the blocks' products and the
     LM head) swapped for its stored form; under "int4", the products named in `hessians` calibrated by their inputs'
-    second moments (`gptq.calibration_hessians`), `progress(name)` after each. Returns the bytes of the stored
+    second moments (`calibration.calibration_hessians`), `progress(name)` after each. Returns the bytes of the stored
     weights and their scales (0 for none)."""
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {kind!r}")
@@ -170,13 +177,10 @@ def quantize(model: nn.Module, kind: str, hessians: dict[str, torch.Tensor] | No
         raise ValueError(f"calibration (GPTQ) is for int4 weights, got quantize={kind!r}")
     if kind == "none":
         return 0
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):  # a KernelLinear too (a model the kernels were installed in)
-                full = f"{parent_name}.{name}" if parent_name else name
-                hessian = (hessians or {}).get(full)
-                setattr(parent, name, stored_linear(kind, child, head=name == "lm_head", hessian=hessian))
-                if progress is not None and hessian is not None:
-                    progress(full)
+    for parent, name, full, linear in products(model):
+        hessian = (hessians or {}).get(full)
+        setattr(parent, name, stored_linear(kind, linear, head=name == "lm_head", hessian=hessian))
+        if progress is not None and hessian is not None:
+            progress(full)
     stored = [m for m in model.modules() if isinstance(m, StoredLinear)]
     return sum(t.numel() * t.element_size() for m in stored for t in (m.stored, m.scale_or_none) if t is not None)
