@@ -9,10 +9,12 @@ here (where the data live, and the trainer's split of a text).
 """
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from model.data import TRAIN_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +32,19 @@ def training_split(text: str) -> str:
 def validation_split(text: str) -> str:
     """The rest: what the benchmarks evaluate on, never trained on."""
     return text[int(len(text) * TRAIN_FRACTION):]
+
+
+RECIPE_FILE = "recipe.json"  # beside a cached model: what it was built from (`built_from`)
+
+
+def built_from(out: Path, recipe: object) -> bool:
+    """Whether `out` holds a whole checkpoint (weights and config) whose RECIPE_FILE says it was built from
+    `recipe` (any JSON value)."""
+    try:
+        found = json.loads((out / RECIPE_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return (out / WEIGHTS_FILE).is_file() and (out / CONFIG_FILE).is_file() and found == recipe
 
 
 def cached_model(out: Path, is_built: Callable[[Path], bool], build: Callable[[Path], object], what: str) -> Path:

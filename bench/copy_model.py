@@ -26,8 +26,17 @@ from typing import Any
 
 import torch
 
-from bench import REPO, SHARED_DATA, cached_model, cached_model_main, training_split, validation_split
-from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, Checkpoint, load_checkpoint
+from bench import (
+    RECIPE_FILE,
+    REPO,
+    SHARED_DATA,
+    built_from,
+    cached_model,
+    cached_model_main,
+    training_split,
+    validation_split,
+)
+from model.checkpoint import WEIGHTS_FILE, Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.sampling_params import SamplingParams
 from model.train.trainer import lm_loss
@@ -36,7 +45,6 @@ BUNDLED = REPO / "weights" / "shakespeare-char"
 TEXT = SHARED_DATA / "tinyshakespeare" / "input.txt"
 CACHE = Path.home() / ".cache" / "folio" / "copy-model"
 DATA_FILE = "copy-data.jsonl"
-RECIPE_FILE = "recipe.json"
 REPORT_FILE = "report.json"
 PASSAGE = 56  # characters of the benchmark's copy passages: passage, blank line and beginning fit the 128-token context
 BEGINNING = 8  # characters of the passage the benchmark's copy prompt repeats
@@ -121,12 +129,7 @@ def evaluate(ck: Checkpoint, text: str, passages: int = 64) -> dict[str, float]:
 
 def is_built(out: Path, base: Path = BUNDLED) -> bool:
     """Whether `out` holds a copy model built by this recipe from `base` as it is now."""
-    try:
-        recipe = json.loads((out / RECIPE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return ((out / WEIGHTS_FILE).is_file() and (out / CONFIG_FILE).is_file()
-            and recipe == {"recipe": RECIPE, "base_sha256": weights_sha256(base)})
+    return built_from(out, {"recipe": RECIPE, "base_sha256": weights_sha256(base)})
 
 
 def build(out: Path = CACHE, base: Path = BUNDLED) -> dict[str, Any]:

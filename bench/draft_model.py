@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import cached_model, cached_model_main
-from bench.copy_model import RECIPE_FILE, TEXT
-from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from bench import RECIPE_FILE, built_from, cached_model, cached_model_main
+from bench.copy_model import TEXT
 
 CACHE = Path.home() / ".cache" / "folio" / "draft-model"
 RECIPE = {"preset": "shakespeare-char-small", "n_layer": 2, "n_head": 2, "n_embd": 64, "max_iters": 1500,
@@ -24,11 +23,8 @@ RECIPE = {"preset": "shakespeare-char-small", "n_layer": 2, "n_head": 2, "n_embd
 
 
 def is_built(out: Path) -> bool:
-    try:
-        recipe = json.loads((out / RECIPE_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return (out / WEIGHTS_FILE).is_file() and (out / CONFIG_FILE).is_file() and recipe == RECIPE
+    """Whether `out` holds a draft model trained by this recipe."""
+    return built_from(out, RECIPE)
 
 
 def build(out: Path = CACHE) -> None:
