@@ -3,6 +3,8 @@ is left on one."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from model.config import available_memory
@@ -44,3 +46,9 @@ def free_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return available_memory()
+
+
+def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`values` (numbers, or lists of them) as a tensor on `device`, copied from the host without waiting for the
+    device: `torch.tensor(values, device=...)` waits for all the work queued on a GPU before it copies."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

@@ -27,11 +27,13 @@ are the n largest of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from model.devices import to_device
 from model.kernels.ops import row_argmax_logsumexp
 from model.sampling_params import SamplingParams
 
@@ -66,7 +68,7 @@ def apply_presence_frequency(logits: torch.Tensor, output: Sequence[int], presen
     """Step 5, on a 1-D logits vector: OpenAI's penalties over the ids generated so far (`output`)."""
     if not output or not (presence or frequency):
         return logits
-    counts = torch.bincount(torch.tensor(list(output), device=logits.device), minlength=logits.size(-1))
+    counts = torch.bincount(to_device(list(output), logits.device), minlength=logits.size(-1))
     counts = counts[: logits.size(-1)].to(logits.dtype)
     return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
 
@@ -153,8 +155,8 @@ class Sampler:
         masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
         # each row's argmax and log-sum-exp in one pass (a log-probability is a logit minus the latter)
         argmax, lse = row_argmax_logsumexp(masked)
-        tokens, errors = self._choose(masked, rows, argmax)
-        return self._output(masked, lse, rows, tokens, errors)
+        chosen, errors = self._choose(masked, rows, argmax)
+        return self._output(masked, lse, rows, chosen, errors)
 
     def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int]) -> SamplerOutput:
         """Speculative decoding: which of one request's `draft` tokens it takes, and its next token after them.
@@ -171,7 +173,7 @@ class Sampler:
         text with or without speculation, whatever was drafted."""
         masked = mask_unusable(logits.float(), self.n_vocab)
         argmax, lse = row_argmax_logsumexp(masked)
-        picks = argmax.tolist()
+        picks = argmax.tolist()  # each position's choice decides whether the next is looked at: one wait each step
         tokens: list[int] = []
         errors: dict[int, Exception] = {}
         for i, row in enumerate(rows):
@@ -186,50 +188,69 @@ class Sampler:
             if token != drafted:
                 break
         used = len(tokens)
-        return self._output(masked[:used], lse[:used], rows[:used], tokens, errors)
+        chosen = to_device([max(t, 0) for t in tokens], masked.device)
+        return self._output(masked[:used], lse[:used], rows[:used], chosen, errors)
 
     def _verify_one(self, logits: torch.Tensor, row: SampleRow, argmax: int) -> int:
         """One position of `verify`: the token `__call__` would choose there."""
         adjusted = adjust(logits, row, self.eos_id)
         if row.params.is_greedy:
             return argmax if adjusted is logits else int(adjusted.argmax())
-        return sample_row(adjusted, row)
+        return int(sample_row(adjusted, row))
 
     @staticmethod
-    def _output(masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], tokens: list[int],
+    def _output(masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], chosen: torch.Tensor,
                 errors: dict[int, Exception]) -> SamplerOutput:
-        """The chosen tokens with their log-probabilities and each row's top-n alternatives."""
-        chosen = torch.tensor([max(t, 0) for t in tokens], device=masked.device)
-        logprobs = masked.gather(1, chosen[:, None])[:, 0] - lse
-        out = SamplerOutput(tokens, logprobs.tolist(), [[] for _ in rows], errors)
-        for n in {r.params.top_n_tokens for r in rows} - {0}:  # one topk per distinct n (usually one)
-            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == n]
-            values, ids = torch.topk(masked[which], n)
-            for i, v, t in zip(which, (values - lse[which, None]).tolist(), ids.tolist()):
-                out.top[i] = list(zip(t, v))
+        """The chosen tokens (`chosen`, on the device) with their log-probabilities and each row's top-n
+        alternatives, brought to the host together: the pass's one wait for the device. A row whose chosen token's
+        log-probability is NaN or infinite had logits holding NaN or infinity: it fails (as `torch.multinomial`
+        refused such a distribution), the others do not."""
+        n = len(rows)
+        parts = [chosen.double(), (masked.gather(1, chosen[:, None])[:, 0] - lse).double()]
+        tops = []  # (which rows, n) per distinct n (usually one)
+        for k in sorted({r.params.top_n_tokens for r in rows} - {0}):
+            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == k]
+            index = slice(None) if len(which) == n else to_device(which, masked.device)
+            values, ids = torch.topk(masked[index], k)
+            parts += [(values - lse[index, None]).double().reshape(-1), ids.double().reshape(-1)]
+            tops.append((which, k))
+        host = torch.cat(parts).tolist()
+        tokens = [-1 if i in errors else int(t) for i, t in enumerate(host[:n])]
+        out = SamplerOutput(tokens, host[n: 2 * n], [[] for _ in rows], errors)
+        for i, logprob in enumerate(out.logprobs):
+            if i not in errors and not -math.inf <= logprob < math.inf:
+                errors[i] = FloatingPointError("the model's logits for this row hold NaN or infinity")
+                tokens[i] = -1
+        at = 2 * n
+        for which, k in tops:
+            values, ids = host[at: at + len(which) * k], host[at + len(which) * k: at + 2 * len(which) * k]
+            at += 2 * len(which) * k
+            for j, i in enumerate(which):
+                out.top[i] = [(int(t), v) for t, v in zip(ids[j * k: (j + 1) * k], values[j * k: (j + 1) * k])]
         return out
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow],
-                argmax: torch.Tensor) -> tuple[list[int], dict[int, Exception]]:
-        tokens = [-1] * len(rows)
+                argmax: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """Every row's token, on the device (nothing here waits for it): the argmax for greedy rows, after adjusting
+        the rows that need it; a draw for sampled rows. A row whose choice raised keeps the argmax, its error in the
+        dict."""
+        picks: dict[int, torch.Tensor] = {}  # the rows whose token is not the plain argmax: their token
         errors: dict[int, Exception] = {}
-        greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-        if greedy:  # the argmax of each greedy row, after adjusting the rows that need it
-            picks = argmax.tolist()
-            for i in greedy:
-                tokens[i] = picks[i]
-            adjusted = [i for i in greedy if _adjusts(rows[i], self.eos_id)]
-            if adjusted:
-                picked = torch.stack([adjust(masked[i], rows[i], self.eos_id) for i in adjusted])
-                for i, t in zip(adjusted, picked.argmax(dim=-1).tolist()):
-                    tokens[i] = t
+        adjusted = [i for i, r in enumerate(rows) if r.params.is_greedy and _adjusts(r, self.eos_id)]
+        if adjusted:
+            picked = torch.stack([adjust(masked[i], rows[i], self.eos_id) for i in adjusted])
+            picks.update(zip(adjusted, picked.argmax(dim=-1).unbind()))
         for i, row in enumerate(rows):
             if not row.params.is_greedy:
                 try:
-                    tokens[i] = sample_row(adjust(masked[i], row, self.eos_id), row)
+                    picks[i] = sample_row(adjust(masked[i], row, self.eos_id), row)
                 except Exception as e:  # this row's own failure: it alone fails
                     errors[i] = e
-        return tokens, errors
+        if not picks:
+            return argmax, errors
+        chosen = argmax.clone()
+        chosen[to_device(list(picks), masked.device)] = torch.stack(list(picks.values()))
+        return chosen, errors
 
 
 def _adjusts(row: SampleRow, eos_id: int | None) -> bool:
@@ -251,7 +272,7 @@ def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Te
     if eos_id is not None and len(row.output) < p.min_tokens:
         logits[eos_id] = float("-inf")
     if p.repetition_penalty not in (None, 1.0) and row.history:
-        context = torch.tensor(list(row.history), device=logits.device)
+        context = to_device(list(row.history), logits.device)
         logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
     logits = apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
     if row.allowed is not None:
@@ -259,9 +280,18 @@ def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Te
     return logits
 
 
-def sample_row(logits: torch.Tensor, row: SampleRow) -> int:
-    """Steps 8-12 for one sampled row, from its logits after steps 1-6."""
-    return int(torch.multinomial(sampling_distribution(logits, row.params), 1, generator=row.generator))
+def sample_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """Steps 8-12 for one sampled row, from its logits after steps 1-6: the token, a 0-d tensor on their device."""
+    return draw(sampling_distribution(logits, row.params), row.generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One id drawn from the distribution `probs` (1-D), a 0-d tensor on its device: `torch.multinomial(probs, 1)`'s
+    own method (an exponential race: the argmax of probs / q, q exponentially distributed), so the same id from the
+    same generator state, without multinomial's check of `probs`, which waits for the device (the sampler checks the
+    drawn ids' log-probabilities instead, with the step's one wait)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax()
 
 
 def choose_token(
