@@ -133,6 +133,9 @@ class Settings(BaseSettings):
         "attention reads (keys and values rounded to half precision as written, saturated at +-65504); auto: fp16 "
         "where the weights are quantized (--quantize, or a quantized checkpoint) and computed in fp32, else the "
         "model's dtype (model/engine/runner.py)")
+    enforce_eager: bool = Field(False, description="on CUDA, decode without CUDA graphs (vLLM's flag): every step's "
+                                "kernels launched one by one, as on the CPU. By default a step replays a graph "
+                                "captured at start-up for its batch and context size (model/engine/graphs.py)")
     speculative_model: str | None = Field(
         None, description="speculative decoding (vLLM's flag): [ngram] drafts tokens by prompt lookup, from the "
         "n-grams of each request's prompt and output; a checkpoint directory drafts them with that model (its "
@@ -202,6 +205,7 @@ class Settings(BaseSettings):
             window_shift=self.window_shift or None,
             threads=self.threads or None,
             kv_cache_dtype=self.kv_cache_dtype,
+            enforce_eager=self.enforce_eager,
             max_loras=self.max_loras if self.lora_enabled else 0,
             speculative_model=self.speculative_model,
             num_speculative_tokens=self.num_speculative_tokens,

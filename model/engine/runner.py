@@ -5,6 +5,7 @@ tokens each row holds is the batch's to record (model/engine/batch.py)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
@@ -15,11 +16,14 @@ import torch
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, Checkpoint, read_config
 from model.config import GPTConfig
-from model.devices import default_dtype, resolve_device
+from model.devices import default_dtype, resolve_device, to_device
 from model.engine.config import NGRAM, EngineConfig
+from model.engine.graphs import DecodeGraphs
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 from model.lora import batched as lora
+
+log = logging.getLogger("folio.engine")
 
 # what `--kv-cache-dtype` names: the cache's element type ("auto": `resolve_kv_cache_dtype`'s rule)
 KV_CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -63,7 +67,8 @@ def memory_needed(config: GPTConfig, weights_bytes: int, engine: EngineConfig, *
     weights = weights_bytes if quantized else max(weights_bytes, config.num_params() * dtype.itemsize)
     packed = weights if device.type == "cpu" and dtype == torch.float32 and kernels.library() is not None else 0
     kv = resolve_kv_cache_dtype(engine.kv_cache_dtype, quantized, dtype).itemsize
-    total = weights + packed + 2 * config.n_layer * engine.max_batch_size * config.block_size * config.n_embd * kv
+    rows = engine.max_batch_size + uses_graphs(device, engine)  # CUDA graphs' scratch row
+    total = weights + packed + 2 * config.n_layer * rows * config.block_size * config.n_embd * kv
     if engine.speculative_model not in (None, NGRAM):
         draft = Path(engine.speculative_model)
         meta = read_config(draft)
@@ -71,6 +76,11 @@ def memory_needed(config: GPTConfig, weights_bytes: int, engine: EngineConfig, *
                                replace(engine, speculative_model=None),
                                quantized=meta.get("quantization", "none") != "none")
     return total
+
+
+def uses_graphs(device: torch.device, config: EngineConfig) -> bool:
+    """Whether decode steps replay CUDA graphs (model/engine/graphs.py): on CUDA, unless `enforce_eager`."""
+    return device.type == "cuda" and not config.enforce_eager
 
 
 class ModelRunner:
@@ -95,12 +105,41 @@ class ModelRunner:
         self.block_size = checkpoint.config.block_size
         # a cache row per batch slot
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.model, self.dtype)
+        self.max_batch_size = config.max_batch_size
         self.cache = KVCache(checkpoint.config, config.max_batch_size, device=self.device, dtype=self.kv_dtype)
+        # decode steps replayed as CUDA graphs: /info says how many, or why none
+        self.graphs: DecodeGraphs | None = None
+        self.cuda_graphs = "not used on this device" if self.device.type != "cuda" else "off (--enforce-eager)"
+        if uses_graphs(self.device, config):
+            try:
+                self.decode_through_graphs(capture=True)
+                assert self.graphs is not None
+                self.cuda_graphs = f"{len(self.graphs)} captured in {self.graphs.capture_seconds:.1f} s"
+            except Exception as e:  # a step that cannot be captured still decodes, eagerly
+                log.warning("CUDA graphs could not be captured, decoding eagerly: %s", e)
+                self.graphs = None
+                self.cuda_graphs = f"failed to capture ({type(e).__name__}), decoding eagerly"
 
     @property
     def kv_cache_bytes(self) -> int:
         """The keys and values of every layer and row."""
         return 2 * self.cache.k.numel() * self.cache.k.element_size()
+
+    def decode_through_graphs(self, *, capture: bool) -> None:
+        """Decode steps through `DecodeGraphs` from now on (captured with `capture`; uncaptured, the same static
+        buffers, buckets and padding run eagerly: how the CPU tests check them). The KV cache is made anew with the
+        scratch row the padding writes into: call before the first forward."""
+        config = self.model.config
+        self.cache = KVCache(config, self.max_batch_size + 1, device=self.device, dtype=self.kv_dtype)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self._graph_step, max_rows=self.max_batch_size, block_size=self.block_size,
+                                       scratch_row=self.max_batch_size, device=self.device, capture=capture)
+
+    def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                    context: int) -> torch.Tensor:
+        """The decode step a graph holds: `ids` (B, 1) at `positions` (B, 1) of cache `rows` (B,), attending to the
+        first `context` slots of each row (masked at its position): logits (B, vocab)."""
+        return self.model(ids, self.cache.step(positions, rows, context))[:, 0]
 
     def on_engine_thread(self) -> None:
         """First thing on the engine's thread: its kernel jobs and torch ops use this model's thread count (the
@@ -142,7 +181,11 @@ class ModelRunner:
     def decode(self, rows: list[int], tokens: list[int], positions: list[int],
                adapters: Sequence[lora.LoraAdapter | None] = ()) -> torch.Tensor:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`, through `adapters[i]` (as in
-        `forward_chunks`): logits (len(rows), vocab)."""
+        `forward_chunks`): logits (len(rows), vocab). A CUDA graph's replay where one holds the step."""
+        if self.graphs is not None and all(a is None for a in adapters):
+            key = self.graphs.bucket(len(rows), max(positions) + 1)
+            if key is not None:
+                return self.graphs.run(key, rows, tokens, positions)
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
         step = self.cache.step(self._ids([[p] for p in positions]), row_idx, max(positions) + 1)
@@ -155,4 +198,4 @@ class ModelRunner:
             cache[:, row, :, :length] = cache[:, source, :, :length]
 
     def _ids(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, self.device)

@@ -16,8 +16,12 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.quantize import quantize
 from model.reference import generate_naive
+from model.sampler import draw
 from model.sampling_params import SamplingParams
+from model.testing import tiny_checkpoint
 from tests.engine.references import together
+from tests.engine.test_graphs import BLOCK
+from tests.engine.test_graphs import jobs as graph_jobs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,3 +119,31 @@ def test_training_on_cuda_lowers_the_loss_and_the_checkpoint_serves_on_cpu(repo:
         assert engine.generate(prompt, params).token_ids == want
     finally:
         engine.stop()
+
+
+def test_cuda_graphs_are_captured_by_default_and_decode_as_eager_steps(make_engine: Callable[..., Engine]) -> None:
+    """Decode steps replay CUDA graphs (one per rows and context bucket) unless `enforce_eager`; concurrent requests
+    of different lengths, greedy and seeded, get the eager engine's tokens, and the steps went through the graphs."""
+    kwargs = {"device": "cuda", "dtype": torch.float32, "max_batch_size": 6, "window_shift": 8}
+    engine = make_engine(tiny_checkpoint(BLOCK), **kwargs)
+    eager = make_engine(tiny_checkpoint(BLOCK), enforce_eager=True, **kwargs)
+    assert eager.runner.graphs is None and eager.runner.cuda_graphs == "off (--enforce-eager)"
+    graphs = engine.runner.graphs
+    assert graphs is not None and len(graphs) == 4 * 3, engine.runner.cuda_graphs  # rows 1, 2, 4, 6; contexts 64..160
+    assert engine.runner.cuda_graphs.startswith("12 captured")
+    replays = []
+    run = graphs.run
+    graphs.run = lambda key, *args: replays.append(key) or run(key, *args)  # type: ignore[method-assign]
+    for sampled in (False, True):
+        work = graph_jobs(6, sampled)
+        assert [r.token_ids for r in together(engine, work)] == [r.token_ids for r in together(eager, work)]
+    assert {rows for rows, _ in replays} >= {1, 2, 4, 6} and {ctx for _, ctx in replays} == {64, 128, 160}
+
+
+def test_a_drawn_token_is_torch_multinomials_on_cuda() -> None:
+    """`sample_row` draws as `torch.multinomial` does (an exponential race), on the device without waiting for it:
+    the same token from the same generator state, so seeded requests are what they were."""
+    for seed in range(50):
+        probs = torch.softmax(torch.randn(5000, device="cuda") * 3, -1)
+        want = torch.multinomial(probs, 1, generator=torch.Generator("cuda").manual_seed(seed))
+        assert int(draw(probs, torch.Generator("cuda").manual_seed(seed))) == int(want)

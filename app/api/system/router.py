@@ -131,6 +131,7 @@ async def info(request: Request) -> dict[str, Any]:
         "device": str(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "cpu_kernels": runner.cpu_kernels,  # "loaded (avx512)", or why not
+        "cuda_graphs": runner.cuda_graphs,  # "N captured in S s", or why none (--enforce-eager)
         "threads": runner.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
         "quantization": service.quantization,
         "packed_weight_bytes": runner.packed_bytes,  # the kernels' second copy of the linear weights
