@@ -42,3 +42,18 @@ def test_the_bundled_model_served_on_cuda_answers_as_the_naive_loop(repo: Path, 
         prompt = ck.tokenizer.encode("ROMEO:")
         params = SamplingParams(max_new_tokens=40)
         assert got == [t for t, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab)]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_info_says_whether_decode_steps_replay_cuda_graphs(repo: Path, eager: bool) -> None:
+    """`--enforce-eager` turns the graphs off; by default /info counts them, and a greedy answer is the same."""
+    settings = Settings(checkpoint=repo / "weights" / "shakespeare-char", device="cuda", dtype="float32",
+                        enforce_eager=eager)
+    with TestClient(create_app(settings)) as c:
+        graphs = c.get("/info").json()["cuda_graphs"]
+        r = c.post("/generate", json={"inputs": "ROMEO:", "parameters": {"max_new_tokens": 30, "details": True}})
+    assert r.status_code == 200, r.text
+    if eager:
+        assert graphs == "off (--enforce-eager)"
+    else:
+        assert graphs.split()[1:3] == ["captured", "in"] and int(graphs.split()[0]) > 0, graphs

@@ -80,6 +80,7 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert info["tokenizer"] == {"kind": "char", "n_vocab": 96, "eos_token_id": None}
     assert (info["block_size"], info["device"], info["dtype"]) == (64, "cpu", "float32")
     assert info["cpu_kernels"] == kernels.status() != "not loaded"  # "loaded (variant)", or why not
+    assert info["cuda_graphs"] == "not used on this device"  # on CUDA: "N captured in S s", or why none
     assert info["threads"] == client.app.state.service.engine.runner.threads >= 1
     linears = [m.weight.shape for m in ck.model.modules() if isinstance(m, torch.nn.Linear)]
     packed = sum(-(-out // 16) * 16 * n_in * 4 for out, n_in in linears)
