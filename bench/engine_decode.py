@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ from model.engine import Engine
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
+
+COMPILED_WARMUPS = 3  # generations before transformers' compiled runs are timed (compile, record, replay)
 
 
 def sync(device: str) -> None:
@@ -77,8 +80,20 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
+def compiled_static(hf: Any) -> Any:
+    """`hf` with transformers' static KV cache and its forward under `torch.compile` (mode reduce-overhead: CUDA
+    graphs on a GPU): gpt-fast's recipe as transformers documents it, the fastest way it decodes. A copy: `hf`
+    keeps its eager forward."""
+    fast = copy.deepcopy(hf)
+    fast.generation_config.cache_implementation = "static"
+    fast.forward = torch.compile(fast.forward, mode="reduce-overhead", fullgraph=True)
+    return fast
+
+
 def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN001
-                 baseline_threads: int, device: str = "cpu") -> dict[str, float]:
+                 baseline_threads: int, device: str = "cpu", compiled: bool = False) -> dict[str, float]:
+    """Batch-1 greedy tokens/s: the engine, transformers' `generate`, with `compiled` also transformers' static
+    cache under torch.compile (`compiled_static`), and the naive loop."""
     prompt = prompts(1, ck.tokenizer.n_vocab)[0]
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
     engine = Engine(ck, max_batch_size=1, max_waiting=0, device=device).start()
@@ -112,6 +127,22 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
             hf_ids[:] = r[0, len(prompt):].tolist()
 
         out["transformers"] = best(hf_run)
+        if compiled:
+            fast = compiled_static(hf)
+            t = time.perf_counter()
+            for _ in range(COMPILED_WARMUPS):  # compiles (prefill and decode shapes), then records its graphs
+                fast.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            sync(device)
+            out["transformers_compiled_warmup_s"] = time.perf_counter() - t
+            compiled_ids: list[int] = []
+
+            def compiled_run() -> None:
+                r = fast.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                compiled_ids[:] = r[0, len(prompt):].tolist()
+
+            out["transformers_compiled"] = best(compiled_run)
+            out["same_tokens_as_transformers_compiled"] = float(folio_ids == compiled_ids)
+            del fast
 
         def naive() -> None:
             list(generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab))
@@ -183,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch's threads for transformers and the naive loop (the engine picks its own by model size)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (the engine's default dtype there, bf16, on both sides)")
+    p.add_argument("--compiled-baseline", choices=["auto", "on", "off"], default="auto",
+                   help="also time transformers' static cache under torch.compile at batch 1 (auto: on CUDA)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = args.device
+    compiled = args.compiled_baseline == "on" or (args.compiled_baseline == "auto" and device.startswith("cuda"))
     dtype = default_dtype(torch.device(device))
     bandwidth = measure_read_bandwidth(device=device)
     report: dict = {"machine": {"threads": args.threads, "read_bandwidth_GBps": bandwidth / 1e9,
@@ -201,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = bandwidth / weight_bytes
         # transformers cannot run past the context: keep prompt (< 48 tokens) + new tokens inside it
         new_tokens = min(args.new_tokens, ck.config.block_size - 48)
-        b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads, device)
+        b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads, device, compiled)
         entry = {"params": ck.model.num_params(), "weight_bytes": weight_bytes, "ceiling_tok_s": ceiling,
                  "new_tokens": new_tokens,
                  "batch1": b1, "concurrent": {}}
         rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
+        if "transformers_compiled" in b1:  # the same engine figure against transformers' fastest
+            rows.append((name, "b1 vs compile", b1["folio"], b1["transformers_compiled"], float("nan"), float("nan")))
         for n in [int(x) for x in args.concurrency.split(",") if x]:
             c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device)
             entry["concurrent"][str(n)] = c
@@ -246,6 +282,9 @@ def plot(report: dict[str, Any], png: Path) -> None:
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], folio, 0.4, label="Folio engine")
         ax.bar([i + 0.2 for i in x], hf, 0.4, label="transformers generate")
+        if "transformers_compiled" in e["batch1"]:
+            ax.plot([0.2], [e["batch1"]["transformers_compiled"]], "k*", ms=12,
+                    label="transformers static cache + torch.compile")
         ax.axhline(e["ceiling_tok_s"], ls="--", c="grey", label="batch-1 bandwidth ceiling")
         ax.set_xticks(list(x), labels)
         ax.set_ylabel("tokens/s")

@@ -1,6 +1,7 @@
 """The HTTP server under load, against the engine alone and against a FastAPI + `transformers` server.
 
     python -m bench.server_load [--models default,gpt2-124m] [--concurrency 1,8,32,64] [--new-tokens 32]
+                                [--device cpu|cuda]
 
 For each model, a real `python -m app` process on 127.0.0.1 is driven by C concurrent streaming clients
 (async httpx, `/generate_stream`, greedy), each sending `--requests-per-client` requests. Reported per C:
@@ -121,10 +122,11 @@ async def load(port: int, clients: int, per_client: int, new_tokens: int, stream
             "itl_p99_s": pct(itl, 0.99, math.nan), "tokens": tokens, **cpu}
 
 
-def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int) -> dict:
+def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int,
+                device: str = "cpu") -> dict:
     """Output tokens/s of the same workload through an in-process engine (no HTTP), and the CPU it used."""
     ck = load_checkpoint(checkpoint)
-    engine = Engine(ck, max_batch_size=max_batch, max_waiting=4 * max_batch).start()
+    engine = Engine(ck, max_batch_size=max_batch, max_waiting=4 * max_batch, device=device).start()
     engine.warmup()
 
     async def run() -> float:
@@ -158,7 +160,8 @@ def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     base_levels = [int(x) for x in args.baseline_concurrency.split(",") if x]
     entry: dict[str, Any] = {"folio": {}, "engine_tok_s": {}, "transformers_server": {}}
     server, port = start([sys.executable, "-m", "app", "--checkpoint", ck, "--port", "{port}", "--max-batch-size",
-                          str(args.max_batch_size), "--max-waiting", "1024", "--log-level", "warning"],
+                          str(args.max_batch_size), "--max-waiting", "1024", "--log-level", "warning",
+                          "--device", args.device],
                          tmp / "folio.log")
     try:
         asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
@@ -169,11 +172,12 @@ def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     finally:
         stop(server, grace=30)
     for c in levels:
-        e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size)
+        e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size, args.device)
         entry["engine_tok_s"][str(c)] = e["tok_s"]
         entry.setdefault("engine_cpu_ms_per_token", {})[str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
     if base_levels:
-        base, port = start([sys.executable, "-m", "bench.hf_server", "--checkpoint", ck, "--port", "{port}"],
+        base, port = start([sys.executable, "-m", "bench.hf_server", "--checkpoint", ck, "--port", "{port}",
+                            "--device", args.device],
                            tmp / "hf_server.log")
         try:
             asyncio.run(load(port, 1, 1, 8, False))
@@ -216,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-requests-per-client", type=int, default=2)  # transformers' server is slow
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="where the server, the engine alone and the baseline run")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     report: dict = {"new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "models": {}}
+                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": args.device,
+                    "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             ck = args.checkpoint if name == "default" else gpt2_checkpoint(Path(tmp) / "gpt2-124m", args.bpe_dir)

@@ -1,0 +1,250 @@
+"""Everything issue 32 measures on a GPU, prepared here and run there in one command.
+
+A GPU is lent for minutes at a time (the `device` tool: a bare machine with torch, transformers and nvcc, no
+network), so the run is prepared ahead, on this machine:
+
+    python -m bench.gpu prepare --nanogpt DIR     # writes .gpu/ (ignored by git): wheels, nanoGPT, data
+
+- the wheels of what the server needs and that machine lacks (FastAPI, pydantic, uvicorn, llguidance...), for
+  its Python 3.12, at the versions installed here;
+- nanoGPT's own `train.py`, `model.py`, `configurator.py` and shakespeare-char configuration, copied from a clone
+  of https://github.com/karpathy/nanoGPT (DIR), with the shakespeare-char data its `prepare.py` makes;
+- tiny Shakespeare and GPT-2's BPE files (from ../shared/data) for our trainer and the GPT-2-shaped checkpoint.
+
+There, with `.gpu` carried:
+
+    python -m bench.gpu run --out $OUT [--stages tests,decode,server,train]
+
+runs, in order, each stage timed and its output kept in bench/results/<gpu>/ (with --out, also archived there as
+gpu_results.tar.gz: unpack it into bench/results/ here):
+- `tests`: every GPU test (the files of GPU_TESTS), the log in gpu_tests.txt;
+- `decode`: `bench.engine_decode --device cuda` (batch 1 against transformers eager and compiled with its static
+  cache, 8 and 32 concurrent against its static batch; the bundled model and GPT-2 124M);
+- `server`: `bench.server_load --device cuda` (HTTP at 1/8/32/64 streams and its ratio to the engine alone);
+- `train`: nanoGPT's shakespeare-char run (6 layers, 384 wide, block 256, batch 64, 5,000 iterations, compiled)
+  with its own `train.py`, then ours on the same configuration (`--preset shakespeare-char --compile`), one after
+  the other: wall time, the last and best validation loss of each, and model FLOPs utilisation from the measured
+  tokens/s (nanoGPT's formula, against the GPU's dense bf16 peak): train_vs_nanogpt.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import REPO, RESULTS, SHARED_DATA
+from bench.report import pyplot, save_figure, write_json
+
+PREPARED = REPO / ".gpu"
+STAGES = ("tests", "decode", "server", "train")
+# the test files with GPU tests (the suite's other files need packages that machine lacks), and the graphs' CPU tests
+GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py",
+             "tests/engine/test_graphs.py")
+# the server's needs that the GPU machine's image lacks (docs of the device tool list what it holds)
+WHEELS = ("fastapi", "fastapi-offline", "starlette", "pydantic", "pydantic-core", "pydantic-settings",
+          "python-dotenv", "typing-inspection", "annotated-types", "typing-extensions", "uvicorn", "httptools",
+          "llguidance")
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py",
+                 "data/shakespeare_char/prepare.py", "LICENSE")
+# dense bf16 peaks, FLOP/s, by the name torch gives the GPU (NVIDIA's data sheets; SXM parts)
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+EVAL_LINE = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def prepare(nanogpt: Path) -> None:
+    """.gpu/: the wheels, nanoGPT with its shakespeare-char data, and the shared data files."""
+    from importlib.metadata import version
+
+    wheels = PREPARED / "whl"
+    shutil.rmtree(PREPARED, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    pins = [f"{name}=={version(name)}" for name in WHEELS]
+    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(wheels), *pins],
+                   check=True)
+    for name in NANOGPT_FILES:
+        target = PREPARED / "nanogpt" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (nanogpt / name).is_file():  # a checkout
+            shutil.copy(nanogpt / name, target)
+        else:  # a bare clone (the fetch tool's mirror): the file as committed last
+            target.write_bytes(subprocess.run(["git", "--git-dir", str(nanogpt), "show", f"HEAD:{name}"],
+                                              check=True, capture_output=True).stdout)
+    data = PREPARED / "nanogpt" / "data" / "shakespeare_char"
+    shutil.copy(SHARED_DATA / "tinyshakespeare" / "input.txt", data / "input.txt")
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True)
+    for sub in ("tinyshakespeare/input.txt", "gpt2-bpe/vocab.bpe", "gpt2-bpe/encoder.json"):
+        (PREPARED / "data" / sub).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SHARED_DATA / sub, PREPARED / "data" / sub)
+    size = sum(f.stat().st_size for f in PREPARED.rglob("*") if f.is_file())
+    print(f"{PREPARED}: {size / 2**20:.1f} MiB; carry it: run(carry=['.gpu'], command='python3 -m bench.gpu run "
+          f"--out $OUT')")
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+
+
+def slug(name: str) -> str:
+    """bench/results/<slug>/: "NVIDIA H200" -> h200."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().removeprefix("nvidia ")).strip("-") or "gpu"
+
+
+def install_wheels() -> dict[str, str]:
+    """The carried wheels installed into /tmp/site, first on the path of this process and its children."""
+    site = "/tmp/folio-site"
+    wheels = sorted(str(p) for p in (PREPARED / "whl").glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", site, *wheels], check=True)
+        sys.path.insert(0, site)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(REPO), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1", FOLIO_TEST_DATA=str(PREPARED / "data"))
+    return env
+
+
+def stage(name: str, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
+          cwd: Path = REPO) -> dict[str, Any]:
+    """Run one command, its output to `log` and to this process's; how long it took and how it ended."""
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                sys.stdout.write(line)
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = -9
+    seconds = time.perf_counter() - start
+    print(f"== {name}: exit {rc} after {seconds:.0f} s", flush=True)
+    return {"command": cmd, "returncode": rc, "seconds": seconds}
+
+
+def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float) -> dict[str, Any]:
+    """nanoGPT's train.py, then ours, on nanoGPT's shakespeare-char configuration."""
+    nano = PREPARED / "nanogpt"
+    runs: dict[str, Any] = {}
+    common = [f"--max_iters={iters}", f"--lr_decay_iters={iters}"]
+    runs["nanogpt"] = stage("train: nanoGPT", [sys.executable, "train.py", "config/train_shakespeare_char.py",
+                                                "--out_dir=/tmp/nanogpt-out", *common],
+                            env, results / "train_nanogpt.log", timeout, cwd=nano)
+    runs["folio"] = stage("train: Folio", [sys.executable, "-m", "model.train", "--preset", "shakespeare-char",
+                                           "--data", str(PREPARED / "data" / "tinyshakespeare" / "input.txt"),
+                                           "--out", "/tmp/folio-train", "--device", "cuda", "--compile",
+                                           "--max-iters", str(iters), "--lr-decay-iters", str(iters)],
+                          env, results / "train_folio.log", timeout)
+    n_params = 6 * (12 * 384 * 384) + 65 * 384 + 256 * 384  # blocks, token and position embeddings (about 10.7M)
+    flops_per_token = 6 * n_params + 12 * 6 * 384 * 256  # nanoGPT's estimate_mfu: 6N + 12 L H Q T / (H Q)
+    peak = next((v for k, v in BF16_PEAK.items() if k in gpu_name()), float("nan"))
+    tokens = iters * 64 * 256
+    for name, run in runs.items():
+        text = (results / f"train_{name}.log").read_text()
+        evals = [(int(s), float(t), float(v)) for s, t, v in EVAL_LINE.findall(text)]
+        run["evals"] = evals
+        run["val_loss_last"] = evals[-1][2] if evals else None
+        run["val_loss_best"] = min((v for _, _, v in evals), default=None)
+        run["tokens_per_s_overall"] = tokens / run["seconds"]  # wall time: compile, evaluation and start included
+        run["mfu_overall"] = flops_per_token * run["tokens_per_s_overall"] / peak
+    report = {"gpu": gpu_name(), "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
+              "nanogpt_reported_val_loss": 1.4697, "runs": runs,
+              "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"]}
+    write_json(results / "train_vs_nanogpt.json", report)
+    plot_training(report, results / "train_vs_nanogpt.png")
+    return report
+
+
+def plot_training(report: dict[str, Any], png: Path) -> None:
+    """Validation loss against iterations, nanoGPT's and ours; wall time in the legend."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, run in report["runs"].items():
+        if run["evals"]:
+            steps, _, val = zip(*run["evals"])
+            ax.plot(steps, val, marker=".", label=f"{name}: {run['seconds']:.0f} s, last {val[-1]:.4f}")
+    ax.axhline(report["nanogpt_reported_val_loss"], ls="--", c="grey", label="nanoGPT's README: 1.4697")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"shakespeare-char on {report['gpu']}")
+    ax.legend(fontsize=8)
+    save_figure(fig, png)
+
+
+def run(stages: list[str], out: Path | None, train_iters: int, budget: float) -> int:
+    env = install_wheels()
+    gpu = gpu_name()
+    results = RESULTS / slug(gpu)
+    results.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"gpu": gpu, "stages": {}}
+    start = time.perf_counter()
+
+    def left() -> float:
+        return max(30.0, budget - (time.perf_counter() - start))
+
+    py = sys.executable
+    for name in stages:
+        if name == "tests":
+            summary["stages"][name] = stage(name, [py, "-m", "pytest", "-q", "-rs", *GPU_TESTS], env,
+                                            results / "gpu_tests.txt", left())
+        elif name == "decode":
+            summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
+                                                   "--out-dir", str(results)], env, results / "engine_decode.log",
+                                            left())
+        elif name == "server":
+            summary["stages"][name] = stage(name, [py, "-m", "bench.server_load", "--device", "cuda", "--bpe-dir",
+                                                   str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results)],
+                                            env, results / "server_load.log", left())
+        elif name == "train":
+            summary["stages"][name] = train_stage(env, results, train_iters, left())
+    summary["seconds"] = time.perf_counter() - start
+    write_json(results / "gpu_run.json", summary)
+    if out is not None:  # what comes back from the machine (8 files at most): everything in one archive
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.make_archive(str(out / "gpu_results"), "gztar", results.parent, results.name)
+        shutil.copy(results / "gpu_run.json", out / "gpu_run.json")
+    print(json.dumps({k: v.get("returncode", "done") if isinstance(v, dict) else v
+                      for k, v in summary["stages"].items()}))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="here: write .gpu/ (wheels, nanoGPT, data) to carry to the GPU machine")
+    prep.add_argument("--nanogpt", type=Path, required=True, help="a clone of karpathy/nanoGPT")
+    go = sub.add_parser("run", help="there: the stages, results in bench/results/<gpu>/")
+    go.add_argument("--stages", default=",".join(STAGES))
+    go.add_argument("--out", type=Path, help="also copy the results here (the device tool's $OUT)")
+    go.add_argument("--train-iters", type=int, default=5000)
+    go.add_argument("--budget-s", type=float, default=560, help="seconds for all stages; a stage gets what is left")
+    args = p.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.nanogpt)
+        return 0
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        p.error(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    return run(stages, args.out, args.train_iters, args.budget_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
