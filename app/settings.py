@@ -136,6 +136,9 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(False, description="on CUDA, decode without CUDA graphs (vLLM's flag): every step's "
                                 "kernels launched one by one, as on the CPU. By default a step replays a graph "
                                 "captured at start-up for its batch and context size (model/engine/graphs.py)")
+    compile: bool = Field(False, description="on CUDA, compile the decode step before its CUDA graphs are captured "
+                          "(torch.compile: fewer, fused kernels a step), at the cost of a minute or more at start-up; "
+                          "nothing without the graphs (--enforce-eager, or the CPU)")
     speculative_model: str | None = Field(
         None, description="speculative decoding (vLLM's flag): [ngram] drafts tokens by prompt lookup, from the "
         "n-grams of each request's prompt and output; a checkpoint directory drafts them with that model (its "
@@ -206,6 +209,7 @@ class Settings(BaseSettings):
             threads=self.threads or None,
             kv_cache_dtype=self.kv_cache_dtype,
             enforce_eager=self.enforce_eager,
+            compile=self.compile,
             max_loras=self.max_loras if self.lora_enabled else 0,
             speculative_model=self.speculative_model,
             num_speculative_tokens=self.num_speculative_tokens,

@@ -16,7 +16,8 @@ Everything here is plain torch. The CPU decode kernels enter by swapping modules
 from __future__ import annotations
 
 import math
-from functools import cached_property
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -32,6 +33,21 @@ CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 
 FP16_MAX = torch.finfo(torch.float16).max
+
+
+class cached_property:  # noqa: N801 - functools' name and behaviour
+    """functools.cached_property without the lock Python 3.11's takes (removed in 3.12), which torch.compile cannot
+    trace: a decode step compiled for CUDA graphs (model/engine/graphs.py) reads a `CacheStep`'s cached tensors."""
+
+    def __init__(self, func: Callable[[Any], Any]) -> None:
+        self.func, self.name = func, func.__name__
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
 
 
 def stored_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

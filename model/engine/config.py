@@ -24,6 +24,7 @@ class EngineConfig:
     threads: int | None = None  # CPU threads; None: by the model's size (model/engine/runner.py)
     kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
     enforce_eager: bool = False  # decode steps without CUDA graphs (vLLM's name; model/engine/graphs.py)
+    compile: bool = False  # the decode step the CUDA graphs capture compiled first (torch.compile; graphs.py)
     prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
     max_loras: int = 0  # LoRA adapters loaded at once (`Engine.load_adapter`); 0: adapters off (no hooks at all)
     # speculative decoding (model/speculative/; vLLM's option names): "[ngram]" drafts by prompt lookup, any other

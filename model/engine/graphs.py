@@ -17,7 +17,8 @@ context than a row holds changes nothing.
 Every step the buckets cannot hold runs eagerly (`ModelRunner.decode`'s own forward): more rows than the largest
 bucket (speculative decoding's drafted tokens count as rows), and a step with a LoRA adapter (the hooks choose rows
 in Python, which a graph cannot replay). On by default on CUDA; `EngineConfig.enforce_eager` (`--enforce-eager`,
-vLLM's name) turns them off.
+vLLM's name) turns them off. With `EngineConfig.compile` (`--compile`) the step is compiled by torch.compile before
+it is captured (vLLM's way: inductor fuses the small kernels, the graph removes the launches).
 
 The same buffers, buckets and padding run on any device with `capture=False` (the forward is then called on the
 static buffers instead of replayed): the CPU tests check the logic that way, and the GPU tests the graphs.

@@ -112,9 +112,10 @@ class ModelRunner:
         self.cuda_graphs = "not used on this device" if self.device.type != "cuda" else "off (--enforce-eager)"
         if uses_graphs(self.device, config):
             try:
-                self.decode_through_graphs(capture=True)
+                self.decode_through_graphs(capture=True, compile=config.compile)
                 assert self.graphs is not None
-                self.cuda_graphs = f"{len(self.graphs)} captured in {self.graphs.capture_seconds:.1f} s"
+                compiled = ", the step compiled" if config.compile else ""
+                self.cuda_graphs = f"{len(self.graphs)} captured in {self.graphs.capture_seconds:.1f} s{compiled}"
             except Exception as e:  # a step that cannot be captured still decodes, eagerly
                 log.warning("CUDA graphs could not be captured, decoding eagerly: %s", e)
                 self.graphs = None
@@ -125,14 +126,17 @@ class ModelRunner:
         """The keys and values of every layer and row."""
         return 2 * self.cache.k.numel() * self.cache.k.element_size()
 
-    def decode_through_graphs(self, *, capture: bool) -> None:
+    def decode_through_graphs(self, *, capture: bool, compile: bool = False) -> None:
         """Decode steps through `DecodeGraphs` from now on (captured with `capture`; uncaptured, the same static
-        buffers, buckets and padding run eagerly: how the CPU tests check them). The KV cache is made anew with the
-        scratch row the padding writes into: call before the first forward."""
+        buffers, buckets and padding run eagerly: how the CPU tests check them); with `compile`, the step they hold
+        is compiled first (torch.compile, shapes dynamic: a compile for one row, one for the rest, instead of one per
+        bucket). The KV cache is made anew with the scratch row the padding writes into: call before the first
+        forward."""
         config = self.model.config
         self.cache = KVCache(config, self.max_batch_size + 1, device=self.device, dtype=self.kv_dtype)
+        step = torch.compile(self._graph_step, dynamic=True, fullgraph=True) if compile else self._graph_step
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(self._graph_step, max_rows=self.max_batch_size, block_size=self.block_size,
+            self.graphs = DecodeGraphs(step, max_rows=self.max_batch_size, block_size=self.block_size,
                                        scratch_row=self.max_batch_size, device=self.device, capture=capture)
 
     def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,

@@ -147,3 +147,14 @@ def test_a_drawn_token_is_torch_multinomials_on_cuda() -> None:
         probs = torch.softmax(torch.randn(5000, device="cuda") * 3, -1)
         want = torch.multinomial(probs, 1, generator=torch.Generator("cuda").manual_seed(seed))
         assert int(draw(probs, torch.Generator("cuda").manual_seed(seed))) == int(want)
+
+
+@pytest.mark.slow
+def test_a_compiled_decode_step_replays_the_eager_tokens(make_engine: Callable[..., Engine]) -> None:
+    """`compile=True`: the step compiled (torch.compile) before its graphs are captured; the same tokens."""
+    kwargs = {"device": "cuda", "dtype": torch.float32, "max_batch_size": 4, "window_shift": 8}
+    engine = make_engine(tiny_checkpoint(BLOCK), compile=True, **kwargs)
+    assert engine.runner.cuda_graphs.endswith("the step compiled"), engine.runner.cuda_graphs
+    eager = make_engine(tiny_checkpoint(BLOCK), enforce_eager=True, **kwargs)
+    work = graph_jobs(4)
+    assert [r.token_ids for r in together(engine, work)] == [r.token_ids for r in together(eager, work)]

@@ -124,3 +124,23 @@ def test_steps_the_buckets_cannot_hold_run_eagerly() -> None:
     assert graphs.bucket(5, 10) is None  # more rows than the largest bucket
     assert graphs.bucket(4, BLOCK + 1) is None  # cannot happen (positions < block_size), but not a wrong graph
     assert graphs.bucket(3, 65) == (4, 128) and graphs.bucket(1, 1) == (1, 64)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_gives_the_eager_steps_logits() -> None:
+    """`--compile`: the step the graphs hold compiled by torch.compile (dynamic shapes, whole graph: the model's
+    cached forward must trace without a break) gives the eager step's logits for every bucket it runs; fp64, torch's
+    ops (the CPU kernels are not used), uncaptured."""
+    runners = []
+    for compiled in (True, False):
+        engine = Engine(tiny_checkpoint(BLOCK), device="cpu", dtype=torch.float64, max_batch_size=6)
+        engine.runner.decode_through_graphs(capture=False, compile=compiled)
+        runners.append(engine.runner)
+    rows, chunks = [4, 0, 2, 1, 3], [[5, 6, 7], [t % 50 + 1 for t in range(79)], [3] * 40, [1, 2], [7] * 130]
+    with torch.inference_mode():
+        for r in runners:
+            r.forward_chunks(rows, chunks, [0] * len(rows))
+        for n in (1, 2, 3, 5):
+            positions = [len(c) for c in chunks[:n]]
+            got, want = (r.decode(rows[:n], [11] * n, positions) for r in runners)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
