@@ -13,13 +13,15 @@ network), so the run is prepared ahead, on this machine:
 
 There, with `.gpu` carried:
 
-    python -m bench.gpu run --out $OUT [--stages tests,decode,server,train]
+    python -m bench.gpu run --out $OUT --stages tests,decode,server    # one command (10 minutes at most)
+    python -m bench.gpu run --out $OUT --stages train                  # the next
 
 runs, in order, each stage timed and its output kept in bench/results/<gpu>/ (with --out, also archived there as
 gpu_results.tar.gz: unpack it into bench/results/ here):
 - `tests`: every GPU test (the files of GPU_TESTS), the log in gpu_tests.txt;
-- `decode`: `bench.engine_decode --device cuda` (batch 1 against transformers eager and compiled with its static
-  cache, 8 and 32 concurrent against its static batch; the bundled model and GPT-2 124M);
+- `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
+  against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch; the
+  bundled model and GPT-2 124M);
 - `server`: `bench.server_load --device cuda` (HTTP at 1/8/32/64 streams and its ratio to the engine alone);
 - `train`: nanoGPT's shakespeare-char run (6 layers, 384 wide, block 256, batch 64, 5,000 iterations, compiled)
   with its own `train.py`, then ours on the same configuration (`--preset shakespeare-char --compile`), one after
@@ -206,7 +208,8 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float) ->
                                             results / "gpu_tests.txt", left())
         elif name == "decode":
             summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
-                                                   "--out-dir", str(results)], env, results / "engine_decode.log",
+                                                   "--engine-compile", "--out-dir", str(results)], env,
+                                            results / "engine_decode.log",
                                             left())
         elif name == "server":
             summary["stages"][name] = stage(name, [py, "-m", "bench.server_load", "--device", "cuda", "--bpe-dir",
