@@ -121,9 +121,12 @@ class DecodeGraphs:
         start = time.perf_counter()
         self.inputs[ROWS].fill_(self.scratch_row)  # capture writes only into the scratch row
         pool = torch.cuda.graph_pool_handle()
-        for width in reversed(self.rows):
-            for context in reversed(self.contexts):
-                self.graphs[(width, context)], self.outputs[(width, context)] = self._capture(width, context, pool)
+        # the buffers stay ordinary tensors (a step may run outside inference mode); what the graphs compute is not
+        with torch.inference_mode():
+            for width in reversed(self.rows):
+                for context in reversed(self.contexts):
+                    self.graphs[(width, context)], self.outputs[(width, context)] = self._capture(width, context,
+                                                                                                  pool)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs of the decode step (rows %s, contexts %s) in %.1f s", len(self.graphs),

@@ -135,9 +135,8 @@ class ModelRunner:
         config = self.model.config
         self.cache = KVCache(config, self.max_batch_size + 1, device=self.device, dtype=self.kv_dtype)
         step = torch.compile(self._graph_step, dynamic=True, fullgraph=True) if compile else self._graph_step
-        with torch.inference_mode():
-            self.graphs = DecodeGraphs(step, max_rows=self.max_batch_size, block_size=self.block_size,
-                                       scratch_row=self.max_batch_size, device=self.device, capture=capture)
+        self.graphs = DecodeGraphs(step, max_rows=self.max_batch_size, block_size=self.block_size,
+                                   scratch_row=self.max_batch_size, device=self.device, capture=capture)
 
     def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                     context: int) -> torch.Tensor:
