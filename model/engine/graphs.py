@@ -38,7 +38,8 @@ SMALL_ROW_BUCKETS = (1, 2, 4, 8)  # then every ROW_STEP rows (vLLM: 1, 2, 4, the
 ROW_STEP = 16
 SMALLEST_CONTEXT = 64  # the shortest context bucket; then doubling up to the block size
 
-# ids, positions and cache rows of each row: the three rows of the static inputs
+# each row's token id, position and cache row: the three columns of the static inputs (a graph of B rows reads the
+# first B rows, one contiguous block, so that a step's inputs go over in one asynchronous copy)
 IDS, POSITIONS, ROWS = range(3)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -66,16 +67,16 @@ def smallest_at_least(buckets: list[int], n: int) -> int | None:
 
 class DecodeGraphs:
     """The decode step's graphs, one per (rows bucket, context bucket), over static input buffers shared by all of
-    them (each graph reads the first `rows` columns). `forward(ids (B, 1), positions (B, 1), cache rows (B,),
+    them (a graph of B rows reads their first B rows). `forward(ids (B, 1), positions (B, 1), cache rows (B,),
     context)` is the step the graphs hold: logits (B, vocab)."""
 
     def __init__(self, forward: Forward, *, max_rows: int, block_size: int, scratch_row: int,
                  device: torch.device, capture: bool) -> None:
         self.forward, self.scratch_row, self.device, self.capture = forward, scratch_row, device, capture
         self.rows, self.contexts = row_buckets(max_rows), context_buckets(block_size)
-        self.inputs = torch.zeros((3, max_rows), dtype=torch.long, device=device)
+        self.inputs = torch.zeros((max_rows, 3), dtype=torch.long, device=device)
         # the host side of the inputs' copy, pinned so that the copy is asynchronous; reused once the last is done
-        self.staging = torch.zeros((3, max_rows), dtype=torch.long, pin_memory=capture)
+        self.staging = torch.zeros((max_rows, 3), dtype=torch.long, pin_memory=capture)
         self.copied: torch.cuda.Event | None = None
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -95,13 +96,12 @@ class DecodeGraphs:
         """The step of graph `key` (from `bucket`) for these rows: logits (len(rows), vocab), a copy of the graph's
         output (the next replay overwrites it)."""
         n, width = len(rows), key[0]
-        pad = width - n
         if self.copied is not None:
             self.copied.synchronize()  # the last step's inputs are on the device: the staging buffer is free
-        staging = self.staging[:, :width]
-        staging.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, rows + [self.scratch_row] * pad]))
-        inputs = self.inputs[:, :width]
-        inputs.copy_(staging, non_blocking=True)
+        staging = self.staging[:width]
+        staging[:n] = torch.tensor([tokens, positions, rows]).T
+        staging[n:] = torch.tensor([0, 0, self.scratch_row])
+        self.inputs[:width].copy_(staging, non_blocking=True)
         if self.capture:
             self.copied = torch.cuda.Event()
             self.copied.record()
@@ -113,13 +113,13 @@ class DecodeGraphs:
 
     def _views(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The static inputs of a graph of `width` rows: ids (B, 1), positions (B, 1), cache rows (B,)."""
-        return (self.inputs[IDS, :width, None], self.inputs[POSITIONS, :width, None], self.inputs[ROWS, :width])
+        return self.inputs[:width, IDS, None], self.inputs[:width, POSITIONS, None], self.inputs[:width, ROWS]
 
     def _capture_all(self) -> None:
         """Capture every graph, the largest first, in one memory pool (one graph replays at a time, so they share
         the memory their intermediate tensors take)."""
         start = time.perf_counter()
-        self.inputs[ROWS].fill_(self.scratch_row)  # capture writes only into the scratch row
+        self.inputs[:, ROWS] = self.scratch_row  # capture writes only into the scratch row
         pool = torch.cuda.graph_pool_handle()
         # the buffers stay ordinary tensors (a step may run outside inference mode); what the graphs compute is not
         with torch.inference_mode():
