@@ -202,9 +202,10 @@ class Sampler:
     def _output(masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], chosen: torch.Tensor,
                 errors: dict[int, Exception]) -> SamplerOutput:
         """The chosen tokens (`chosen`, on the device) with their log-probabilities and each row's top-n
-        alternatives, brought to the host together: the pass's one wait for the device. A row whose chosen token's
-        log-probability is NaN or infinite had logits holding NaN or infinity: it fails (as `torch.multinomial`
-        refused such a distribution), the others do not."""
+        alternatives, brought to the host together: the pass's one wait for the device. A sampled row whose chosen
+        token's log-probability is NaN or infinite drew from logits holding NaN or infinity, which are no
+        distribution: it fails, the others do not (as `torch.multinomial` refused them). A greedy row still takes
+        its argmax, reported with that log-probability (null over HTTP)."""
         n = len(rows)
         parts = [chosen.double(), (masked.gather(1, chosen[:, None])[:, 0] - lse).double()]
         tops = []  # (which rows, n) per distinct n (usually one)
@@ -218,8 +219,8 @@ class Sampler:
         tokens = [-1 if i in errors else int(t) for i, t in enumerate(host[:n])]
         out = SamplerOutput(tokens, host[n: 2 * n], [[] for _ in rows], errors)
         for i, logprob in enumerate(out.logprobs):
-            if i not in errors and not -math.inf <= logprob < math.inf:
-                errors[i] = FloatingPointError("the model's logits for this row hold NaN or infinity")
+            if i not in errors and not rows[i].params.is_greedy and not -math.inf <= logprob < math.inf:
+                errors[i] = FloatingPointError("cannot sample: the model's logits for this row hold NaN or infinity")
                 tokens[i] = -1
         at = 2 * n
         for which, k in tops:

@@ -1,5 +1,6 @@
-"""The batched `Sampler`'s bookkeeping: draws as `torch.multinomial` draws, a row whose logits hold NaN fails alone,
-and each row gets its own top-n alternatives when rows ask for different n (all brought to the host at once)."""
+"""The batched `Sampler`'s bookkeeping: draws as `torch.multinomial` draws, a sampled row whose logits hold NaN fails
+alone, and each row gets its own top-n alternatives when rows ask for different n (all brought to the host at
+once)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def test_rows_asking_for_different_top_n_get_their_own() -> None:
     assert out.tokens[0] == int(logits[0].argmax()) and not out.errors
 
 
-@pytest.mark.parametrize("bad", [0, 1, 4], ids=["greedy", "sampled", "greedy-adjusted"])
-def test_a_row_whose_logits_hold_nan_fails_alone(bad: int) -> None:
+@pytest.mark.parametrize("bad", [1, 3], ids=["sampled", "sampled-adjusted"])
+def test_a_sampled_row_whose_logits_hold_nan_fails_alone(bad: int) -> None:
+    """NaN logits are no distribution to draw from: that row fails (as `torch.multinomial` refused them), the
+    others get what they get without it."""
     rows, logits = rows_and_logits()
     want = Sampler(VOCAB)(logits, rows_and_logits()[0])
     logits[bad, 7] = math.nan
@@ -55,3 +58,13 @@ def test_a_row_whose_logits_hold_nan_fails_alone(bad: int) -> None:
     keep = [i for i in range(len(rows)) if i != bad]
     assert [out.tokens[i] for i in keep] == [want.tokens[i] for i in keep]
     assert [out.logprobs[i] for i in keep] == [want.logprobs[i] for i in keep]
+
+
+@pytest.mark.parametrize("bad", [0, 4], ids=["greedy", "greedy-adjusted"])
+def test_a_greedy_row_whose_logits_hold_nan_takes_its_argmax(bad: int) -> None:
+    """A greedy row has nothing to draw: it takes its argmax, with a NaN log-probability (null over HTTP:
+    tests/app/api/test_encoding.py), and nothing fails."""
+    rows, logits = rows_and_logits()
+    logits[bad, 7] = math.nan
+    out = Sampler(VOCAB)(logits, rows)
+    assert not out.errors and out.tokens[bad] >= 0 and math.isnan(out.logprobs[bad])
