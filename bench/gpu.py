@@ -141,17 +141,22 @@ def stage(name: str, cmd: list[str], env: dict[str, str], log: Path, timeout: fl
     return {"command": cmd, "returncode": rc, "seconds": seconds}
 
 
-def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float) -> dict[str, Any]:
-    """nanoGPT's train.py, then ours, on nanoGPT's shakespeare-char configuration."""
+def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float,
+                device: str = "cuda") -> dict[str, Any]:
+    """nanoGPT's train.py, then ours, on nanoGPT's shakespeare-char configuration, both compiled on CUDA (nanoGPT's
+    default there). `device` "cpu" is a dry run of the plumbing (uncompiled), not a measurement."""
     nano = PREPARED / "nanogpt"
     runs: dict[str, Any] = {}
-    common = [f"--max_iters={iters}", f"--lr_decay_iters={iters}"]
+    cuda = device == "cuda"
+    ours_compile = ["--compile"] if cuda else ["--no-compile"]
     runs["nanogpt"] = stage("train: nanoGPT", [sys.executable, "train.py", "config/train_shakespeare_char.py",
-                                                "--out_dir=/tmp/nanogpt-out", *common],
+                                                "--out_dir=/tmp/nanogpt-out", f"--max_iters={iters}",
+                                                f"--lr_decay_iters={iters}", f"--device={device}",
+                                                f"--compile={cuda}"],
                             env, results / "train_nanogpt.log", timeout, cwd=nano)
     runs["folio"] = stage("train: Folio", [sys.executable, "-m", "model.train", "--preset", "shakespeare-char",
                                            "--data", str(PREPARED / "data" / "tinyshakespeare" / "input.txt"),
-                                           "--out", "/tmp/folio-train", "--device", "cuda", "--compile",
+                                           "--out", "/tmp/folio-train", "--device", device, *ours_compile,
                                            "--max-iters", str(iters), "--lr-decay-iters", str(iters)],
                           env, results / "train_folio.log", timeout)
     n_params = 6 * (12 * 384 * 384) + 65 * 384 + 256 * 384  # blocks, token and position embeddings (about 10.7M)
@@ -159,19 +164,30 @@ def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float) 
     peak = next((v for k, v in BF16_PEAK.items() if k in gpu_name()), float("nan"))
     tokens = iters * 64 * 256
     for name, run in runs.items():
-        text = (results / f"train_{name}.log").read_text()
-        evals = [(int(s), float(t), float(v)) for s, t, v in EVAL_LINE.findall(text)]
-        run["evals"] = evals
-        run["val_loss_last"] = evals[-1][2] if evals else None
-        run["val_loss_best"] = min((v for _, _, v in evals), default=None)
-        run["tokens_per_s_overall"] = tokens / run["seconds"]  # wall time: compile, evaluation and start included
-        run["mfu_overall"] = flops_per_token * run["tokens_per_s_overall"] / peak
+        run.update(summarize(read_evals((results / f"train_{name}.log").read_text()), run["seconds"], tokens,
+                             flops_per_token, peak))
     report = {"gpu": gpu_name(), "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
               "nanogpt_reported_val_loss": 1.4697, "runs": runs,
               "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"]}
     write_json(results / "train_vs_nanogpt.json", report)
     plot_training(report, results / "train_vs_nanogpt.png")
     return report
+
+
+def read_evals(log: str) -> list[tuple[int, float, float]]:
+    """(step, train loss, val loss) of every evaluation a training log reports: nanoGPT's `train.py` and
+    `python -m model.train` print the same line."""
+    return [(int(s), float(t), float(v)) for s, t, v in EVAL_LINE.findall(log)]
+
+
+def summarize(evals: list[tuple[int, float, float]], seconds: float, tokens: int, flops_per_token: float,
+              peak: float) -> dict[str, Any]:
+    """A training run's figures: its evaluations, the last and best validation loss, and tokens/s and model FLOPs
+    utilisation over its wall time (compile, evaluation and start-up included)."""
+    tokens_per_s = tokens / seconds
+    return {"evals": evals, "val_loss_last": evals[-1][2] if evals else None,
+            "val_loss_best": min((v for _, _, v in evals), default=None), "tokens_per_s_overall": tokens_per_s,
+            "mfu_overall": flops_per_token * tokens_per_s / peak}
 
 
 def plot_training(report: dict[str, Any], png: Path) -> None:
@@ -190,7 +206,7 @@ def plot_training(report: dict[str, Any], png: Path) -> None:
     save_figure(fig, png)
 
 
-def run(stages: list[str], out: Path | None, train_iters: int, budget: float) -> int:
+def run(stages: list[str], out: Path | None, train_iters: int, budget: float, train_device: str = "cuda") -> int:
     env = install_wheels()
     gpu = gpu_name()
     results = RESULTS / slug(gpu)
@@ -216,7 +232,7 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float) ->
                                                    str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results)],
                                             env, results / "server_load.log", left())
         elif name == "train":
-            summary["stages"][name] = train_stage(env, results, train_iters, left())
+            summary["stages"][name] = train_stage(env, results, train_iters, left(), train_device)
     summary["seconds"] = time.perf_counter() - start
     write_json(results / "gpu_run.json", summary)
     if out is not None:  # what comes back from the machine (8 files at most): everything in one archive
@@ -238,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--out", type=Path, help="also copy the results here (the device tool's $OUT)")
     go.add_argument("--train-iters", type=int, default=5000)
     go.add_argument("--budget-s", type=float, default=560, help="seconds for all stages; a stage gets what is left")
+    go.add_argument("--train-device", default="cuda", help="cpu: a dry run of the train stage's plumbing")
     args = p.parse_args(argv)
     if args.command == "prepare":
         prepare(args.nanogpt)
@@ -246,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(stages) - set(STAGES)
     if unknown:
         p.error(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
-    return run(stages, args.out, args.train_iters, args.budget_s)
+    return run(stages, args.out, args.train_iters, args.budget_s, args.train_device)
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ class ModelRunner:
         last = self.block_size - 1
         idx = [c + [0] * (width - len(c)) for c in chunks]
         pos = [[min(start + t, last) for t in range(width)] for start in starts]
-        take = None if every_position else torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        take = None if every_position else self._ids([len(c) - 1 for c in chunks])
         # a chunk the fused blocks take runs in the decode step's context (an OpenMP team left spinning slowed the
         # kernels' pool by ~5%)
         fused = len(chunks) * width <= kernels.FUSED_MAX_TOKENS
