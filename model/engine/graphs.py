@@ -141,6 +141,8 @@ class DecodeGraphs:
             self.forward(*views, context)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: another engine's thread (several models, a reload beside a serving model) may wait for the
+        # GPU or allocate meanwhile; in the default global mode that call would fail the other engine's step
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             out = self.forward(*views, context)
         return graph, out

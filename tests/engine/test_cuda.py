@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,3 +159,19 @@ def test_a_compiled_decode_step_replays_the_eager_tokens(make_engine: Callable[.
     eager = make_engine(tiny_checkpoint(BLOCK), enforce_eager=True, **kwargs)
     work = graph_jobs(4)
     assert [r.token_ids for r in together(engine, work)] == [r.token_ids for r in together(eager, work)]
+
+
+def test_capturing_graphs_beside_a_decoding_engine_breaks_neither(make_engine: Callable[..., Engine]) -> None:
+    """Several models on one GPU: a model loading (its graphs captured) while another decodes. The capture is
+    thread-local, so the serving engine's waits and allocations meanwhile do not fail its steps."""
+    kwargs = {"device": "cuda", "dtype": torch.float32, "window_shift": 8}
+    serving = make_engine(tiny_checkpoint(BLOCK), max_batch_size=2, **kwargs)
+    params = SamplingParams(max_new_tokens=600, stop_at_eos=False)
+    want = make_engine(tiny_checkpoint(BLOCK), max_batch_size=2, enforce_eager=True, **kwargs).generate([1, 2], params)
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(serving.generate([1, 2], params)))
+    worker.start()
+    loading = [make_engine(tiny_checkpoint(BLOCK), max_batch_size=8, **kwargs) for _ in range(3)]
+    worker.join(timeout=120)
+    assert got and got[0].token_ids == want.token_ids
+    assert all(e.runner.graphs is not None for e in loading), [e.runner.cuda_graphs for e in loading]
