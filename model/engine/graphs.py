@@ -77,6 +77,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros((max_rows, 3), dtype=torch.long, device=device)
         # the host side of the inputs' copy, pinned so that the copy is asynchronous; reused once the last is done
         self.staging = torch.zeros((max_rows, 3), dtype=torch.long, pin_memory=capture)
+        self.padding = torch.tensor([0, 0, scratch_row])  # a padding row: token 0 at the scratch row's slot 0
         self.copied: torch.cuda.Event | None = None
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -85,7 +86,8 @@ class DecodeGraphs:
             self._capture_all()
 
     def __len__(self) -> int:
-        return len(self.graphs) if self.capture else len(self.rows) * len(self.contexts)
+        """The graphs: one per rows bucket and context bucket."""
+        return len(self.rows) * len(self.contexts)
 
     def bucket(self, n: int, context: int) -> tuple[int, int] | None:
         """The (rows, context) graph a step of `n` rows reading `context` slots runs; None: it runs eagerly."""
@@ -100,7 +102,7 @@ class DecodeGraphs:
             self.copied.synchronize()  # the last step's inputs are on the device: the staging buffer is free
         staging = self.staging[:width]
         staging[:n] = torch.tensor([tokens, positions, rows]).T
-        staging[n:] = torch.tensor([0, 0, self.scratch_row])
+        staging[n:] = self.padding
         self.inputs[:width].copy_(staging, non_blocking=True)
         if self.capture:
             self.copied = torch.cuda.Event()

@@ -106,7 +106,9 @@ class ModelRunner:
         # a cache row per batch slot
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.model, self.dtype)
         self.max_batch_size = config.max_batch_size
-        self.cache = KVCache(checkpoint.config, config.max_batch_size, device=self.device, dtype=self.kv_dtype)
+        # with CUDA graphs, one row more: the scratch row their padding writes into
+        rows = config.max_batch_size + uses_graphs(self.device, config)
+        self.cache = KVCache(checkpoint.config, rows, device=self.device, dtype=self.kv_dtype)
         # decode steps replayed as CUDA graphs: /info says how many, or why none
         self.graphs: DecodeGraphs | None = None
         self.cuda_graphs = "not used on this device" if self.device.type != "cuda" else "off (--enforce-eager)"
@@ -130,10 +132,10 @@ class ModelRunner:
         """Decode steps through `DecodeGraphs` from now on (captured with `capture`; uncaptured, the same static
         buffers, buckets and padding run eagerly: how the CPU tests check them); with `compile`, the step they hold
         is compiled first (torch.compile, shapes dynamic: a compile for one row, one for the rest, instead of one per
-        bucket). The KV cache is made anew with the scratch row the padding writes into: call before the first
-        forward."""
-        config = self.model.config
-        self.cache = KVCache(config, self.max_batch_size + 1, device=self.device, dtype=self.kv_dtype)
+        bucket). A KV cache without the scratch row the padding writes into (the CPU's) is made anew with it: call
+        before the first forward."""
+        if self.cache.batch_size == self.max_batch_size:
+            self.cache = KVCache(self.model.config, self.max_batch_size + 1, device=self.device, dtype=self.kv_dtype)
         step = torch.compile(self._graph_step, dynamic=True, fullgraph=True) if compile else self._graph_step
         self.graphs = DecodeGraphs(step, max_rows=self.max_batch_size, block_size=self.block_size,
                                    scratch_row=self.max_batch_size, device=self.device, capture=capture)

@@ -37,7 +37,7 @@ def graph_engine(make_engine: Callable[..., Engine], **kwargs) -> tuple[Engine, 
     engine = make_engine(tiny_checkpoint(BLOCK), start=False, **kwargs)
     engine.runner.decode_through_graphs(capture=False)
     graphs = engine.runner.graphs
-    assert graphs is not None and len(graphs) == len(graphs.rows) * len(graphs.contexts)
+    assert graphs is not None and len(graphs) == len(graphs.rows) * len(graphs.contexts) and not graphs.graphs
     used: Counter = Counter()
     run = graphs.run
 
