@@ -125,8 +125,6 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
     (`compiled_static`), and the naive loop."""
     prompt = prompts(1, ck.tokenizer.n_vocab)[0]
     params = SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False)
-    engine = Engine(ck, max_batch_size=1, max_waiting=0, device=device).start()
-    engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm
     out: dict[str, Any] = {}
 
     def best(fn) -> float:  # noqa: ANN001
@@ -137,28 +135,26 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
             times.append(time.perf_counter() - t)
         return new_tokens / min(times)
 
-    folio_ids: list[int] = []
-
-    def folio() -> None:
-        folio_ids[:] = engine.generate(prompt, params).token_ids
-
-    out["folio"] = best(folio)
-    out["folio_cuda_graphs"] = engine.runner.cuda_graphs
-    engine.stop()
-    if engine_compile:  # the decode step compiled before its graphs are captured (--compile)
+    def time_engine(name: str, **config: Any) -> list[int]:
+        """out[name]: the engine's tokens/s (built with `config`, warmed); out[name + "_start_s"]: building and
+        warming it (captures, compiles); out[name + "_cuda_graphs"]: its graphs, or why none. Its tokens."""
         t = time.perf_counter()
-        engine = Engine(ck, max_batch_size=1, max_waiting=0, device=device, compile=True).start()
-        engine.generate(prompt, SamplingParams(max_new_tokens=8))
-        out["folio_compiled_start_s"] = time.perf_counter() - t
-        compiled_engine_ids: list[int] = []
+        engine = Engine(ck, max_batch_size=1, max_waiting=0, device=device, **config).start()
+        engine.generate(prompt, SamplingParams(max_new_tokens=8))  # warm
+        out[f"{name}_start_s"] = time.perf_counter() - t
+        ids: list[int] = []
 
-        def folio_compiled() -> None:
-            compiled_engine_ids[:] = engine.generate(prompt, params).token_ids
+        def run() -> None:
+            ids[:] = engine.generate(prompt, params).token_ids
 
-        out["folio_compiled"] = best(folio_compiled)
-        out["folio_compiled_cuda_graphs"] = engine.runner.cuda_graphs  # or why the step was not captured
-        out["folio_compiled_same_tokens"] = float(compiled_engine_ids == folio_ids)
+        out[name] = best(run)
+        out[f"{name}_cuda_graphs"] = engine.runner.cuda_graphs
         engine.stop()
+        return ids
+
+    folio_ids = time_engine("folio")
+    if engine_compile:  # the decode step compiled before its graphs are captured (--compile)
+        out["folio_compiled_same_tokens"] = float(time_engine("folio_compiled", compile=True) == folio_ids)
     torch.set_num_threads(baseline_threads)  # the engine set its own count (by the model's size)
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode():

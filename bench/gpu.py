@@ -107,7 +107,7 @@ def slug(name: str) -> str:
 
 
 def install_wheels() -> dict[str, str]:
-    """The carried wheels installed into /tmp/site, first on the path of this process and its children."""
+    """The carried wheels installed into /tmp/folio-site, first on the path of this process and its children."""
     site = "/tmp/folio-site"
     wheels = sorted(str(p) for p in (PREPARED / "whl").glob("*.whl"))
     if wheels:
@@ -141,7 +141,7 @@ def stage(name: str, cmd: list[str], env: dict[str, str], log: Path, timeout: fl
     return {"command": cmd, "returncode": rc, "seconds": seconds}
 
 
-def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float,
+def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float, gpu: str,
                 device: str = "cuda") -> dict[str, Any]:
     """nanoGPT's train.py, then ours, on nanoGPT's shakespeare-char configuration, both compiled on CUDA (nanoGPT's
     default there). `device` "cpu" is a dry run of the plumbing (uncompiled), not a measurement."""
@@ -161,12 +161,12 @@ def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float,
                           env, results / "train_folio.log", timeout)
     n_params = 6 * (12 * 384 * 384) + 65 * 384 + 256 * 384  # blocks, token and position embeddings (about 10.7M)
     flops_per_token = 6 * n_params + 12 * 6 * 384 * 256  # nanoGPT's estimate_mfu: 6N + 12 L H Q T / (H Q)
-    peak = next((v for k, v in BF16_PEAK.items() if k in gpu_name()), float("nan"))
+    peak = next((v for k, v in BF16_PEAK.items() if k in gpu), float("nan"))
     tokens = iters * 64 * 256
     for name, run in runs.items():
         run.update(summarize(read_evals((results / f"train_{name}.log").read_text()), run["seconds"], tokens,
                              flops_per_token, peak))
-    report = {"gpu": gpu_name(), "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
+    report = {"gpu": gpu, "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
               "nanogpt_reported_val_loss": 1.4697, "runs": runs,
               "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"]}
     write_json(results / "train_vs_nanogpt.json", report)
@@ -232,7 +232,7 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
                                                    str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results)],
                                             env, results / "server_load.log", left())
         elif name == "train":
-            summary["stages"][name] = train_stage(env, results, train_iters, left(), train_device)
+            summary["stages"][name] = train_stage(env, results, train_iters, left(), gpu, train_device)
     summary["seconds"] = time.perf_counter() - start
     write_json(results / "gpu_run.json", summary)
     if out is not None:  # what comes back from the machine (8 files at most): everything in one archive
