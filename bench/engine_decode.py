@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry
+        write_json(Path(args.out_dir) / "engine_decode.json", report)  # after each model: a cut-short run keeps it
     print_table(report, rows, args)
-    write_json(Path(args.out_dir) / "engine_decode.json", report)
     plot(report, Path(args.out_dir) / "engine_decode.png")
     return 0
 

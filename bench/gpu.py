@@ -16,9 +16,9 @@ There, with `.gpu` carried:
     python -m bench.gpu run --out $OUT --stages tests,decode,server    # one command (10 minutes at most)
     python -m bench.gpu run --out $OUT --stages train                  # the next
 
-runs, in order, each stage timed and its output kept in bench/results/<gpu>/ (with --out, also archived there as
-gpu_results.tar.gz: unpack it into bench/results/ here):
-- `tests`: every GPU test (the files of GPU_TESTS), the log in gpu_tests.txt;
+runs, in order, each stage timed (and killed when the budget is spent) and its output kept in bench/results/<gpu>/
+(with --out, also archived there as gpu_results.tar.gz after every stage: unpack it into bench/results/ here):
+- `tests`: every GPU-marked test (of the files in GPU_TESTS), the log in gpu_tests.txt;
 - `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
   against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch; the
   bundled model and GPT-2 124M);
@@ -32,13 +32,16 @@ gpu_results.tar.gz: unpack it into bench/results/ here):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,10 +110,11 @@ def slug(name: str) -> str:
 
 
 def install_wheels() -> dict[str, str]:
-    """The carried wheels installed into /tmp/folio-site, first on the path of this process and its children."""
+    """The carried wheels installed into /tmp/folio-site, first on the path of this process and its children (where
+    the server's packages are missing)."""
     site = "/tmp/folio-site"
     wheels = sorted(str(p) for p in (PREPARED / "whl").glob("*.whl"))
-    if wheels:
+    if wheels and importlib.util.find_spec("fastapi") is None:  # (a machine with the server's needs keeps its own)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--upgrade", "--target", site, *wheels], check=True)
         sys.path.insert(0, site)
@@ -121,27 +125,28 @@ def install_wheels() -> dict[str, str]:
 
 def stage(name: str, cmd: list[str], env: dict[str, str], log: Path, timeout: float,
           cwd: Path = REPO) -> dict[str, Any]:
-    """Run one command, its output to `log` and to this process's; how long it took and how it ended."""
-    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    """Run one command, its output to `log` and to this process's, killed after `timeout` seconds; how long it took
+    and how it ended (returncode -9: killed at its time limit)."""
+    print(f"== {name} ({timeout:.0f} s at most): {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True)
-            assert proc.stdout is not None
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(timeout, proc.kill)  # reading the output blocks, so the limit is kept beside it
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        with open(log, "w") as out:
             for line in proc.stdout:
                 out.write(line)
                 sys.stdout.write(line)
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = -9
+        rc = proc.wait()
+    finally:
+        watchdog.cancel()
     seconds = time.perf_counter() - start
     print(f"== {name}: exit {rc} after {seconds:.0f} s", flush=True)
     return {"command": cmd, "returncode": rc, "seconds": seconds}
 
 
-def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float, gpu: str,
+def train_stage(env: dict[str, str], results: Path, iters: int, left: Callable[[], float], gpu: str,
                 device: str = "cuda") -> dict[str, Any]:
     """nanoGPT's train.py, then ours, on nanoGPT's shakespeare-char configuration, both compiled on CUDA (nanoGPT's
     default there). `device` "cpu" is a dry run of the plumbing (uncompiled), not a measurement."""
@@ -153,12 +158,12 @@ def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float, 
                                                 "--out_dir=/tmp/nanogpt-out", f"--max_iters={iters}",
                                                 f"--lr_decay_iters={iters}", f"--device={device}",
                                                 f"--compile={cuda}"],
-                            env, results / "train_nanogpt.log", timeout, cwd=nano)
+                            env, results / "train_nanogpt.log", left(), cwd=nano)
     runs["folio"] = stage("train: Folio", [sys.executable, "-m", "model.train", "--preset", "shakespeare-char",
                                            "--data", str(PREPARED / "data" / "tinyshakespeare" / "input.txt"),
-                                           "--out", "/tmp/folio-train", "--device", device, *ours_compile,
-                                           "--max-iters", str(iters), "--lr-decay-iters", str(iters)],
-                          env, results / "train_folio.log", timeout)
+                                           "--out", "/tmp/folio-train", "--overwrite", "--device", device,
+                                           *ours_compile, "--max-iters", str(iters), "--lr-decay-iters", str(iters)],
+                          env, results / "train_folio.log", left())
     n_params = 6 * (12 * 384 * 384) + 65 * 384 + 256 * 384  # blocks, token and position embeddings (about 10.7M)
     flops_per_token = 6 * n_params + 12 * 6 * 384 * 256  # nanoGPT's estimate_mfu: 6N + 12 L H Q T / (H Q)
     peak = next((v for k, v in BF16_PEAK.items() if k in gpu), float("nan"))
@@ -168,7 +173,8 @@ def train_stage(env: dict[str, str], results: Path, iters: int, timeout: float, 
                              flops_per_token, peak))
     report = {"gpu": gpu, "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
               "nanogpt_reported_val_loss": 1.4697, "runs": runs,
-              "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"]}
+              "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"],
+              "complete": all(run["returncode"] == 0 for run in runs.values())}
     write_json(results / "train_vs_nanogpt.json", report)
     plot_training(report, results / "train_vs_nanogpt.png")
     return report
@@ -206,7 +212,10 @@ def plot_training(report: dict[str, Any], png: Path) -> None:
     save_figure(fig, png)
 
 
-def run(stages: list[str], out: Path | None, train_iters: int, budget: float, train_device: str = "cuda") -> int:
+def run(stages: list[str], out: Path | None, train_iters: int, budget: float, train_device: str = "cuda",
+        tests_cap: float = 180) -> int:
+    """The stages in order inside `budget` seconds, each given what is left (the tests at most `tests_cap`); after
+    each, the results so far archived into `out`, so that a run cut short still brings back what it measured."""
     env = install_wheels()
     gpu = gpu_name()
     results = RESULTS / slug(gpu)
@@ -219,26 +228,24 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
 
     py = sys.executable
     for name in stages:
-        if name == "tests":
-            summary["stages"][name] = stage(name, [py, "-m", "pytest", "-q", "-rs", *GPU_TESTS], env,
-                                            results / "gpu_tests.txt", left())
+        if name == "tests":  # the GPU-marked tests of GPU_TESTS (their CPU tests run in CI)
+            summary["stages"][name] = stage(name, [py, "-m", "pytest", "-q", "-rs", "-m", "gpu", *GPU_TESTS], env,
+                                            results / "gpu_tests.txt", min(tests_cap, left()))
         elif name == "decode":
             summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
                                                    "--engine-compile", "--out-dir", str(results)], env,
-                                            results / "engine_decode.log",
-                                            left())
+                                            results / "engine_decode.log", left())
         elif name == "server":
             summary["stages"][name] = stage(name, [py, "-m", "bench.server_load", "--device", "cuda", "--bpe-dir",
                                                    str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results)],
                                             env, results / "server_load.log", left())
         elif name == "train":
-            summary["stages"][name] = train_stage(env, results, train_iters, left(), gpu, train_device)
-    summary["seconds"] = time.perf_counter() - start
-    write_json(results / "gpu_run.json", summary)
-    if out is not None:  # what comes back from the machine (8 files at most): everything in one archive
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.make_archive(str(out / "gpu_results"), "gztar", results.parent, results.name)
-        shutil.copy(results / "gpu_run.json", out / "gpu_run.json")
+            summary["stages"][name] = train_stage(env, results, train_iters, left, gpu, train_device)
+        summary["seconds"] = time.perf_counter() - start
+        write_json(results / f"gpu_run_{'_'.join(stages)}.json", summary)
+        if out is not None:  # what comes back from the machine (8 files at most): everything in one archive
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.make_archive(str(out / "gpu_results"), "gztar", results.parent, results.name)
     print(json.dumps({k: v.get("returncode", "done") if isinstance(v, dict) else v
                       for k, v in summary["stages"].items()}))
     return 0
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--train-iters", type=int, default=5000)
     go.add_argument("--budget-s", type=float, default=560, help="seconds for all stages; a stage gets what is left")
     go.add_argument("--train-device", default="cuda", help="cpu: a dry run of the train stage's plumbing")
+    go.add_argument("--tests-cap-s", type=float, default=180, help="seconds at most for the tests stage")
     args = p.parse_args(argv)
     if args.command == "prepare":
         prepare(args.nanogpt)
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(stages) - set(STAGES)
     if unknown:
         p.error(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
-    return run(stages, args.out, args.train_iters, args.budget_s, args.train_device)
+    return run(stages, args.out, args.train_iters, args.budget_s, args.train_device, args.tests_cap_s)
 
 
 if __name__ == "__main__":
