@@ -82,12 +82,15 @@ def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def compiled_static(hf: Any) -> Any:
-    """`hf` with transformers' static KV cache and its forward under `torch.compile` (mode reduce-overhead: CUDA
-    graphs on a GPU): gpt-fast's recipe as transformers documents it, the fastest way it decodes. A copy: `hf`
-    keeps its eager forward."""
+    """`hf` with transformers' static KV cache and its decode steps under `torch.compile` (mode reduce-overhead:
+    CUDA graphs on a GPU): gpt-fast's recipe as transformers documents it, the fastest way it decodes. transformers
+    5 compiles the decode steps itself once the cache is static (`generate`'s auto-compile; compiling `forward` as
+    well made its graphs' outputs be read after they were overwritten, on an H200 with 5.17); earlier versions are
+    given the compiled forward. A copy: `hf` keeps its eager forward."""
     fast = copy.deepcopy(hf)
     fast.generation_config.cache_implementation = "static"
-    fast.forward = torch.compile(fast.forward, mode="reduce-overhead", fullgraph=True)
+    if not hasattr(fast, "get_compiled_call"):
+        fast.forward = torch.compile(fast.forward, mode="reduce-overhead", fullgraph=True)
     return fast
 
 

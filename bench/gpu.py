@@ -56,7 +56,7 @@ GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "test
 # the server's needs that the GPU machine's image lacks (docs of the device tool list what it holds)
 WHEELS = ("fastapi", "fastapi-offline", "starlette", "pydantic", "pydantic-core", "pydantic-settings",
           "python-dotenv", "typing-inspection", "annotated-types", "typing-extensions", "uvicorn", "httptools",
-          "llguidance")
+          "opentelemetry-api", "annotated-doc", "llguidance")
 PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -158,7 +158,7 @@ def train_stage(env: dict[str, str], results: Path, iters: int, left: Callable[[
                                                 "--out_dir=/tmp/nanogpt-out", f"--max_iters={iters}",
                                                 f"--lr_decay_iters={iters}", f"--device={device}",
                                                 f"--compile={cuda}"],
-                            env, results / "train_nanogpt.log", left(), cwd=nano)
+                            env, results / "train_nanogpt.log", left() / 2, cwd=nano)  # half: ours the rest
     runs["folio"] = stage("train: Folio", [sys.executable, "-m", "model.train", "--preset", "shakespeare-char",
                                            "--data", str(PREPARED / "data" / "tinyshakespeare" / "input.txt"),
                                            "--out", "/tmp/folio-train", "--overwrite", "--device", device,
