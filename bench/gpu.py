@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -65,6 +66,10 @@ NANOGPT_FILES = ("train.py", "model.py", "configurator.py", "config/train_shakes
 # dense bf16 peaks, FLOP/s, by the name torch gives the GPU (NVIDIA's data sheets; SXM parts)
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 EVAL_LINE = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+ITER_LINE = re.compile(r"^iter (\d+):|(?<![\d.])(\d+)/\d+ \[", re.M)
+NANOGPT_TIME = re.compile(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", re.M)
+FOLIO_TOKENS = re.compile(r"tok_s=([\d,]+)\]")
+TOKENS_PER_ITER = 64 * 256  # the configuration's batch times block
 
 
 def prepare(nanogpt: Path) -> None:
@@ -164,17 +169,29 @@ def train_stage(env: dict[str, str], results: Path, iters: int, left: Callable[[
                                            "--out", "/tmp/folio-train", "--overwrite", "--device", device,
                                            *ours_compile, "--max-iters", str(iters), "--lr-decay-iters", str(iters)],
                           env, results / "train_folio.log", left())
+    return train_report(results, gpu, iters, runs)
+
+
+def train_report(results: Path, gpu: str, iters: int, runs: dict[str, Any]) -> dict[str, Any]:
+    """train_vs_nanogpt.json and .png from the two runs (`stage`'s records) and their logs in `results`; also
+    `python -m bench.gpu report DIR`, from a run's saved records."""
     n_params = 6 * (12 * 384 * 384) + 65 * 384 + 256 * 384  # blocks, token and position embeddings (about 10.7M)
     flops_per_token = 6 * n_params + 12 * 6 * 384 * 256  # nanoGPT's estimate_mfu: 6N + 12 L H Q T / (H Q)
     peak = next((v for k, v in BF16_PEAK.items() if k in gpu), float("nan"))
-    tokens = iters * 64 * 256
     for name, run in runs.items():
-        run.update(summarize(read_evals((results / f"train_{name}.log").read_text()), run["seconds"], tokens,
-                             flops_per_token, peak))
+        log = (results / f"train_{name}.log").read_text()
+        run.update(summarize(log, run["seconds"], flops_per_token, peak))
     report = {"gpu": gpu, "iters": iters, "config": "nanoGPT config/train_shakespeare_char.py",
-              "nanogpt_reported_val_loss": 1.4697, "runs": runs,
-              "wall_ratio_nanogpt_over_folio": runs["nanogpt"]["seconds"] / runs["folio"]["seconds"],
-              "complete": all(run["returncode"] == 0 for run in runs.values())}
+              "tokens_per_iteration": TOKENS_PER_ITER, "nanogpt_reported_val_loss": 1.4697, "runs": runs,
+              "complete": all(run["returncode"] == 0 for run in runs.values()),
+              "iteration_ms_ratio_folio_over_nanogpt": runs["folio"]["iteration_ms_median"]
+              / runs["nanogpt"]["iteration_ms_median"]}
+    # the whole runs' wall times compare only where both finished; runs stopped at a time limit, by how far each got
+    if report["complete"]:
+        report["wall_ratio_folio_over_nanogpt"] = runs["folio"]["seconds"] / runs["nanogpt"]["seconds"]
+    else:
+        report["iterations_done_ratio_folio_over_nanogpt"] = (runs["folio"]["iterations_done"]
+                                                              / max(1, runs["nanogpt"]["iterations_done"]))
     write_json(results / "train_vs_nanogpt.json", report)
     plot_training(report, results / "train_vs_nanogpt.png")
     return report
@@ -186,28 +203,48 @@ def read_evals(log: str) -> list[tuple[int, float, float]]:
     return [(int(s), float(t), float(v)) for s, t, v in EVAL_LINE.findall(log)]
 
 
-def summarize(evals: list[tuple[int, float, float]], seconds: float, tokens: int, flops_per_token: float,
-              peak: float) -> dict[str, Any]:
-    """A training run's figures: its evaluations, the last and best validation loss, and tokens/s and model FLOPs
-    utilisation over its wall time (compile, evaluation and start-up included)."""
-    tokens_per_s = tokens / seconds
+def iterations_done(log: str) -> int:
+    """The last iteration a training log reports: nanoGPT's `iter N:` lines, or the `N/total` of Folio's bar."""
+    return max((int(a or b) for a, b in ITER_LINE.findall(log)), default=0)
+
+
+def iteration_ms(log: str) -> list[float]:
+    """Milliseconds per iteration as each log reports them: nanoGPT's `time X ms` (every 10th iteration), Folio's
+    bar's tokens/s (over the last 10); those spanning an evaluation included (a median sets them aside)."""
+    return [float(ms) for ms in NANOGPT_TIME.findall(log)] + [
+        1e3 * TOKENS_PER_ITER / float(t.replace(",", "")) for t in FOLIO_TOKENS.findall(log)]
+
+
+def summarize(log: str, seconds: float, flops_per_token: float, peak: float) -> dict[str, Any]:
+    """A training run's figures from its log and wall time: its evaluations, the last and best validation loss, the
+    iterations done (fewer than asked where the run was stopped at its time limit), the median milliseconds per
+    iteration, and tokens/s and model FLOPs utilisation over the wall time (start-up, compile and evaluations
+    included) and at the median iteration."""
+    evals = read_evals(log)
+    done = iterations_done(log)
+    tokens_per_s = done * TOKENS_PER_ITER / seconds
+    ms = statistics.median(iteration_ms(log)) if iteration_ms(log) else float("nan")
     return {"evals": evals, "val_loss_last": evals[-1][2] if evals else None,
-            "val_loss_best": min((v for _, _, v in evals), default=None), "tokens_per_s_overall": tokens_per_s,
-            "mfu_overall": flops_per_token * tokens_per_s / peak}
+            "val_loss_best": min((v for _, _, v in evals), default=None), "iterations_done": done,
+            "tokens_per_s_overall": tokens_per_s, "mfu_overall": flops_per_token * tokens_per_s / peak,
+            "iteration_ms_median": ms, "mfu_median_iteration": flops_per_token * TOKENS_PER_ITER / (ms / 1e3) / peak}
 
 
 def plot_training(report: dict[str, Any], png: Path) -> None:
-    """Validation loss against iterations, nanoGPT's and ours; wall time in the legend."""
+    """Validation loss against iterations, nanoGPT's and ours; in the legend, wall time, iterations done (a run
+    stopped at its time limit says so) and the median milliseconds per iteration."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, run in report["runs"].items():
         if run["evals"]:
             steps, _, val = zip(*run["evals"])
-            ax.plot(steps, val, marker=".", label=f"{name}: {run['seconds']:.0f} s, last {val[-1]:.4f}")
+            stopped = "" if run["returncode"] == 0 else ", stopped at its time limit"
+            ax.plot(steps, val, marker=".", label=f"{name}: {run['iterations_done']} iterations in {run['seconds']:.0f}"
+                    f" s{stopped}; {run['iteration_ms_median']:.2f} ms/iteration; last {val[-1]:.4f}")
     ax.axhline(report["nanogpt_reported_val_loss"], ls="--", c="grey", label="nanoGPT's README: 1.4697")
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation loss")
-    ax.set_title(f"shakespeare-char on {report['gpu']}")
+    ax.set_title(f"shakespeare-char ({report['iters']} iterations asked) on {report['gpu']}")
     ax.legend(fontsize=8)
     save_figure(fig, png)
 
@@ -263,7 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--budget-s", type=float, default=560, help="seconds for all stages; a stage gets what is left")
     go.add_argument("--train-device", default="cuda", help="cpu: a dry run of the train stage's plumbing")
     go.add_argument("--tests-cap-s", type=float, default=180, help="seconds at most for the tests stage")
+    rep = sub.add_parser("report", help="here: train_vs_nanogpt.json and .png again from a run's saved records")
+    rep.add_argument("results", type=Path, help="a GPU's results folder, bench/results/<gpu>/")
     args = p.parse_args(argv)
+    if args.command == "report":
+        for record in sorted(args.results.glob("gpu_run_*.json")):
+            train = json.loads(record.read_text())["stages"].get("train")
+            if train is not None:
+                train_report(args.results, train["gpu"], train["iters"], train["runs"])
+        return 0
     if args.command == "prepare":
         prepare(args.nanogpt)
         return 0
