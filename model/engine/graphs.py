@@ -26,6 +26,7 @@ static buffers instead of replayed): the CPU tests check the logic that way, and
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -113,6 +114,15 @@ class DecodeGraphs:
             out = self.forward(*self._views(width), key[1])
         return out[:n].clone()
 
+    def close(self) -> None:
+        """Free the graphs and their memory pool (after the last replay has finished on the device)."""
+        if self.capture:
+            torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def _views(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The static inputs of a graph of `width` rows: ids (B, 1), positions (B, 1), cache rows (B,)."""
         return self.inputs[:width, IDS, None], self.inputs[:width, POSITIONS, None], self.inputs[:width, ROWS]
@@ -123,12 +133,21 @@ class DecodeGraphs:
         start = time.perf_counter()
         self.inputs[:, ROWS] = self.scratch_row  # capture writes only into the scratch row
         pool = torch.cuda.graph_pool_handle()
-        # the buffers stay ordinary tensors (a step may run outside inference mode); what the graphs compute is not
-        with torch.inference_mode():
-            for width in reversed(self.rows):
-                for context in reversed(self.contexts):
-                    self.graphs[(width, context)], self.outputs[(width, context)] = self._capture(width, context,
-                                                                                                  pool)
+        # no garbage collection inside a capture: what it frees on this thread (another engine's graphs, say) may
+        # not be freed while this thread's stream captures, and the capture would fail (seen on an H200)
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            # the buffers stay ordinary tensors (a step may run outside inference mode); what graphs compute is not
+            with torch.inference_mode():
+                for width in reversed(self.rows):
+                    for context in reversed(self.contexts):
+                        self.graphs[(width, context)], self.outputs[(width, context)] = self._capture(width, context,
+                                                                                                      pool)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs of the decode step (rows %s, contexts %s) in %.1f s", len(self.graphs),

@@ -140,6 +140,15 @@ class ModelRunner:
         self.graphs = DecodeGraphs(step, max_rows=self.max_batch_size, block_size=self.block_size,
                                    scratch_row=self.max_batch_size, device=self.device, capture=capture)
 
+    def release(self) -> None:
+        """The CUDA graphs freed now, once the engine has stopped (on its thread, after its last step), not whenever
+        the garbage collector gets to them: a graph destroyed while another engine in this process captures (a
+        reload, the next engine of a benchmark) fails that capture."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+            self.cuda_graphs = "released (the engine stopped)"
+
     def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                     context: int) -> torch.Tensor:
         """The decode step a graph holds: `ids` (B, 1) at `positions` (B, 1) of cache `rows` (B,), attending to the

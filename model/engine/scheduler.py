@@ -126,6 +126,7 @@ class Scheduler:
                 if self.stopping:
                     self.fail_all(EngineStopped("the engine stopped before this request finished"))
                     self.flush()
+                    self.runner.release()  # here, after the last step: nothing replays what it frees
                     return
                 self._reap_cancelled()
                 while self.waiting and len(self.batch) < self.max_batch_size:

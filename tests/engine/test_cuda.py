@@ -3,6 +3,7 @@ on machines without one."""
 
 from __future__ import annotations
 
+import gc
 import math
 import subprocess
 import sys
@@ -176,3 +177,23 @@ def test_capturing_graphs_beside_a_decoding_engine_breaks_neither(make_engine: C
     worker.join(timeout=120)
     assert got and got[0].token_ids == want.token_ids
     assert all(e.runner.graphs is not None for e in loading), [e.runner.cuda_graphs for e in loading]
+
+
+def test_no_garbage_collection_inside_a_capture() -> None:
+    """The garbage collector is off while graphs are captured (what it frees there, another engine's graphs say,
+    fails the capture: seen on an H200 when a benchmark built engines one after another), on again after."""
+    from model.engine.graphs import DecodeGraphs
+
+    seen: list[bool] = []
+
+    def step(ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, context: int) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return (ids + positions).float().expand(-1, 4) * context
+
+    graphs = DecodeGraphs(step, max_rows=2, block_size=64, scratch_row=2, device=torch.device("cuda"), capture=True)
+    assert len(graphs.graphs) == 2 and gc.isenabled()
+    assert seen and not any(seen)
+    torch.testing.assert_close(graphs.run((2, 64), [0, 1], [5, 6], [1, 2]).cpu(),
+                               torch.tensor([[6.0] * 4, [8.0] * 4]) * 64)
+    graphs.close()
+    assert not graphs.graphs

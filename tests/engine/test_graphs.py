@@ -126,6 +126,19 @@ def test_steps_the_buckets_cannot_hold_run_eagerly() -> None:
     assert graphs.bucket(3, 65) == (4, 128) and graphs.bucket(1, 1) == (1, 64)
 
 
+def test_a_stopped_engine_releases_its_graphs(make_engine: Callable[..., Engine]) -> None:
+    """Stopping frees the graphs on the engine's thread after its last step (a graph left to the garbage collector
+    can be destroyed inside another engine's capture, and fail it)."""
+    engine, used = graph_engine(make_engine)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    engine.generate([1, 2, 3], SamplingParams(max_new_tokens=5, stop_at_eos=False))
+    assert used  # the steps went through the graphs
+    engine.stop()
+    assert engine.runner.graphs is None and engine.runner.cuda_graphs == "released (the engine stopped)"
+    assert not graphs.graphs and not graphs.outputs
+
+
 @pytest.mark.slow
 def test_the_compiled_step_gives_the_eager_steps_logits() -> None:
     """`--compile`: the step the graphs hold compiled by torch.compile (dynamic shapes, whole graph: the model's
