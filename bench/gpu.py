@@ -274,7 +274,8 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
                                             results / "engine_decode.log", left())
         elif name == "server":
             summary["stages"][name] = stage(name, [py, "-m", "bench.server_load", "--device", "cuda", "--bpe-dir",
-                                                   str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results)],
+                                                   str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results),
+                                                   "--baseline-requests-per-client", "1"],
                                             env, results / "server_load.log", left())
         elif name == "train":
             summary["stages"][name] = train_stage(env, results, train_iters, left, gpu, train_device)

@@ -4,7 +4,9 @@
                                 [--device cpu|cuda]
 
 For each model, a real `python -m app` process on 127.0.0.1 is driven by C concurrent streaming clients
-(async httpx, `/generate_stream`, greedy), each sending `--requests-per-client` requests. Reported per C:
+(async httpx, `/generate_stream`, greedy; spread over `--client-processes` processes where the machine has the
+cores, so that the load generator is not what limits a GPU server), each sending `--requests-per-client` requests.
+Reported per C:
 requests/s, output tokens/s, time to first token and inter-token latency (p50/p99), and the ratio of HTTP
 throughput to engine-only throughput (the same prompts and lengths through an in-process `Engine`, same
 batch limit). Side by side: bench/hf_server.py, a FastAPI endpoint calling `transformers` `generate` per
@@ -18,12 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,24 +65,12 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _run_clients(port: int, clients: int, client: Callable[[int, httpx.AsyncClient], Awaitable[None]],
-                       server_pid: int | None) -> tuple[float, dict[str, float]]:
-    """`clients` copies of `client` at once on one connection pool: the wall time, and (with `server_pid`) the CPU
-    seconds this process and the server used meanwhile."""
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
-        cpu0, server0 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
-        t = time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in range(clients)))
-        wall = time.perf_counter() - t
-        cpu1, server1 = time.process_time(), process_cpu_s(server_pid) if server_pid else 0.0
-    # where the two cores went: the load generator shares them with the server
-    return wall, {"client_cpu_s": cpu1 - cpu0, "server_cpu_s": server1 - server0} if server_pid else {}
-
-
-async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool,
-               server_pid: int | None = None) -> dict:
-    """`clients` streaming (or whole-body) clients, `per_client` requests each: throughput, TTFT and ITL."""
+async def _clients(port: int, ids: list[int], per_client: int, new_tokens: int, stream: bool,
+                   ready: Callable[[], object] | None = None) -> dict[str, Any]:
+    """Clients `ids` in this process, streaming (or whole-body), `per_client` requests each, on one connection pool;
+    `ready` is called (blocking) once the pool is made, before the first request. Their TTFTs and ITLs, tokens,
+    failures, this process's CPU seconds, and when they started and ended (time.perf_counter: one clock for all
+    processes of this machine)."""
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
@@ -114,12 +106,70 @@ async def load(port: int, clients: int, per_client: int, new_tokens: int, stream
             except httpx.HTTPError:
                 failures += 1
 
-    wall, cpu = await _run_clients(port, clients, client, server_pid)
+    limits = httpx.Limits(max_connections=len(ids) + 4, max_keepalive_connections=len(ids) + 4)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
+        if ready is not None:
+            ready()
+        cpu, start = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client(i, http) for i in ids))
+        end = time.perf_counter()
+    return {"ttft": ttft, "itl": itl, "tokens": tokens, "failures": failures,
+            "cpu_s": time.process_time() - cpu, "start": start, "end": end}
+
+
+def _client_process(port: int, ids: list[int], per_client: int, new_tokens: int, stream: bool,
+                    barrier: Any, results: Any) -> None:
+    """A load-generator process: its clients start when every process's have their connection pool."""
+    results.put(asyncio.run(_clients(port, ids, per_client, new_tokens, stream, barrier.wait)))
+
+
+def _collect(procs: list[Any], results: Any) -> list[dict[str, Any]]:
+    """Each load-generator process's result, or an error as soon as one of them has failed."""
+    parts: list[dict[str, Any]] = []
+    while len(parts) < len(procs):
+        try:
+            parts.append(results.get(timeout=1))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"a load-generator process failed (exit codes {failed})") from None
+    return parts
+
+
+async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool,
+               server_pid: int | None = None, processes: int = 1) -> dict:
+    """`clients` streaming (or whole-body) clients, `per_client` requests each, spread over `processes` load-generator
+    processes (one Python process drives a few thousand events/s, which a GPU server outruns): throughput, TTFT and
+    ITL, and (with `server_pid`) the CPU seconds the clients and the server used meanwhile."""
+    groups = [list(range(k, clients, processes)) for k in range(min(processes, clients))]
+    server0 = process_cpu_s(server_pid) if server_pid else 0.0
+    if len(groups) == 1:
+        parts = [await _clients(port, groups[0], per_client, new_tokens, stream)]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # not fork: this process may hold CUDA and engine threads
+        barrier, results = ctx.Barrier(len(groups)), ctx.Queue()
+        procs = [ctx.Process(target=_client_process, args=(port, g, per_client, new_tokens, stream, barrier, results))
+                 for g in groups]
+        for proc in procs:
+            proc.start()
+        try:
+            parts = await asyncio.to_thread(_collect, procs, results)
+        finally:
+            for proc in procs:
+                proc.join(10)
+                proc.kill()
+    server1 = process_cpu_s(server_pid) if server_pid else 0.0
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    ttft = [t for p in parts for t in p["ttft"]]
+    itl = [t for p in parts for t in p["itl"]]
+    tokens = sum(p["tokens"] for p in parts)
     n = clients * per_client
-    return {"clients": clients, "requests": n, "failures": failures, "wall_s": wall, "requests_per_s": n / wall,
-            "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5, math.nan),
+    # where the cores went: the load generator shares the machine with the server
+    cpu = {"client_cpu_s": sum(p["cpu_s"] for p in parts), "server_cpu_s": server1 - server0} if server_pid else {}
+    return {"clients": clients, "requests": n, "failures": sum(p["failures"] for p in parts), "wall_s": wall,
+            "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5, math.nan),
             "ttft_p99_s": pct(ttft, 0.99, math.nan), "itl_p50_s": pct(itl, 0.5, math.nan),
-            "itl_p99_s": pct(itl, 0.99, math.nan), "tokens": tokens, **cpu}
+            "itl_p99_s": pct(itl, 0.99, math.nan), "tokens": tokens, "client_processes": len(groups), **cpu}
 
 
 def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int,
@@ -168,7 +218,7 @@ def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
         for c in levels:
             asyncio.run(load(port, c, 1, args.new_tokens, True))  # a round at this level first, not counted
             entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
-                                                      server.pid))
+                                                      server.pid, args.client_processes))
     finally:
         stop(server, grace=30)
     for c in levels:
@@ -183,7 +233,8 @@ def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
             asyncio.run(load(port, 1, 1, 8, False))
             for c in base_levels:
                 entry["transformers_server"][str(c)] = asyncio.run(
-                    load(port, c, args.baseline_requests_per_client, args.new_tokens, False))
+                    load(port, c, args.baseline_requests_per_client, args.new_tokens, False,
+                         processes=args.client_processes))
         finally:
             stop(base, grace=30)
     return entry
@@ -221,10 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--device", default="cpu", help="where the server, the engine alone and the baseline run")
+    p.add_argument("--client-processes", type=int, default=max(1, min(8, ((os.cpu_count() or 2) - 2) // 2)),
+                   help="load-generator processes the clients are spread over (default: half the cores the server "
+                        "leaves, at most 8; 1 on a 2-core machine)")
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     report: dict = {"new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
-                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "device": args.device,
+                    "cpu_count": os.cpu_count(), "client_processes": args.client_processes,
+                    "torch": torch.__version__, "device": args.device,
                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
