@@ -13,12 +13,14 @@ network), so the run is prepared ahead, on this machine:
 
 There, with `.gpu` carried:
 
-    python -m bench.gpu run --out $OUT --stages tests,decode,server    # one command (10 minutes at most)
+    python -m bench.gpu run --out $OUT --stages tests,profile,decode,server    # one command (10 minutes at most)
     python -m bench.gpu run --out $OUT --stages train                  # the next
 
 runs, in order, each stage timed (and killed when the budget is spent) and its output kept in bench/results/<gpu>/
 (with --out, also archived there as gpu_results.tar.gz after every stage: unpack it into bench/results/ here):
 - `tests`: every GPU-marked test (of the files in GPU_TESTS), the log in gpu_tests.txt;
+- `profile`: `bench.step_profile --device cuda`: a decode step's device time (its graph replayed alone) against
+  the host's, for both models at 1, 8 and 32 requests, and the kernels an eager step launches;
 - `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
   against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch; the
   bundled model and GPT-2 124M);
@@ -50,7 +52,7 @@ from bench import REPO, RESULTS, SHARED_DATA
 from bench.report import pyplot, save_figure, write_json
 
 PREPARED = REPO / ".gpu"
-STAGES = ("tests", "decode", "server", "train")
+STAGES = ("tests", "profile", "decode", "server", "train")
 # the test files with GPU tests (the suite's other files need packages that machine lacks), and the graphs' CPU tests
 GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py",
              "tests/engine/test_graphs.py")
@@ -268,6 +270,9 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
         if name == "tests":  # the GPU-marked tests of GPU_TESTS (their CPU tests run in CI)
             summary["stages"][name] = stage(name, [py, "-m", "pytest", "-q", "-rs", "-m", "gpu", *GPU_TESTS], env,
                                             results / "gpu_tests.txt", min(tests_cap, left()))
+        elif name == "profile":
+            summary["stages"][name] = stage(name, [py, "-m", "bench.step_profile", "--device", "cuda", "--out-dir",
+                                                   str(results)], env, results / "step_profile.log", left())
         elif name == "decode":
             summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
                                                    "--engine-compile", "--out-dir", str(results)], env,

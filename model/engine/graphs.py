@@ -114,6 +114,14 @@ class DecodeGraphs:
             out = self.forward(*self._views(width), key[1])
         return out[:n].clone()
 
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:
+        """Graph `key` once more on the inputs of the last step (the forward on them, uncaptured): the step's device
+        work alone, without the host's (bench/step_profile.py times it). Its output, not a copy."""
+        if self.capture:
+            self.graphs[key].replay()
+            return self.outputs[key]
+        return self.forward(*self._views(key[0]), key[1])
+
     def close(self) -> None:
         """Free the graphs and their memory pool (after the last replay has finished on the device)."""
         if self.capture:

@@ -118,6 +118,22 @@ def test_padding_writes_only_the_scratch_row() -> None:
     assert torch.equal(graph.cache.k[:, 6, :, 1:], scratch_before[:, :, 1:])  # and nothing else
 
 
+def test_a_replay_repeats_the_last_step() -> None:
+    """`replay` runs the last step's graph again on its inputs (what bench/step_profile.py times as the step's
+    device work): the step's logits again, and the cache as that step left it."""
+    engine = Engine(tiny_checkpoint(BLOCK), device="cpu", dtype=torch.float64, max_batch_size=6)
+    runner = engine.runner
+    runner.decode_through_graphs(capture=False)
+    with torch.inference_mode():
+        runner.forward_chunks([1, 3], [[5, 6, 7], [8, 9]], [0, 0])
+        logits = runner.decode([1, 3], [11, 12], [3, 2])
+        cache = runner.cache.k.clone()
+        assert runner.graphs is not None
+        again = runner.graphs.replay((2, 64))[:2]
+    torch.testing.assert_close(again, logits, rtol=0, atol=0)
+    assert torch.equal(runner.cache.k, cache)
+
+
 def test_steps_the_buckets_cannot_hold_run_eagerly() -> None:
     graphs = DecodeGraphs(lambda *a: torch.zeros(1), max_rows=4, block_size=BLOCK, scratch_row=4,
                           device=torch.device("cpu"), capture=False)
