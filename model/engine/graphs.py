@@ -140,38 +140,38 @@ class DecodeGraphs:
         the memory their intermediate tensors take)."""
         start = time.perf_counter()
         self.inputs[:, ROWS] = self.scratch_row  # capture writes only into the scratch row
-        pool = torch.cuda.graph_pool_handle()
-        # no garbage collection inside a capture: what it frees on this thread (another engine's graphs, say) may
-        # not be freed while this thread's stream captures, and the capture would fail (seen on an H200)
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            # the buffers stay ordinary tensors (a step may run outside inference mode); what graphs compute is not
-            with torch.inference_mode():
-                for width in reversed(self.rows):
-                    for context in reversed(self.contexts):
-                        self.graphs[(width, context)], self.outputs[(width, context)] = self._capture(width, context,
-                                                                                                      pool)
-        finally:
-            if collecting:
-                gc.enable()
+        keys = [(width, context) for width in reversed(self.rows) for context in reversed(self.contexts)]
+        # the buffers stay ordinary tensors (a step may run outside inference mode); what graphs compute is not
+        with torch.inference_mode():
+            # every shape run once first, on a side stream (lazy initialisation, autotuning, and --compile's
+            # compiles), as torch.cuda.graphs' docs ask
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for width, context in keys:
+                    self.forward(*self._views(width), context)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            pool = torch.cuda.graph_pool_handle()
+            # no garbage collection inside a capture: what it frees on this thread (another engine's graphs, say)
+            # may not be freed while this thread's stream captures, and the capture would fail (seen on an H200)
+            gc.collect()
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                for key in keys:
+                    self.graphs[key], self.outputs[key] = self._capture(*key, pool)
+            finally:
+                if collecting:
+                    gc.enable()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs of the decode step (rows %s, contexts %s) in %.1f s", len(self.graphs),
                  self.rows, self.contexts, self.capture_seconds)
 
     def _capture(self, width: int, context: int, pool: object) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        views = self._views(width)
-        # warm up on a side stream first (lazy initialisation, autotuning), as torch.cuda.graphs' docs ask
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self.forward(*views, context)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another engine's thread (several models, a reload beside a serving model) may wait for the
         # GPU or allocate meanwhile; in the default global mode that call would fail the other engine's step
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            out = self.forward(*views, context)
+            out = self.forward(*self._views(width), context)
         return graph, out
