@@ -123,9 +123,11 @@ class DecodeGraphs:
         return self.forward(*self._views(key[0]), key[1])
 
     def close(self) -> None:
-        """Free the graphs and their memory pool (after the last replay has finished on the device)."""
+        """Free the graphs and their memory pool, once the last replay has finished on the device. Called on the
+        engine's thread: the stream it replays on is waited for, not the whole device (another engine may be
+        capturing meanwhile, and a device-wide wait is among the calls a capture forbids)."""
         if self.capture:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
