@@ -124,8 +124,8 @@ class DecodeGraphs:
 
     def close(self) -> None:
         """Free the graphs and their memory pool, once the last replay has finished on the device. Called on the
-        engine's thread: the stream it replays on is waited for, not the whole device (another engine may be
-        capturing meanwhile, and a device-wide wait is among the calls a capture forbids)."""
+        engine's thread: the stream it replays on is waited for, not the whole device (which another engine, loading
+        beside it, may be using or capturing on)."""
         if self.capture:
             torch.cuda.current_stream(self.device).synchronize()
         for graph in self.graphs.values():
