@@ -70,7 +70,7 @@ BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 EVAL_LINE = re.compile(r"step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
 ITER_LINE = re.compile(r"^iter (\d+):|(?<![\d.])(\d+)/\d+ \[", re.M)
 NANOGPT_TIME = re.compile(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", re.M)
-FOLIO_TOKENS = re.compile(r"tok_s=([\d,]+)\]")
+BAR_TOKENS_PER_S = re.compile(r"tok_s=([\d,]+)\]")
 TOKENS_PER_ITER = 64 * 256  # the configuration's batch times block
 
 
@@ -214,7 +214,7 @@ def iteration_ms(log: str) -> list[float]:
     """Milliseconds per iteration as each log reports them: nanoGPT's `time X ms` (every 10th iteration), Folio's
     bar's tokens/s (over the last 10); those spanning an evaluation included (a median sets them aside)."""
     return [float(ms) for ms in NANOGPT_TIME.findall(log)] + [
-        1e3 * TOKENS_PER_ITER / float(t.replace(",", "")) for t in FOLIO_TOKENS.findall(log)]
+        1e3 * TOKENS_PER_ITER / float(t.replace(",", "")) for t in BAR_TOKENS_PER_S.findall(log)]
 
 
 def summarize(log: str, seconds: float, flops_per_token: float, peak: float) -> dict[str, Any]:
