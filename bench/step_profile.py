@@ -8,7 +8,8 @@ step is measured; then the step the engine last ran is replayed alone, `--replay
 the CPU its forward on the same buffers), with nothing else around it. The replay is the step's device work; the
 rest of a step (scheduling, the inputs' copy, sampling, the wait for the token, detokenising, handing it over) is
 the host's, which a GPU does not speed up. On CUDA the number of kernels an eager step launches is counted too
-(torch.profiler), as a guide to what fusing would save.
+(torch.profiler), as a guide to what fusing would save; and at batch 1 the engine thread is profiled (cProfile, in
+an engine of its own): the functions its host time goes to, per step.
 
 Writes bench/results/<--out-dir>/step_profile.json and .png.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -75,6 +78,36 @@ def step_times(ck: Checkpoint, batch: int, new_tokens: int, replays: int, device
         engine.stop()
 
 
+def host_profile(ck: Checkpoint, new_tokens: int, device: str, top: int = 25) -> list[dict[str, Any]]:
+    """Where the engine thread's time goes at batch 1 (cProfile on that thread alone, in an engine of its own so
+    that the timed runs are not slowed): the `top` functions by their own time, in milliseconds per step."""
+    engine = Engine(ck, max_batch_size=1, device=device)
+    if engine.runner.graphs is None and torch.device(device).type == "cpu":
+        engine.runner.decode_through_graphs(capture=False)
+    profiler = cProfile.Profile()
+    loop = engine.scheduler.run
+
+    def profiled() -> None:
+        profiler.enable()
+        try:
+            loop()
+        finally:
+            profiler.disable()
+
+    engine.scheduler.run = profiled  # type: ignore[method-assign]  # the thread's target, read by start()
+    engine.start()
+    try:
+        prompt = prompts(1, ck.tokenizer.n_vocab)[0]
+        engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
+    finally:
+        engine.stop()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line}({name})", "calls": calls,
+             "self_ms_per_step": 1e3 * tottime / new_tokens, "total_ms_per_step": 1e3 * cumtime / new_tokens}
+            for (file, line, name), (_, calls, tottime, cumtime, _) in rows]
+
+
 def eager_kernels(ck: Checkpoint, device: str) -> int | None:
     """CUDA kernels one eager batch-1 decode step launches (None off CUDA)."""
     if not device.startswith("cuda"):
@@ -112,14 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':<10} {'batch':>5} {'step ms':>8} {'device ms':>9} {'host ms':>8} {'host %':>6} {'tok/s':>9}")
     for name in args.models.split(","):
         ck = named_checkpoint(name)
-        entry: dict[str, Any] = {"eager_step_kernels": eager_kernels(ck, args.device), "batches": {}}
+        new_tokens = min(args.new_tokens, ck.config.block_size - 48)
+        entry: dict[str, Any] = {"eager_step_kernels": eager_kernels(ck, args.device), "batches": {},
+                                 "host_profile_batch1": host_profile(ck, new_tokens, args.device)}
         for b in [int(x) for x in args.batches.split(",") if x]:
-            r = step_times(ck, b, min(args.new_tokens, ck.config.block_size - 48), args.replays, args.device,
-                           args.compile)
+            r = step_times(ck, b, new_tokens, args.replays, args.device, args.compile)
             entry["batches"][str(b)] = r
             print(f"{name:<10} {b:5d} {r['step_ms']:8.3f} {r.get('device_ms', float('nan')):9.3f} "
                   f"{r.get('host_ms', float('nan')):8.3f} {100 * r.get('host_share', float('nan')):5.0f}% "
                   f"{r['tokens_per_s']:9.1f}")
+        print(f"  {name}, batch 1: the engine thread's own time per step, by function (cProfile)")
+        for row in entry["host_profile_batch1"][:10]:
+            print(f"  {row['self_ms_per_step']:8.4f} ms  {row['function']}")
         report["models"][name] = entry
         write_json(Path(args.out_dir) / "step_profile.json", report)
     plot(report, Path(args.out_dir) / "step_profile.png")

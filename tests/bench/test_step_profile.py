@@ -18,6 +18,12 @@ def test_a_step_splits_into_device_and_host_time(tmp_path: Path) -> None:
     assert report["device"] == "cpu" and (tmp_path / "step_profile.png").stat().st_size > 0
     entry = report["models"]["default"]
     assert entry["eager_step_kernels"] is None  # counted on CUDA only
+    # the engine thread's functions, by their own time per step, the largest first
+    profile = entry["host_profile_batch1"]
+    own = [row["self_ms_per_step"] for row in profile]
+    assert len(profile) == 25 and own == sorted(own, reverse=True) and own[0] > 0
+    assert all(row["calls"] > 0 and row["self_ms_per_step"] <= row["total_ms_per_step"] + 1e-9 for row in profile)
+    assert any(row["function"].startswith("scheduler.py:") for row in profile)  # the loop itself
     for batch, bucket in (("1", [1, 64]), ("3", [3, 64])):  # the largest rows bucket is the batch limit itself
         r = entry["batches"][batch]
         assert r["bucket"] == bucket and r["cuda_graphs"] == "not used on this device"
