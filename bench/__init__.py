@@ -5,7 +5,9 @@ sizes.
 
 Helpers shared with the tests are importable from the packages (`app/testing.py`, `model/testing.py`); what only
 the benchmarks share is in `bench/report.py` (percentiles, JSON and PNG), `bench/models.py` (GPT-2 shapes) and
-here (where the data live, and the trainer's split of a text).
+here (where the data live, and the trainer's split of a text). Importing this package imports nothing of
+torch's (`bench.load_client`, a process of its own, starts fast); what needs the model's modules imports them
+where it is used.
 """
 
 import argparse
@@ -13,9 +15,6 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-
-from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
-from model.data import TRAIN_FRACTION
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -26,11 +25,15 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 def training_split(text: str) -> str:
     """The part of a text the trainer trains on (model/data.py: its first TRAIN_FRACTION; exactly for a character
     model, whose tokens are its characters, and to within a token or so for BPE)."""
+    from model.data import TRAIN_FRACTION
+
     return text[:int(len(text) * TRAIN_FRACTION)]
 
 
 def validation_split(text: str) -> str:
     """The rest: what the benchmarks evaluate on, never trained on."""
+    from model.data import TRAIN_FRACTION
+
     return text[int(len(text) * TRAIN_FRACTION):]
 
 
@@ -40,6 +43,8 @@ RECIPE_FILE = "recipe.json"  # beside a cached model: what it was built from (`b
 def built_from(out: Path, recipe: object) -> bool:
     """Whether `out` holds a whole checkpoint (weights and config) whose RECIPE_FILE says it was built from
     `recipe` (any JSON value)."""
+    from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+
     try:
         found = json.loads((out / RECIPE_FILE).read_text())
     except (OSError, json.JSONDecodeError):

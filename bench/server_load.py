@@ -19,32 +19,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
-import multiprocessing
 import os
-import queue
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from app.testing import free_port, launch, stop, wait_healthy
 from bench import REPO, RESULTS, SHARED_DATA
+from bench.load_client import PROMPTS
+from bench.load_client import clients as run_clients
 from bench.models import gpt2_124m
 from bench.report import pct, pyplot, save_figure, write_json
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.engine import Engine
 from model.sampling_params import SamplingParams
 from model.tokenizer import gpt2_tokenizer
-
-PROMPTS = ["ROMEO:", "JULIET:\nO ", "First Citizen:\nWe are", "KING RICHARD III:\nNow is the winter",
-           "HAMLET:\nTo be, or not", "MENENIUS:\nWhat", "LADY MACBETH:\nOut, damned", "BRUTUS:\nThe"]
 
 
 def start(cmd: list[str], log: Path) -> tuple[subprocess.Popen, int]:
@@ -65,99 +61,18 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _clients(port: int, ids: list[int], per_client: int, new_tokens: int, stream: bool,
-                   ready: Callable[[], object] | None = None) -> dict[str, Any]:
-    """Clients `ids` in this process, streaming (or whole-body), `per_client` requests each, on one connection pool;
-    `ready` is called (blocking) once the pool is made, before the first request. Their TTFTs and ITLs, tokens,
-    failures, this process's CPU seconds, and when they started and ended (time.perf_counter: one clock for all
-    processes of this machine)."""
-    ttft: list[float] = []
-    itl: list[float] = []
-    tokens = 0
-    failures = 0
-
-    async def client(i: int, http: httpx.AsyncClient) -> None:
-        nonlocal tokens, failures
-        for r in range(per_client):
-            body = {"inputs": PROMPTS[(i + r) % len(PROMPTS)],
-                    "parameters": {"max_new_tokens": new_tokens, "details": not stream}}
-            t0 = time.perf_counter()
-            try:
-                if not stream:
-                    resp = await http.post("/generate", json=body)
-                    resp.raise_for_status()
-                    tokens += new_tokens
-                    continue
-                last = None
-                async with http.stream("POST", "/generate_stream", json=body) as resp:
-                    resp.raise_for_status()
-                    # count events in raw chunks (no per-line decoding: the client shares the server's CPUs,
-                    # so a costly client would be measured as server time); events that arrive in one chunk
-                    # arrived together
-                    async for chunk in resp.aiter_raw():
-                        now = time.perf_counter()
-                        for _ in range(chunk.count(b"data:")):
-                            if last is None:
-                                ttft.append(now - t0)
-                            else:
-                                itl.append(now - last)
-                            last = now
-                            tokens += 1
-            except httpx.HTTPError:
-                failures += 1
-
-    limits = httpx.Limits(max_connections=len(ids) + 4, max_keepalive_connections=len(ids) + 4)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as http:
-        if ready is not None:
-            ready()
-        cpu, start = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(client(i, http) for i in ids))
-        end = time.perf_counter()
-    return {"ttft": ttft, "itl": itl, "tokens": tokens, "failures": failures,
-            "cpu_s": time.process_time() - cpu, "start": start, "end": end}
-
-
-def _client_process(port: int, ids: list[int], per_client: int, new_tokens: int, stream: bool,
-                    barrier: Any, results: Any) -> None:
-    """A load-generator process: its clients start when every process's have their connection pool."""
-    results.put(asyncio.run(_clients(port, ids, per_client, new_tokens, stream, barrier.wait)))
-
-
-def _collect(procs: list[Any], results: Any) -> list[dict[str, Any]]:
-    """Each load-generator process's result, or an error as soon as one of them has failed."""
-    parts: list[dict[str, Any]] = []
-    while len(parts) < len(procs):
-        try:
-            parts.append(results.get(timeout=1))
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"a load-generator process failed (exit codes {failed})") from None
-    return parts
-
-
 async def load(port: int, clients: int, per_client: int, new_tokens: int, stream: bool,
                server_pid: int | None = None, processes: int = 1) -> dict:
     """`clients` streaming (or whole-body) clients, `per_client` requests each, spread over `processes` load-generator
-    processes (one Python process drives a few thousand events/s, which a GPU server outruns): throughput, TTFT and
+    processes (one Python process drives a few thousand events/s, which a GPU server outruns; each further one is a
+    `python -m bench.load_client`, started together once all have their connection pools): throughput, TTFT and
     ITL, and (with `server_pid`) the CPU seconds the clients and the server used meanwhile."""
     groups = [list(range(k, clients, processes)) for k in range(min(processes, clients))]
     server0 = process_cpu_s(server_pid) if server_pid else 0.0
     if len(groups) == 1:
-        parts = [await _clients(port, groups[0], per_client, new_tokens, stream)]
+        parts = [await run_clients(port, groups[0], per_client, new_tokens, stream)]
     else:
-        ctx = multiprocessing.get_context("spawn")  # not fork: this process may hold CUDA and engine threads
-        barrier, results = ctx.Barrier(len(groups)), ctx.Queue()
-        procs = [ctx.Process(target=_client_process, args=(port, g, per_client, new_tokens, stream, barrier, results))
-                 for g in groups]
-        for proc in procs:
-            proc.start()
-        try:
-            parts = await asyncio.to_thread(_collect, procs, results)
-        finally:
-            for proc in procs:
-                proc.join(10)
-                proc.kill()
+        parts = await _in_processes(port, groups, per_client, new_tokens, stream)
     server1 = process_cpu_s(server_pid) if server_pid else 0.0
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     ttft = [t for p in parts for t in p["ttft"]]
@@ -170,6 +85,31 @@ async def load(port: int, clients: int, per_client: int, new_tokens: int, stream
             "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall, "ttft_p50_s": pct(ttft, 0.5, math.nan),
             "ttft_p99_s": pct(ttft, 0.99, math.nan), "itl_p50_s": pct(itl, 0.5, math.nan),
             "itl_p99_s": pct(itl, 0.99, math.nan), "tokens": tokens, "client_processes": len(groups), **cpu}
+
+
+async def _in_processes(port: int, groups: list[list[int]], per_client: int, new_tokens: int,
+                        stream: bool) -> list[dict[str, Any]]:
+    """Each group of clients in a `bench.load_client` process of its own; all told to start at once."""
+    procs = [await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.load_client", str(port), ",".join(map(str, ids)), str(per_client),
+        str(new_tokens), "1" if stream else "0", cwd=REPO, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE) for ids in groups]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            if (await asyncio.wait_for(proc.stdout.readline(), 120)).strip() != b"ready":
+                raise RuntimeError(f"a load-generator process failed to start (exit {await proc.wait()})")
+        for proc in procs:  # go
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+        outs = [await proc.communicate() for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    return [json.loads(out) for out, _ in outs]
 
 
 def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int,
