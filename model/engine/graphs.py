@@ -108,15 +108,12 @@ class DecodeGraphs:
         if self.capture:
             self.copied = torch.cuda.Event()
             self.copied.record()
-            self.graphs[key].replay()
-            out = self.outputs[key]
-        else:
-            out = self.forward(*self._views(width), key[1])
-        return out[:n].clone()
+        return self.replay(key)[:n].clone()
 
     def replay(self, key: tuple[int, int]) -> torch.Tensor:
-        """Graph `key` once more on the inputs of the last step (the forward on them, uncaptured): the step's device
-        work alone, without the host's (bench/step_profile.py times it). Its output, not a copy."""
+        """Graph `key` on the static inputs as they stand (uncaptured: the forward on them). `run` copies a step's
+        inputs in first; called alone it repeats the last step, the step's device work without the host's
+        (bench/step_profile.py times it). Its output, not a copy."""
         if self.capture:
             self.graphs[key].replay()
             return self.outputs[key]
