@@ -32,9 +32,7 @@ def training_split(text: str) -> str:
 
 def validation_split(text: str) -> str:
     """The rest: what the benchmarks evaluate on, never trained on."""
-    from model.data import TRAIN_FRACTION
-
-    return text[int(len(text) * TRAIN_FRACTION):]
+    return text[len(training_split(text)):]
 
 
 RECIPE_FILE = "recipe.json"  # beside a cached model: what it was built from (`built_from`)

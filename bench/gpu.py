@@ -53,9 +53,8 @@ from bench.report import pyplot, save_figure, write_json
 
 PREPARED = REPO / ".gpu"
 STAGES = ("tests", "profile", "decode", "server", "train")
-# the test files with GPU tests (the suite's other files need packages that machine lacks), and the graphs' CPU tests
-GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py",
-             "tests/engine/test_graphs.py")
+# the test files with GPU tests (the suite's other files need packages that machine lacks)
+GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py")
 # the server's needs that the GPU machine's image lacks (docs of the device tool list what it holds)
 WHEELS = ("fastapi", "fastapi-offline", "starlette", "pydantic", "pydantic-core", "pydantic-settings",
           "python-dotenv", "typing-inspection", "annotated-types", "typing-extensions", "uvicorn", "httptools",
@@ -225,7 +224,8 @@ def summarize(log: str, seconds: float, flops_per_token: float, peak: float) -> 
     evals = read_evals(log)
     done = iterations_done(log)
     tokens_per_s = done * TOKENS_PER_ITER / seconds
-    ms = statistics.median(iteration_ms(log)) if iteration_ms(log) else float("nan")
+    times = iteration_ms(log)
+    ms = statistics.median(times) if times else float("nan")
     return {"evals": evals, "val_loss_last": evals[-1][2] if evals else None,
             "val_loss_best": min((v for _, _, v in evals), default=None), "iterations_done": done,
             "tokens_per_s_overall": tokens_per_s, "mfu_overall": flops_per_token * tokens_per_s / peak,

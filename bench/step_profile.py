@@ -35,14 +35,20 @@ from model.engine import Engine
 from model.sampling_params import SamplingParams
 
 
+def graph_engine(ck: Checkpoint, batch: int, device: str, compile: bool = False) -> Engine:
+    """An engine of `batch` rows decoding through its `DecodeGraphs` (captured on CUDA, its default; on the CPU the
+    same buffers and buckets, uncaptured), not yet started."""
+    engine = Engine(ck, max_batch_size=batch, max_waiting=batch, device=device, compile=compile)
+    if engine.runner.graphs is None and torch.device(device).type == "cpu":
+        engine.runner.decode_through_graphs(capture=False)
+    return engine
+
+
 def step_times(ck: Checkpoint, batch: int, new_tokens: int, replays: int, device: str,
                compile: bool = False) -> dict[str, Any]:
     """One model and batch size: ms per engine step, ms per replay of that step alone, and the host's share."""
-    engine = Engine(ck, max_batch_size=batch, max_waiting=batch, device=device, compile=compile)
+    engine = graph_engine(ck, batch, device, compile).start()
     runner = engine.runner
-    if runner.graphs is None and torch.device(device).type == "cpu":  # the same buffers and buckets, uncaptured
-        runner.decode_through_graphs(capture=False)
-    engine.start()
     try:
         work = [(p, SamplingParams(max_new_tokens=new_tokens, stop_at_eos=False))
                 for p in prompts(batch, ck.tokenizer.n_vocab, seed=batch)]
@@ -81,9 +87,7 @@ def step_times(ck: Checkpoint, batch: int, new_tokens: int, replays: int, device
 def host_profile(ck: Checkpoint, new_tokens: int, device: str, top: int = 25) -> list[dict[str, Any]]:
     """Where the engine thread's time goes at batch 1 (cProfile on that thread alone, in an engine of its own so
     that the timed runs are not slowed): the `top` functions by their own time, in milliseconds per step."""
-    engine = Engine(ck, max_batch_size=1, device=device)
-    if engine.runner.graphs is None and torch.device(device).type == "cpu":
-        engine.runner.decode_through_graphs(capture=False)
+    engine = graph_engine(ck, 1, device)
     profiler = cProfile.Profile()
     loop = engine.scheduler.run
 
