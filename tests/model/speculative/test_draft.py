@@ -8,7 +8,6 @@ token's cost in k and in how often requests that draft nothing are probed."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -188,22 +187,34 @@ def test_a_drafted_tokens_cost_enters_k_and_spaces_the_probes() -> None:
     assert speculator.drafts([Drafting(spec, [1, 2], [], room=8)]) == [[7] * best_k(0.9, 4, token_cost=0.05)]
 
 
+class Clock:
+    """The speculator's clock in the test: time passes only when a proposal says it took some, so what the
+    speculator measures is exactly that (a real clock made a free proposal cost whatever the machine's load did)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class SlowProposer(CountingProposer):
     """A proposal that takes `seconds` (as a draft model's catch-up does), whatever it proposes."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, clock: Clock) -> None:
         super().__init__(token_cost=0.0)
-        self.seconds = seconds
+        self.seconds, self.clock = seconds, clock
 
     def propose(self, states, prompts, outputs, ks) -> list[list[int]]:
-        if self.seconds:
-            time.sleep(self.seconds)
+        self.clock.now += self.seconds
         return super().propose(states, prompts, outputs, ks)
 
 
-def test_probes_are_spaced_by_what_they_are_measured_to_cost() -> None:
+def test_probes_are_spaced_by_what_they_are_measured_to_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr("model.speculative.speculator.time", clock)
     for seconds, steps in ((0.0, 150), (0.002, 150)):
-        proposer = SlowProposer(seconds)
+        proposer = SlowProposer(seconds, clock)
         speculator = Speculator(proposer, k_max=4)
         spec = speculator.begin(row=0)
         spec.acceptance = 0.0  # no k pays: only probes
