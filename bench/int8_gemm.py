@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from bench import RESULTS
-from bench.quantize import cpu_name
-from bench.report import pyplot, save_figure, write_json
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model import kernels
 from model.kernels import loader
 from model.quantize import quantize_rows

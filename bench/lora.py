@@ -26,8 +26,7 @@ from safetensors.torch import save_file
 
 from bench import RESULTS
 from bench.engine_decode import gpt2_124m_checkpoint, prompts
-from bench.quantize import cpu_name
-from bench.report import pyplot, save_figure, write_json
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model.config import GPTConfig
 from model.engine import Engine
 from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoRAConfig, block_linears, peft_key

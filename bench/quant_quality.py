@@ -46,8 +46,8 @@ from bench.models import to_hf
 from bench.peers import LLAMA_QUANTIZED
 from bench.peers.builds import Setup, SetupError
 from bench.peers.servers import Server, start, stop
-from bench.quantize import cached_logits, cpu_name, quality, variant
-from bench.report import pyplot, save_figure, write_json
+from bench.quantize import cached_logits, quality, variant
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model import kernels
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.quantize.calibration import CALIBRATION_TOKENS, quantize_calibrated

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import copy
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 
 from bench import REPO, RESULTS, SHARED_DATA, validation_split
 from bench.engine_decode import measure_read_bandwidth, named_checkpoint, prompts
-from bench.report import pyplot, save_figure, write_json
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model import kernels
 from model.checkpoint import Checkpoint
 from model.engine import Engine
@@ -36,17 +35,6 @@ from model.quantize import Int4Linear, quantize
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import gpt2_tokenizer
-
-
-def cpu_name() -> str:
-    """The CPU's model name as lscpu shows it (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def variant(ck: Checkpoint, kind: str) -> Checkpoint:

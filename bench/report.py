@@ -1,9 +1,11 @@
 """What every benchmark does with its figures: percentiles, the JSON report and a PNG drawn by matplotlib
-without a display (the Agg backend), both under bench/results/ unless told otherwise."""
+without a display (the Agg backend), both under bench/results/ unless told otherwise, and the CPU's name they
+record."""
 
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,14 @@ def save_figure(fig: Any, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     pyplot().close(fig)
+
+
+def cpu_name() -> str:
+    """The CPU's model name as lscpu shows it (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from bench import RESULTS, SHARED_DATA
-from bench.report import pyplot, save_figure, write_json
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model.train.config import PRESETS, TrainConfig
 from model.train.optim import flops_per_token, get_lr
 from model.train.trainer import Trainer
@@ -94,15 +94,6 @@ def train_throughput(preset: str, data: Path, steps: int, warmup: int, threads: 
         "last_loss": loss,
     }
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def plot(results: dict[str, Any], png: Path) -> None:
