@@ -88,7 +88,8 @@ class _NewRequests:
     def __init__(self, base: str, http: httpx.Client, n: int, swapped: threading.Event) -> None:
         self.base, self.http, self.n, self.swapped = base, http, n, swapped
         self.answers: list[tuple[int, float, str | None, float, str]] = []
-        self.threads: list[threading.Thread] = []
+        self.pacer = threading.Thread(target=self._pace, daemon=True)
+        self.senders: list[threading.Thread] = []
 
     def _send(self, i: int) -> None:
         sent = time.monotonic()
@@ -106,17 +107,17 @@ class _NewRequests:
                 self.swapped.wait(300)
             t = threading.Thread(target=self._send, args=(i,), daemon=True)
             t.start()
-            self.threads.append(t)
+            self.senders.append(t)
             time.sleep(NEW_EVERY_S)
 
     def start(self) -> None:
-        pacer = threading.Thread(target=self._pace, daemon=True)
-        pacer.start()
-        self.threads.append(pacer)
+        self.pacer.start()
 
     def join(self, timeout: float) -> None:
+        """Wait for every answer: the pacer first (until it has started all `n` requests), then each request."""
         deadline = time.monotonic() + timeout
-        for t in list(self.threads):
+        self.pacer.join(timeout)
+        for t in self.senders:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
