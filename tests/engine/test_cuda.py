@@ -18,12 +18,13 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.quantize import quantize
 from model.reference import generate_naive
-from model.sampler import draw
+from model.sampler import draw, new_generator
 from model.sampling_params import SamplingParams
 from model.testing import tiny_checkpoint
 from tests.engine.references import together
 from tests.engine.test_graphs import BLOCK
 from tests.engine.test_graphs import jobs as graph_jobs
+from tests.sampling.distributions import inverse_cdf
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,13 +144,14 @@ def test_cuda_graphs_are_captured_by_default_and_decode_as_eager_steps(make_engi
     assert {rows for rows, _ in replays} >= {1, 2, 4, 6} and {ctx for _, ctx in replays} == {64, 128, 160}
 
 
-def test_a_drawn_token_is_torch_multinomials_on_cuda() -> None:
-    """`sample_row` draws as `torch.multinomial` does (an exponential race), on the device without waiting for it:
-    the same token from the same generator state, so seeded requests are what they were."""
-    for seed in range(50):
-        probs = torch.softmax(torch.randn(5000, device="cuda") * 3, -1)
-        want = torch.multinomial(probs, 1, generator=torch.Generator("cuda").manual_seed(seed))
-        assert int(draw(probs, torch.Generator("cuda").manual_seed(seed))) == int(want)
+def test_a_drawn_token_inverts_the_cumulative_distribution_on_cuda() -> None:
+    """`draw` on the device, without waiting for it: each row's id is where its generator's uniform number falls in
+    its cumulative distribution (computed here on the host), alone or among other rows."""
+    probs = torch.softmax(torch.randn(8, 5000, device="cuda") * 3, -1)
+    together = draw(probs, [new_generator(seed, "cuda") for seed in range(8)]).tolist()
+    for seed in range(8):
+        assert int(draw(probs[seed], new_generator(seed, "cuda"))) == together[seed]
+        assert together[seed] == inverse_cdf(probs[seed].cpu(), seed, "cuda")
 
 
 @pytest.mark.slow

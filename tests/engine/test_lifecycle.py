@@ -193,14 +193,14 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, max_batch_size=4, start=False)
     params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
-    real_sample = sampler_module.sample_row
+    real_adjust = sampler_module.adjust
 
-    def sample(masked, row):
+    def adjust(masked, row, eos_id):
         if row.params is victim:
             raise RuntimeError("injected fault")
-        return real_sample(masked, row)
+        return real_adjust(masked, row, eos_id)
 
-    monkeypatch.setattr(sampler_module, "sample_row", sample)
+    monkeypatch.setattr(sampler_module, "adjust", adjust)
     prompts = [[1, 2, 3], [4, 5], [10]]
 
     async def main():

@@ -1,10 +1,14 @@
 """The exact distributions sampling must follow, written out in float64 independently of the implementation
-(the documented steps 4-7: temperature, top-k, softmax, top-p), and Pearson's chi-square test that sampled
-counts are drawn from them."""
+(the documented steps 4-7: temperature, top-k, softmax, top-p), Pearson's chi-square test that sampled
+counts are drawn from them, and the id a seed's uniform number picks by inverse transform sampling."""
 
 from __future__ import annotations
 
 import math
+
+import torch
+
+from model.sampler import new_generator
 
 LOGITS = [0.3, 2.1, -1.0, 1.4, 0.9, -0.2, 1.8, -2.5, 0.0, 1.1, -0.7, 0.5]
 
@@ -89,3 +93,15 @@ def same_distribution_ok(a: list[int], b: list[int]) -> tuple[bool, str]:
     df = len(cells) - 1
     critical = chi2_critical(df)
     return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} a={a} b={b}"
+
+
+def inverse_cdf(probs: torch.Tensor, seed: int, device: str = "cpu") -> int:
+    """The id the generator of `seed` draws from `probs` by inverse transform sampling, in plain Python: the first
+    whose running sum (float64) reaches (1 - u) of the total, u that generator's first float64 uniform."""
+    u = float(torch.rand((), dtype=torch.float64, generator=new_generator(seed, device), device=device))
+    total, running = sum(probs.double().tolist()), 0.0
+    for i, p in enumerate(probs.double().tolist()):
+        running += p
+        if running >= (1 - u) * total:
+            return i
+    raise AssertionError("no id reached")

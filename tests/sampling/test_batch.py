@@ -1,6 +1,6 @@
-"""The batched `Sampler`'s bookkeeping: draws as `torch.multinomial` draws, a sampled row whose logits hold NaN fails
-alone, and each row gets its own top-n alternatives when rows ask for different n (all brought to the host at
-once)."""
+"""The batched `Sampler`'s bookkeeping: draws by inverse transform sampling, the same alone or batched, a sampled
+row whose logits hold NaN fails alone, and each row gets its own top-n alternatives when rows ask for different n
+(all brought to the host at once)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,49 @@ import torch
 
 from model.sampler import Sampler, SampleRow, draw, new_generator
 from model.sampling_params import SamplingParams
+from tests.sampling.distributions import inverse_cdf
 
 VOCAB = 40
 
 
-def test_draw_is_torch_multinomials_draw() -> None:
-    """The same id from the same generator state, so seeded requests are what they were before the sampler stopped
-    waiting for each draw."""
+def test_draw_inverts_the_cumulative_distribution_at_its_generators_uniform() -> None:
+    """One uniform number per row from the row's generator, so a seed draws the same id however the row is
+    batched; ids of probability 0 (a filtered vocabulary) are never drawn."""
     for seed in range(100):
         probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(seed)) * 3, -1)
-        want = torch.multinomial(probs, 1, generator=new_generator(seed))
-        assert int(draw(probs, new_generator(seed))) == int(want)
+        probs[torch.randperm(1000, generator=torch.Generator().manual_seed(seed))[:700]] = 0  # top-k/top-p's zeros
+        assert int(draw(probs, new_generator(seed))) == inverse_cdf(probs, seed)
+    probs = torch.zeros(50)
+    probs[[0, 17, 49]] = torch.tensor([0.0, 1e-30, 1.0])
+    assert {int(draw(probs, new_generator(seed))) for seed in range(200)} == {49}
+
+
+def test_rows_drawn_together_are_each_rows_own_draw() -> None:
+    """A 2-D `draw` takes each row's noise from that row's generator: the ids the rows draw one at a time."""
+    probs = torch.softmax(torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    together = draw(probs, [new_generator(seed) for seed in range(6)])
+    assert together.tolist() == [int(draw(probs[i], new_generator(i))) for i in range(6)]
+
+
+def test_sampled_rows_of_different_parameters_filtered_together_draw_as_each_alone() -> None:
+    """The sampled rows of a step are filtered in one pass (each filter once, with a parameter per row) and raced
+    together: every row draws what it draws alone, seed for seed, whatever the other rows ask for."""
+    params = [SamplingParams(do_sample=True, seed=1), SamplingParams(do_sample=True, seed=2, temperature=0.3),
+              SamplingParams(do_sample=True, seed=3, top_k=5), SamplingParams(do_sample=True, seed=4, top_p=0.5),
+              SamplingParams(do_sample=True, seed=5, min_p=0.2, temperature=1.7),
+              SamplingParams(do_sample=True, seed=6, top_k=20, top_p=0.8, min_p=0.05, temperature=0.6),
+              SamplingParams(), SamplingParams(do_sample=True, seed=7, top_k=1)]
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(11)) * 3
+
+    def row(p: SamplingParams, step: int) -> SampleRow:
+        return SampleRow(p, None if p.is_greedy else new_generator(p.seed + 100 * step))
+
+    for step in range(30):
+        together = Sampler(VOCAB)(logits, [row(p, step) for p in params]).tokens
+        alone = [Sampler(VOCAB)(logits[i: i + 1], [row(p, step)]).tokens[0] for i, p in enumerate(params)]
+        assert together == alone, step
+    distinct = {Sampler(VOCAB)(logits[4:5], [SampleRow(params[4], new_generator(s))]).tokens[0] for s in range(50)}
+    assert len(distinct) > 3  # the rows really draw: min_p 0.2 at temperature 1.7 leaves several ids
 
 
 def rows_and_logits() -> tuple[list[SampleRow], torch.Tensor]:

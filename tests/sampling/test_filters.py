@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 
+from model import sampler as sampler_module
 from model.sampler import (
     Sampler,
     SampleRow,
     apply_repetition_penalty,
     choose_token,
     mask_unusable,
+    min_p_filter,
     new_generator,
     top_k_filter,
     top_p_filter,
@@ -55,6 +57,47 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert kept(1.0) == [0, 1, 2, 3]
     # the kept logits keep their values
     assert top_p_filter(logits, 0.7)[1:3].tolist() == logits[1:3].tolist()
+
+
+@pytest.mark.parametrize("name", ["top_k", "top_p", "min_p"])
+def test_a_parameter_per_row_filters_each_row_as_its_own_parameter_does(name: str) -> None:
+    """The batched form (2-D logits, a parameter per row, off for some rows) is each row filtered alone."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(2)) * 2
+    logits[1, 3:9] = 1.5  # ties
+    apply, values = {"top_k": (top_k_filter, [0, 3, 1, 50, 7]), "top_p": (top_p_filter, [1.0, 0.3, 0.0, 0.9, 0.6]),
+                     "min_p": (min_p_filter, [0.0, 0.5, 1.0, 0.01, 0.2])}[name]
+    together = apply(logits, values)
+    assert together.tolist() == [apply(logits[i], v).tolist() for i, v in enumerate(values)]
+    off = [0, 3] if name == "top_k" else [0]  # k 0 or the width, p 1, min_p 0: left alone; the rest filtered
+    assert (together == NEG).any(dim=-1).tolist() == [i not in off for i in range(5)]
+
+
+def test_top_p_on_the_cpu_sorts_only_the_likely_ids_and_drops_what_sorting_all_drops(monkeypatch) -> None:
+    """On the CPU top-p sorts the ids of at least a fraction of the largest probability where their mass reaches p,
+    and the rows too flat for that all together: the same ids dropped as sorting every row whole, for peaked,
+    Zipf-like and flat rows in one batch and every p."""
+    gen = torch.Generator().manual_seed(4)
+    ranks = torch.randperm(5000, generator=gen).double() + 1
+    logits = torch.stack([torch.randn(5000, generator=gen) * 4, -1.1 * ranks.log(),
+                          torch.randn(5000, generator=gen) * 0.1]).float()  # peaked, Zipf-like, flat
+    sorted_shapes = []
+    real_drop = sampler_module._top_p_drop
+
+    def spy(probs, p):
+        sorted_shapes.append(tuple(probs.shape))
+        return real_drop(probs, p)
+
+    monkeypatch.setattr(sampler_module, "_top_p_drop", spy)
+    for p in (0.05, 0.5, 0.9, 0.99):
+        sorted_shapes.clear()
+        got = top_p_filter(logits, [p] * 3)
+        want = logits.masked_fill(real_drop(torch.softmax(logits, -1), torch.tensor([[p]] * 3)), NEG)
+        assert got.tolist() == want.tolist(), p
+        assert ((got != NEG).sum(-1) >= 1).all() and (got == NEG).any(-1).all()
+        # the flat row sorted whole (with Zipf's at high p, whose likely ids are most of its row), in one call
+        assert len(sorted_shapes[-1]) == 2 and sorted_shapes[-1][1] == 5000, p
+        if p <= 0.5:
+            assert sorted_shapes[0][0] < 1000 and sorted_shapes[1][0] < 1000, p  # only the likely ids were sorted
 
 
 def test_top_p_always_keeps_at_least_one_token() -> None:
