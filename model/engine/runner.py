@@ -22,6 +22,7 @@ from model.engine.graphs import DecodeGraphs
 from model.gpt import KVCache
 from model.kernels.modules import StoredLinear
 from model.lora import batched as lora
+from model.malloc import keep_freed_memory
 
 log = logging.getLogger("folio.engine")
 
@@ -93,6 +94,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.threads = config.threads or default_threads(checkpoint.config.num_params())
             torch.set_num_threads(self.threads)
+            keep_freed_memory()  # a step's temporaries reused, not faulted in again (model/malloc.py)
         # the CPU decode kernels (built once and cached; torch's ops serve where they cannot be): /info says which
         self.cpu_kernels = "not used on this device"
         if self.device.type == "cpu" and self.dtype == torch.float32:
