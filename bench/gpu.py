@@ -13,7 +13,7 @@ network), so the run is prepared ahead, on this machine:
 
 There, with `.gpu` carried:
 
-    python -m bench.gpu run --out $OUT --stages tests,profile,decode,server    # one command (10 minutes at most)
+    python -m bench.gpu run --out $OUT --stages tests,profile,sampling,decode,server  # one command (10 minutes)
     python -m bench.gpu run --out $OUT --stages train                  # the next
 
 runs, in order, each stage timed (and killed when the budget is spent) and its output kept in bench/results/<gpu>/
@@ -21,6 +21,8 @@ runs, in order, each stage timed (and killed when the budget is spent) and its o
 - `tests`: every GPU-marked test (of the files in GPU_TESTS), the log in gpu_tests.txt;
 - `profile`: `bench.step_profile --device cuda`: a decode step's device time (its graph replayed alone) against
   the host's, for both models at 1, 8 and 32 requests, and the kernels an eager step launches;
+- `sampling`: `bench.sampling --device cuda` (a step's choice of 1 to 64 rows' tokens, GPT-2's vocabulary, against
+  transformers' warpers and `torch.multinomial`);
 - `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
   against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch; the
   bundled model and GPT-2 124M);
@@ -52,7 +54,7 @@ from bench import REPO, RESULTS, SHARED_DATA
 from bench.report import pyplot, save_figure, write_json
 
 PREPARED = REPO / ".gpu"
-STAGES = ("tests", "profile", "decode", "server", "train")
+STAGES = ("tests", "profile", "sampling", "decode", "server", "train")
 # the test files with GPU tests (the suite's other files need packages that machine lacks)
 GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py")
 # the server's needs that the GPU machine's image lacks (docs of the device tool list what it holds)
@@ -273,6 +275,10 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
         elif name == "profile":
             summary["stages"][name] = stage(name, [py, "-m", "bench.step_profile", "--device", "cuda", "--out-dir",
                                                    str(results)], env, results / "step_profile.log", left())
+        elif name == "sampling":
+            summary["stages"][name] = stage(name, [py, "-m", "bench.sampling", "--device", "cuda", "--rows",
+                                                   "1,8,32,64", "--out-dir", str(results)], env,
+                                            results / "sampling.log", left())
         elif name == "decode":
             summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
                                                    "--engine-compile", "--out-dir", str(results)], env,
