@@ -9,6 +9,8 @@ For each model (the bundled default and a random-init GPT-2 124M shape):
 - N concurrent requests of different lengths: aggregate tokens/s of the engine (continuous batching) vs
   `transformers`' static batched `generate` (left-padded prompts, run to the longest request; only the
   tokens each request asked for count), in `--repeats` alternating rounds, the best of each side.
+- the same with every request sampled (`--sampled-concurrency`; temperature 1 over the whole vocabulary on both
+  sides, each Folio request with its own seed): what choosing tokens by sampling costs each.
 
 Prints a table, writes bench/results/engine_decode.json and engine_decode.png. Ratios are what matter:
 absolute figures depend on the machine.
@@ -30,7 +32,7 @@ import torch
 
 from bench import REPO, RESULTS
 from bench.models import gpt2_124m, to_hf
-from bench.report import pyplot, save_figure, write_json
+from bench.report import cpu_name, pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.devices import default_dtype
 from model.engine import Engine
@@ -182,9 +184,11 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
 
 
 def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int,  # noqa: ANN001
-                     baseline_threads: int, device: str = "cpu") -> dict[str, float]:
+                     baseline_threads: int, device: str = "cpu", sampled: bool = False) -> dict[str, float]:
     """Aggregate tokens/s of n concurrent requests: the engine vs `transformers`' static batch, in alternating
-    rounds (this VM's speed drifts by 10-20% over minutes), the best round of each."""
+    rounds (this VM's speed drifts by 10-20% over minutes), the best round of each. `sampled`: every request
+    samples at temperature 1 from the whole vocabulary (transformers' default top-k of 50 turned off), greedy
+    otherwise."""
     ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
     g = torch.Generator().manual_seed(100 + n)
     lengths = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g).tolist()
@@ -194,8 +198,9 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int, 
 
     async def folio() -> float:
         t = time.perf_counter()
-        streams = [engine.submit(p, SamplingParams(max_new_tokens=L, stop_at_eos=False))
-                   for p, L in zip(ps, lengths)]
+        streams = [engine.submit(p, SamplingParams(max_new_tokens=L, stop_at_eos=False, do_sample=sampled,
+                                                   temperature=1.0 if sampled else None, seed=i))
+                   for i, (p, L) in enumerate(zip(ps, lengths))]
         results = await asyncio.gather(*(s.collect() for s in streams))
         assert sum(r.finished.generated_tokens for r in results) == wanted
         return time.perf_counter() - t
@@ -213,8 +218,9 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int, 
         torch.set_num_threads(baseline_threads)  # the engine sets its own count (by the model's size)
         with torch.inference_mode():
             t = time.perf_counter()
-            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(lengths), do_sample=False,
-                        pad_token_id=0)
+            how = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sampled else {"do_sample": False}
+            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(lengths), pad_token_id=0,
+                        **how)
             sync(device)
             elapsed = time.perf_counter() - t
         torch.set_num_threads(saved)
@@ -238,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=str(REPO / "weights" / "shakespeare-char"))
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--sampled-concurrency", default="32", help="concurrent loads run again with every request sampled")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch's threads for transformers and the naive loop (the engine picks its own by model size)")
@@ -254,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     compiled = args.compiled_baseline == "on" or (args.compiled_baseline == "auto" and device.startswith("cuda"))
     dtype = default_dtype(torch.device(device))
     bandwidth = measure_read_bandwidth(device=device)
-    report: dict = {"machine": {"threads": args.threads, "read_bandwidth_GBps": bandwidth / 1e9,
+    report: dict = {"machine": {"cpu": cpu_name(), "threads": args.threads, "read_bandwidth_GBps": bandwidth / 1e9,
                                 "torch": torch.__version__, "device": device, "dtype": str(dtype),
                                 "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
                     "new_tokens": args.new_tokens, "models": {}}
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         b1 = bench_batch1(ck, hf, new_tokens, args.repeats, args.threads, device, compiled, args.engine_compile)
         entry = {"params": ck.model.num_params(), "weight_bytes": weight_bytes, "ceiling_tok_s": ceiling,
                  "new_tokens": new_tokens,
-                 "batch1": b1, "concurrent": {}}
+                 "batch1": b1, "concurrent": {}, "concurrent_sampled": {}}
         rows.append((name, "batch 1", b1["folio"], b1["transformers"], b1["naive"], ceiling))
         fastest = max(b1["folio"], b1.get("folio_compiled", 0.0))  # the engine's best against transformers' best
         if "folio_compiled" in b1:
@@ -280,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device)
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
+        for n in [int(x) for x in args.sampled_concurrency.split(",") if x]:
+            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device, sampled=True)
+            entry["concurrent_sampled"][str(n)] = c
+            rows.append((name, f"{n} sampled", c["folio"], c["transformers"], float("nan"), float("nan")))
         report["models"][name] = entry
         write_json(Path(args.out_dir) / "engine_decode.json", report)  # after each model: a cut-short run keeps it
     print_table(report, rows, args)
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(report: dict[str, Any], rows: list[tuple], args: argparse.Namespace) -> None:
     """The machine, then a row per model and load: tokens/s against transformers, the naive loop, the ceiling."""
     m = report["machine"]
-    where = m["gpu"] or f"{args.threads} threads"
+    where = m["gpu"] or f"{m['cpu']}, {args.threads} threads"
     print(f"{m['device']} ({where}, {m['dtype']}), read bandwidth {m['read_bandwidth_GBps']:.1f} GB/s, "
           f"{args.new_tokens} new tokens")
     print(f"{'model':<12} {'load':<14} {'folio tok/s':>11} {'HF tok/s':>9} {'x HF':>6} {'naive':>7} "
@@ -310,9 +321,11 @@ def plot(report: dict[str, Any], png: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
         e = report["models"][name]
-        labels = ["batch 1"] + [f"{n} conc." for n in e["concurrent"]]
-        folio = [e["batch1"]["folio"]] + [c["folio"] for c in e["concurrent"].values()]
-        hf = [e["batch1"]["transformers"]] + [c["transformers"] for c in e["concurrent"].values()]
+        loads = [(f"{n} conc.", c) for n, c in e["concurrent"].items()]
+        loads += [(f"{n} sampled", c) for n, c in e.get("concurrent_sampled", {}).items()]
+        labels = ["batch 1"] + [label for label, _ in loads]
+        folio = [e["batch1"]["folio"]] + [c["folio"] for _, c in loads]
+        hf = [e["batch1"]["transformers"]] + [c["transformers"] for _, c in loads]
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], folio, 0.4, label="Folio engine")
         ax.bar([i + 0.2 for i in x], hf, 0.4, label="transformers generate")
