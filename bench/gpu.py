@@ -24,8 +24,8 @@ runs, in order, each stage timed (and killed when the budget is spent) and its o
 - `sampling`: `bench.sampling --device cuda` (a step's choice of 1 to 64 rows' tokens, GPT-2's vocabulary, against
   transformers' warpers and `torch.multinomial`);
 - `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
-  against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch; the
-  bundled model and GPT-2 124M);
+  against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch, and
+  32 sampled; the bundled model and GPT-2 124M);
 - `server`: `bench.server_load --device cuda` (HTTP at 1/8/32/64 streams and its ratio to the engine alone);
 - `train`: nanoGPT's shakespeare-char run (6 layers, 384 wide, block 256, batch 64, 5,000 iterations, compiled)
   with its own `train.py`, then ours on the same configuration (`--preset shakespeare-char --compile`), one after
