@@ -28,7 +28,7 @@ from torch import nn
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser, add_checkpoint_option
 from model.gpt import GPT, CacheStep, KVCache
-from model.sampler import mask_unusable
+from model.sampler import usable_logits
 from model.scoring import PromptScorer, PromptToken, TopToken
 from model.tokenizer import Tokenizer, TokenizerError, token_spans
 
@@ -231,7 +231,7 @@ class Inspector:
                 yield
             logits = self.model.logits(x[:, start : start + rows])[0]
             if lens:
-                probs = torch.softmax(mask_unusable(logits.float(), self.tokenizer.n_vocab), dim=-1)
+                probs = torch.softmax(usable_logits(logits.float(), self.tokenizer.n_vocab), dim=-1)
                 best = torch.topk(probs, self.options.lens_top, dim=-1)
                 top += [list(zip(i, p)) for i, p in zip(best.indices.tolist(), self._rounded(best.values))]
             if last:

@@ -4,7 +4,7 @@ the offline command `python -m model.generate` is model/generate.py).
 
 Order of operations for one next-token choice (the same for every caller: all go through `Sampler`):
 
-1. ids the tokenizer cannot decode (a padded vocabulary, e.g. 50257..50303) get -inf;
+1. ids the tokenizer cannot decode (a padded vocabulary, e.g. 50257..50303) are left out (a view of the others);
 2. logit bias: each (id, bias) of `logit_bias` is added (OpenAI: -100 bans an id, 100 all but forces it);
 3. min_tokens: while fewer than `min_tokens` tokens were generated, EOS gets -inf;
 4. repetition penalty (CTRL / Hugging Face): for every id already in the context (prompt and output), a
@@ -42,12 +42,10 @@ def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def mask_unusable(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
-    """Step 1: ids >= n_vocab (a padded vocabulary) can never be chosen."""
-    if logits.size(-1) > n_vocab:
-        logits = logits.clone()
-        logits[..., n_vocab:] = float("-inf")
-    return logits
+def usable_logits(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
+    """Step 1: the logits of ids < n_vocab, a view (no copy): the ids past them (a padded vocabulary) can never be
+    chosen, and probabilities are over the ids the tokenizer can decode. The ids keep their numbers."""
+    return logits[..., :n_vocab] if logits.size(-1) > n_vocab else logits
 
 
 def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -227,7 +225,7 @@ class Sampler:
         self.eos_id = eos_id
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
-        masked = mask_unusable(logits.float(), self.n_vocab)  # step 1, once for the batch
+        masked = usable_logits(logits.float(), self.n_vocab)  # step 1, once for the batch
         # each row's argmax and log-sum-exp in one pass (a log-probability is a logit minus the latter)
         argmax, lse = row_argmax_logsumexp(masked)
         chosen, errors = self._choose(masked, rows, argmax)
@@ -246,7 +244,7 @@ class Sampler:
         p(t), and when it is not, the token is distributed as p with t removed, renormalised; drawn this way, the
         draws are moreover the ones plain sampling makes, one per token kept, so a seeded request gives the same
         text with or without speculation, whatever was drafted."""
-        masked = mask_unusable(logits.float(), self.n_vocab)
+        masked = usable_logits(logits.float(), self.n_vocab)
         argmax, lse = row_argmax_logsumexp(masked)
         picks = argmax.tolist()  # each position's choice decides whether the next is looked at: one wait each step
         tokens: list[int] = []
@@ -345,7 +343,7 @@ def _adjusts(row: SampleRow, eos_id: int | None) -> bool:
 
 
 def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Tensor:
-    """Steps 2-6 for one row's masked logits (the same tensor when none applies)."""
+    """Steps 2-6 for one row's usable logits (the same tensor when none applies)."""
     if not _adjusts(row, eos_id):
         return logits
     p = row.params
@@ -356,11 +354,12 @@ def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Te
     if eos_id is not None and len(row.output) < p.min_tokens:
         logits[eos_id] = float("-inf")
     if p.repetition_penalty not in (None, 1.0) and row.history:
-        context = to_device(list(row.history), logits.device)
+        # ids past the usable vocabulary (a prompt may hold a padded id) have no logit to penalise
+        context = to_device([t for t in row.history if t < logits.size(-1)], logits.device)
         logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
     logits = apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
-    if row.allowed is not None:
-        logits = logits.masked_fill(~row.allowed, float("-inf"))
+    if row.allowed is not None:  # the vocabulary's width: its usable ids' part
+        logits = logits.masked_fill(~row.allowed[: logits.size(-1)], float("-inf"))
     return logits
 
 

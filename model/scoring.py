@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.sampler import mask_unusable
+from model.sampler import usable_logits
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class PromptScorer:
 
     def add(self, start: int, logits: torch.Tensor) -> None:
         """`logits` (n, vocab) of the chunk prompt[start : start + n]: row t predicts prompt[start + t + 1]."""
-        logprobs = torch.log_softmax(mask_unusable(logits.float(), self.n_vocab), dim=-1)
+        logprobs = torch.log_softmax(usable_logits(logits.float(), self.n_vocab), dim=-1)
         ids = self.prompt[start : start + len(logits)]
         if self._carry is None:  # the first chunk: its first token has no context
             self.tokens.append(self._token(ids[0], None, ()))

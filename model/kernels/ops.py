@@ -68,7 +68,10 @@ def row_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     vocabulary on one thread); torch's own ops elsewhere, and for rows with a NaN or an infinity."""
     lib = library()
     if lib is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        ids, lse = lib.row_argmax_logsumexp(logits.contiguous())
+        # each row contiguous is enough: rows apart by more than their width (a view of a padded vocabulary's
+        # usable ids) are read where they are
+        rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+        ids, lse = lib.row_argmax_logsumexp(rows)
         if bool(torch.isfinite(lse).all()):
             return ids, lse
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)

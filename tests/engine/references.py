@@ -15,7 +15,7 @@ import torch
 from model.checkpoint import Checkpoint
 from model.engine import Engine, Result
 from model.reference import generate_naive
-from model.sampler import choose_token, mask_unusable, new_generator
+from model.sampler import choose_token, new_generator, usable_logits
 from model.sampling_params import SamplingParams
 
 TIMEOUT = 30.0  # seconds any single async test body may take before it counts as hung
@@ -62,7 +62,7 @@ def windowed_reference(ck: Checkpoint, prompt: list[int], params: SamplingParams
 
 
 def model_logprobs(ck: Checkpoint, logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(mask_unusable(logits.float(), ck.tokenizer.n_vocab), dim=-1)
+    return torch.log_softmax(usable_logits(logits.float(), ck.tokenizer.n_vocab), dim=-1)
 
 
 def assert_logprobs_match(ck: Checkpoint, result: Result, logits: list[torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ from model.inspection import (
     inspect,
     main,
 )
-from model.sampler import mask_unusable
+from model.sampler import usable_logits
 from model.tokenizer import CharTokenizer
 from tests.model.references import reference_attention
 
@@ -100,7 +100,7 @@ def test_logit_lens_last_layer_is_the_models_distribution_and_scores_match(bundl
     result = inspect(bundled.model, bundled.tokenizer, ids, InspectOptions(attention=False, lens_top=3, top_n=4))
     assert [layer.layer for layer in result.lens] == list(range(bundled.config.n_layer + 1))
     with torch.no_grad():
-        logits = mask_unusable(bundled.model(torch.tensor([ids]))[0].float(), bundled.tokenizer.n_vocab)
+        logits = usable_logits(bundled.model(torch.tensor([ids]))[0].float(), bundled.tokenizer.n_vocab)
     probs, logprobs = logits.softmax(-1), logits.log_softmax(-1)
     last = result.lens[-1]
     for pos, top in enumerate(last.top):

@@ -35,8 +35,9 @@ def faults(mode: str) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_kept_memory_is_reused_where_the_default_faults_it_in_every_step() -> None:
-    """20 steps: glibc's default faulted 122,027 pages in (the steps' temporaries trimmed off the heap and grown back
-    each step), with the memory kept 1."""
+    """20 steps: glibc's default faulted 122,027-156,421 pages in (the steps' temporaries trimmed off the heap and
+    grown back each step), with the memory kept 1 (1,571 once, during the whole suite: a loaded machine's kernel
+    may fault a few pages in anyway, hence a ratio)."""
     default, kept = faults("default"), faults("kept")
     assert default > 20 * 1000, default  # the test sees the faults it is about: over 1,000 pages a step
-    assert kept < 20 * 10, (kept, default)
+    assert kept < default / 20, (kept, default)

@@ -14,11 +14,11 @@ from model.sampler import (
     SampleRow,
     apply_repetition_penalty,
     choose_token,
-    mask_unusable,
     min_p_filter,
     new_generator,
     top_k_filter,
     top_p_filter,
+    usable_logits,
 )
 from model.sampling_params import SamplingParams
 from tests.sampling.distributions import LOGITS, softmax
@@ -153,12 +153,12 @@ def test_repetition_penalty_changes_the_greedy_choice_only_with_a_context() -> N
     assert choose_token(logits, params, n_vocab=3, context=torch.tensor([0])) == 1  # 2.0 / 2 < 1.5
 
 
-def test_mask_unusable_hides_padded_ids_even_when_they_are_largest() -> None:
+def test_usable_logits_hides_padded_ids_even_when_they_are_largest() -> None:
     logits = torch.tensor([0.5, 1.0, -0.25, 0.25, 9.0, 8.0, 7.5])  # ids 4..6 pad the vocabulary of 4
-    masked = mask_unusable(logits, 4)
-    assert masked.tolist() == [0.5, 1.0, -0.25, 0.25, NEG, NEG, NEG]
-    assert logits[4].item() == 9.0  # the input is untouched
-    assert mask_unusable(logits, 7) is logits  # nothing to mask
+    usable = usable_logits(logits, 4)
+    assert usable.tolist() == [0.5, 1.0, -0.25, 0.25]
+    assert usable.data_ptr() == logits.data_ptr()  # a view: nothing copied
+    assert usable_logits(logits, 7) is logits  # nothing to leave out
     assert choose_token(logits, SamplingParams(), n_vocab=4) == 1
     gen = new_generator(3)
     for params in (SamplingParams(temperature=5.0), SamplingParams(temperature=100.0, top_k=7, top_p=1.0)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.sampler import Sampler, SampleRow, adjust, mask_unusable, new_generator, sampling_distribution
+from model.sampler import Sampler, SampleRow, adjust, new_generator, sampling_distribution, usable_logits
 from model.sampling_params import SamplingParams
 from tests.sampling.distributions import LOGITS, chi_square_ok
 
@@ -23,7 +23,7 @@ def rows(params: SamplingParams, draft: list[int], generator: torch.Generator | 
 
 def distributions(params: SamplingParams, draft: list[int]) -> list[torch.Tensor]:
     """What plain sampling draws from at each position, the draft's tokens before it taken."""
-    masked = mask_unusable(POSITIONS, V)
+    masked = usable_logits(POSITIONS, V)
     return [sampling_distribution(adjust(masked[i], row, None), params)
             for i, row in enumerate(rows(params, draft, None))]
 

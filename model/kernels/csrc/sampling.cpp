@@ -26,9 +26,10 @@ static std::pair<int64_t, float> first_max(const float* x, int64_t n) {
 }
 
 std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
-              "row_argmax_logsumexp: contiguous fp32 logits (rows, vocab)");
-  const int64_t R = logits.size(0), V = logits.size(1);
+  // rows may be apart by more than their width: the usable ids of a padded vocabulary, a view (no copy)
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
+              "row_argmax_logsumexp: fp32 logits (rows, vocab), each row contiguous");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0);
   auto ids = at::empty({R}, logits.options().dtype(at::kLong));
   auto lse = at::empty({R}, logits.options());
   const float* x = logits.data_ptr<float>();
@@ -36,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits
   float* lp = lse.data_ptr<float>();
   pool().run(R, std::max<int64_t>(1, 32768 / V), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; r++) {
-      const float* row = x + r * V;
+      const float* row = x + r * stride;
       const auto [best, top] = first_max(row, V);
       ip[r] = best;
       if (!std::isfinite(top)) {  // all -inf (or a +inf, a NaN): as torch's logsumexp

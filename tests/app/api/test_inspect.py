@@ -27,7 +27,7 @@ from model.config import GPTConfig
 from model.engine.attention import MAX_REQUEST_WEIGHTS, MAX_TOKEN_WEIGHTS
 from model.inspection import InspectTooLarge, check_options
 from model.quantize import Int8Linear, quantize
-from model.sampler import mask_unusable
+from model.sampler import usable_logits
 from model.testing import make_char_checkpoint, make_gpt2_shaped_checkpoint
 from model.tokenizer import BPETokenizer
 from tests.app.api.calls import engine_of, generate
@@ -134,7 +134,7 @@ def test_lens_last_layer_and_scores_are_the_models_own(which: str, request: pyte
     answer = inspect(client, inputs=text, attention=False, lens_top=4, top_n=3)
     ids = ck.tokenizer.encode(text)
     with torch.no_grad():
-        logits = mask_unusable(ck.model(torch.tensor([ids]))[0].float(), ck.tokenizer.n_vocab)
+        logits = usable_logits(ck.model(torch.tensor([ids]))[0].float(), ck.tokenizer.n_vocab)
     probs, logprobs = logits.softmax(-1), logits.log_softmax(-1)
     assert answer["attention"] is None
     assert [layer["layer"] for layer in answer["lens"]] == list(range(ck.config.n_layer + 1))

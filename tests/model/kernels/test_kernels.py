@@ -304,6 +304,10 @@ def test_row_argmax_and_logsumexp_equal_torchs(kernel_variant: build.Variant, sh
     x[0, 1] = float("nan")
     ids, lse = ops.row_argmax_logsumexp(x)
     assert torch.equal(ids, x.argmax(dim=-1)) and torch.isnan(lse[0])
+    usable = x[:, : shape[1] - 1]  # rows apart by more than their width: a padded vocabulary's usable ids, a view
+    ids, lse = ops.row_argmax_logsumexp(usable)
+    assert torch.equal(ids, usable.argmax(dim=-1)) and torch.isnan(lse[0])
+    torch.testing.assert_close(lse[1:], torch.logsumexp(usable[1:], dim=-1))
 
 
 def test_a_decode_step_with_many_rows(kernel_variant: build.Variant) -> None:
