@@ -10,7 +10,8 @@ rows shaped like a trained model's (a Zipf law, the k-th most likely id's logit 
 and the flat rows of a model at random init (N(0, 1)), where top-p keeps most of the vocabulary. Folio's pass is
 the whole of what the engine calls (each row's own generator, log-probabilities, the copy to the host);
 transformers' is its warpers, the softmax, the draw and the copy of the ids to the host; both in a process whose
-malloc keeps freed memory, as a CPU engine's does (model/malloc.py). `--against REV` adds
+malloc keeps freed memory and whose CPU kernels are loaded, as a CPU engine's are (model/malloc.py,
+model/kernels/). `--against REV` adds
 Folio's sampler as it was at a git revision (model/sampler.py of REV, imported beside today's), for a change to it.
 
 Prints a table and writes bench/results/sampling.json and .png; the best of `--repeats` runs of each. The figures
@@ -35,6 +36,7 @@ import torch
 
 from bench import REPO, RESULTS
 from bench.report import cpu_name, pyplot, save_figure, write_json
+from model import kernels
 from model.malloc import keep_freed_memory
 from model.sampler import new_generator
 from model.sampling_params import SamplingParams
@@ -165,7 +167,10 @@ def main() -> None:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as a CPU engine does: every pass here (and the revision's) runs with it
+    # as a CPU engine does: every pass here (and the revision's) runs with them
+    keep_freed_memory()
+    if args.device == "cpu":
+        kernels.load()  # the sampler's one pass per row for argmax and log-sum-exp
     import model.sampler as today
 
     against = sampler_at(args.against) if args.against else None
@@ -190,7 +195,8 @@ def main() -> None:
                     line += f" {old:>12.3f} {old / folio:>5.2f}x"
                 print(line, flush=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
-    report = {"machine": {"device": device, "cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__},
+    report = {"machine": {"device": device, "cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__,
+                          "kernels": kernels.status()},
               "vocab": VOCAB, "against": args.against, "results": results,
               "ratio": "transformers (or the revision) ms / Folio ms: above 1, Folio is faster"}
     suffix = "" if args.device == "cpu" else f"_{args.device}"
