@@ -37,6 +37,7 @@ import torch
 from bench import REPO, RESULTS
 from bench.report import cpu_name, pyplot, save_figure, write_json
 from model import kernels
+from model import sampler as today
 from model.malloc import keep_freed_memory
 from model.sampler import new_generator
 from model.sampling_params import SamplingParams
@@ -171,13 +172,12 @@ def main() -> None:
     keep_freed_memory()
     if args.device == "cpu":
         kernels.load()  # the sampler's one pass per row for argmax and log-sum-exp
-    import model.sampler as today
-
+    row_counts = [int(r) for r in args.rows.split(",")]
     against = sampler_at(args.against) if args.against else None
     results = []
     print(f"{'rows':>4}  {'case':<14} {'logits':<5} {'Folio ms':>9} {'transformers':>12} {'ratio':>6}"
           + (f" {args.against + ' ms':>12} {'ratio':>6}" if against else ""), flush=True)
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in row_counts:
         for kind in ("zipf", "flat"):
             logits = logits_of(kind, rows, args.device)
             for case in [*CASES, MIXED]:
@@ -202,7 +202,7 @@ def main() -> None:
     suffix = "" if args.device == "cpu" else f"_{args.device}"
     out = Path(args.out_dir)
     write_json(out / f"sampling{suffix}.json", report)
-    top = max(int(r) for r in args.rows.split(","))
+    top = max(row_counts)
     plot(results, top, out / f"sampling{suffix}.png", f"choosing {top} rows' next tokens, one step ({device}, "
          f"{args.threads} threads)")
     print(f"wrote {out / f'sampling{suffix}.json'} and .png", file=sys.stderr)

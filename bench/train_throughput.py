@@ -95,7 +95,6 @@ def train_throughput(preset: str, data: Path, steps: int, warmup: int, threads: 
     }
 
 
-
 def plot(results: dict[str, Any], png: Path) -> None:
     """Tokens/s and MFU per preset."""
     plt = pyplot()

@@ -99,7 +99,7 @@ def top_p_filter(logits: torch.Tensor, p: float | Sequence[float]) -> torch.Tens
     drops = [_top_p_drop_among_likely(row, p) for row, p in zip(probs, ps)]
     flat = [i for i, d in enumerate(drops) if d is None]  # too flat for any floor: sorted whole, together
     if flat:
-        for i, d in zip(flat, _top_p_drop(probs[flat], torch.tensor([[ps[i]] for i in flat], dtype=probs.dtype))):
+        for i, d in zip(flat, _top_p_drop(probs[flat], to_device([[ps[i]] for i in flat], rows.device, probs.dtype))):
             drops[i] = d
     return logits.masked_fill(torch.stack(drops).view_as(logits), float("-inf"))
 
