@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed: {seed}", file=sys.stderr)
     eos = ck.tokenizer.eos_id
     stream = TextStream(ck.tokenizer, params.stop, skip_ids=[eos] if eos is not None else [])
-    gen = new_generator(seed, args.device)
+    gen = new_generator(seed)
     sys.stdout.write(args.prompt)
     with torch.inference_mode():
         for token, _ in generate_naive(ck.model, prompt, params, n_vocab=ck.tokenizer.n_vocab,

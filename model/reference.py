@@ -31,7 +31,7 @@ def generate_naive(
         raise ValueError("prompt must hold at least one token")
     device = next(model.parameters()).device
     if generator is None and not params.is_greedy:
-        generator = new_generator(params.seed if params.seed is not None else 0, device)
+        generator = new_generator(params.seed if params.seed is not None else 0)
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     block = model.config.block_size
     last = torch.tensor([-1], device=device)  # the logits of the last position only

@@ -34,12 +34,16 @@ from dataclasses import dataclass, field
 import torch
 
 from model.devices import to_device
+from model.kernels import ops
 from model.kernels.ops import row_argmax_logsumexp
 from model.sampling_params import SamplingParams
 
 
-def new_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
+def new_generator(seed: int) -> torch.Generator:
+    """A request's own generator. It lives on the host whatever the model's device: a sampled token takes one
+    uniform number from it (`uniforms`), drawn there and copied to the device with the step's other numbers, not a
+    launch per row; and a seed draws the same numbers on every device."""
+    return torch.Generator().manual_seed(seed)
 
 
 def usable_logits(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
@@ -92,55 +96,20 @@ def top_p_filter(logits: torch.Tensor, p: float | Sequence[float]) -> torch.Tens
     ps = [p if p < 1.0 else math.inf for p in _per_row(p, rows)]
     if all(p == math.inf for p in ps):
         return logits
-    probs = torch.softmax(rows, dim=-1)
-    if rows.device.type != "cpu":
-        drop = _top_p_drop(probs, to_device([[p] for p in ps], rows.device, probs.dtype))
-        return logits.masked_fill(drop.view_as(logits), float("-inf"))
-    drops = [_top_p_drop_among_likely(row, p) for row, p in zip(probs, ps)]
-    flat = [i for i, d in enumerate(drops) if d is None]  # too flat for any floor: sorted whole, together
-    if flat:
-        for i, d in zip(flat, _top_p_drop(probs[flat], to_device([[ps[i]] for i in flat], rows.device, probs.dtype))):
-            drops[i] = d
-    return logits.masked_fill(torch.stack(drops).view_as(logits), float("-inf"))
-
-
-# the fractions of a row's largest probability that `_top_p_drop_among_likely` tries as the floor of its candidates
-TOP_P_FLOORS = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
-# how far above p their mass must be: far above the rounding of a sum of float32 probabilities
-TOP_P_MARGIN = 1e-4
+    drop = _top_p_drop(torch.softmax(rows, dim=-1), to_device([[p] for p in ps], rows.device, rows.dtype))
+    return logits.masked_fill(drop.view_as(logits), float("-inf"))
 
 
 def _top_p_drop(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Which ids top-p drops (True), for rows of probabilities and each row's p, (rows, 1): every row sorted. A
-    token is dropped when the mass strictly before it already reaches p; the most likely one never is (a p below
-    float32's smallest positive number compares as 0, and the mass before the first token is 0)."""
-    sorted_probs, order = torch.sort(probs, descending=True)
+    """Which ids top-p drops (True), for rows of probabilities and each row's p, (rows, 1): every row sorted, ties
+    ranked by id (a stable sort; the CPU kernel ranks them so). A token is dropped when the mass strictly before it
+    already reaches p; the most likely one never is (a p below float32's smallest positive number compares as 0,
+    and the mass before the first token is 0). Nothing waits for the device. On the CPU the kernels find the same
+    ids without sorting (`model.kernels.ops.sample_rows`): this serves a GPU, and a CPU without them."""
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
     drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= p
     drop_sorted[..., 0] = False
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-
-
-def _top_p_drop_among_likely(probs: torch.Tensor, p: float) -> torch.Tensor | None:
-    """`_top_p_drop` for one row (1-D) on the CPU, sorting only its likely ids: the ids of at least a floor
-    (TOP_P_FLOORS of the largest probability), once their mass reaches p. Every other id comes after all of them in
-    the order, with at least that mass before it: dropped. None where no floor's ids reach p, or they are most of
-    the row (a flat row, such as a model's at random init, which the caller sorts whole). Sorting 50,304 ids takes
-    3.1 ms on one core of an AMD EPYC (Zen 5), finding the likely ones tens of microseconds (`bench/sampling.py`).
-    On a GPU every row is sorted, in one call that does not wait for the device (this waits: the likely ids'
-    count)."""
-    if p == math.inf:
-        return torch.zeros_like(probs, dtype=torch.bool)
-    top = probs.max()
-    for floor in TOP_P_FLOORS:
-        likely = probs >= top * floor
-        if float(torch.where(likely, probs, 0).sum()) >= p + TOP_P_MARGIN:
-            ids = likely.nonzero()[:, 0]
-            if len(ids) > len(probs) // 2:  # hardly fewer than all: sorted whole with the other flat rows
-                return None
-            drop = torch.ones_like(likely)
-            drop[ids] = _top_p_drop(probs[ids], torch.tensor(p, dtype=probs.dtype))
-            return drop
-    return None
 
 
 def min_p_filter(logits: torch.Tensor, p: float | Sequence[float]) -> torch.Tensor:
@@ -325,8 +294,10 @@ class Sampler:
             picks.append((list(greedy), torch.stack(list(greedy.values())).argmax(dim=-1)))
         if sampled:
             which = list(sampled)
-            probs = sampling_distribution(torch.stack(list(sampled.values())), [rows[i].params for i in which])
-            picks.append((which, draw(probs, [rows[i].generator for i in which])))
+            # every row sampled and none adjusted: their logits as they are, not a copy
+            plain = len(which) == len(rows) and not any(_adjusts(rows[i], self.eos_id) for i in which)
+            logits = masked if plain else torch.stack(list(sampled.values()))
+            picks.append((which, sample(logits, [rows[i].params for i in which], [rows[i].generator for i in which])))
         if not picks:
             return argmax, errors
         chosen = argmax.clone()
@@ -365,24 +336,40 @@ def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Te
 
 def sample_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
     """Steps 8-12 for one sampled row, from its logits after steps 1-6: the token, a 0-d tensor on their device."""
-    return draw(sampling_distribution(logits, row.params), row.generator)
+    return sample(logits[None], [row.params], [row.generator])[0]
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None | Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One id drawn from each row of the distributions `probs` (1-D: one generator, a 0-d tensor out; 2-D: a
-    generator per row, one id per row out), on their device, by inverting the row's cumulative distribution at a
-    uniform number from its own generator: the first id whose cumulative probability reaches (1 - u) times the
-    row's total, u uniform in [0, 1) (in float64, so the sum's rounding is far below any probability that can be
-    drawn; 1 - u is never 0, so an id of probability 0 is never the first to reach it). One number per row,
-    where `torch.multinomial`'s exponential race draws one per id: 0.73 ms of a 50,304-id row on one core of an
-    AMD EPYC, where the cumulative sum takes 0.04 (`bench/sampling.py`). Nothing waits for the device (multinomial
-    checks `probs` first; the sampler checks the drawn ids' log-probabilities instead, with the step's one wait).
-    The same id from the same generator state, alone or among other rows."""
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Steps 8-12 for rows of logits (rows, vocab) after steps 1-6, row i with `params[i]` and a uniform number from
+    `generators[i]`: an id per row, on their device. On the CPU the kernels draw each row in one pass without
+    sorting it (`model.kernels.ops.sample_rows`); elsewhere `draw` from `sampling_distribution`. Both are the
+    inverse cumulative distribution at the same number: the same id, up to float rounding at a boundary."""
+    u = uniforms(generators)
+    tiny = torch.finfo(torch.float32).tiny
+    ids = ops.sample_rows(logits, [max(p.temperature if p.temperature is not None else 1.0, tiny) for p in params],
+                          [p.top_k or 0 for p in params], [p.top_p if p.top_p is not None else 1.0 for p in params],
+                          [p.min_p or 0.0 for p in params], u)
+    return ids if ids is not None else draw(sampling_distribution(logits, params), u)
+
+
+def uniforms(generators: Sequence[torch.Generator | None]) -> list[float]:
+    """One uniform number in [0, 1) from each generator (None: torch's default one), in float64, on the host."""
+    return [float(torch.rand((), dtype=torch.float64, generator=gen)) for gen in generators]
+
+
+def draw(probs: torch.Tensor, u: float | Sequence[float]) -> torch.Tensor:
+    """One id drawn from each row of the distributions `probs` (1-D: one number, a 0-d tensor out; 2-D: one per
+    row, one id per row out), on their device, by inverting the row's cumulative distribution at the row's uniform
+    number u in [0, 1) (`uniforms`): the first id whose cumulative probability reaches (1 - u) times the row's total
+    (in float64, so the sum's rounding is far below any probability that can be drawn; 1 - u is never 0, so an id
+    of probability 0 is never the first to reach it). One number per row, where `torch.multinomial`'s exponential
+    race draws one per id: 0.73 ms of a 50,304-id row on one core of an AMD EPYC, where the cumulative sum takes
+    0.04 (`bench/sampling.py`). Nothing waits for the device (multinomial checks `probs` first; the sampler checks
+    the drawn ids' log-probabilities instead, with the step's one wait)."""
     rows = _as_rows(probs)
-    uniform = torch.stack([torch.rand((), dtype=torch.float64, generator=gen, device=rows.device)
-                           for gen in _per_row(generator, rows)])
     cumulative = rows.double().cumsum(-1)
-    reach = (1 - uniform)[:, None] * cumulative[:, -1:]
+    reach = (1 - to_device(_per_row(u, rows), rows.device, torch.float64))[:, None] * cumulative[:, -1:]
     # NaN rows reach no id: the last is taken, and the sampler fails them by their log-probability
     ids = torch.searchsorted(cumulative, reach).clamp_(max=rows.size(-1) - 1)
     return ids.view(probs.shape[:-1])

@@ -35,7 +35,7 @@ class OutputProcessor:
 
     def begin(self, req: Request) -> None:
         """`req`'s sampling, stopping and prompt-scoring state, before its first prefill chunk."""
-        req.generator = None if req.params.is_greedy else new_generator(req.seed, self.runner.device)
+        req.generator = None if req.params.is_greedy else new_generator(req.seed)
         req.matcher = None if req.params.constraint is None else RowMatcher(req.params.constraint)
         if req.params.prompt_logprobs is not None:
             req.scorer = PromptScorer(req.prompt, req.params.prompt_logprobs, self.tokenizer.n_vocab, self._describe)

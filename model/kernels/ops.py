@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -75,6 +75,22 @@ def row_argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         if bool(torch.isfinite(lse).all()):
             return ids, lse
     return logits.argmax(dim=-1), torch.logsumexp(logits, dim=-1)
+
+
+def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
+                min_p: Sequence[float], uniform: Sequence[float]) -> torch.Tensor | None:
+    """One id drawn from each row of `logits` (rows, vocab) after the sampler's steps 1-6, with each row's
+    temperature (above 0), top-k (0: off), top-p (1: off), min-p (0: off) and uniform number u in [0, 1): steps
+    8-12 of model/sampler.py in one kernel pass per row on CPU, no row sorted (csrc/sampling.cpp). A row holding a
+    NaN or no finite largest logit gets the last id. None where the kernels cannot (not loaded, not fp32 on CPU):
+    the caller's torch path then."""
+    lib = library()
+    if lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+    return lib.sample_rows(rows, torch.tensor(temperature, dtype=torch.float32), torch.tensor(top_k, dtype=torch.long),
+                           torch.tensor(top_p, dtype=torch.float64), torch.tensor(min_p, dtype=torch.float32),
+                           torch.tensor(uniform, dtype=torch.float64))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

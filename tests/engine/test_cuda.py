@@ -18,7 +18,7 @@ from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.quantize import quantize
 from model.reference import generate_naive
-from model.sampler import draw, new_generator
+from model.sampler import draw, new_generator, uniforms
 from model.sampling_params import SamplingParams
 from model.testing import tiny_checkpoint
 from tests.engine.references import together
@@ -148,10 +148,10 @@ def test_a_drawn_token_inverts_the_cumulative_distribution_on_cuda() -> None:
     """`draw` on the device, without waiting for it: each row's id is where its generator's uniform number falls in
     its cumulative distribution (computed here on the host), alone or among other rows."""
     probs = torch.softmax(torch.randn(8, 5000, device="cuda") * 3, -1)
-    together = draw(probs, [new_generator(seed, "cuda") for seed in range(8)]).tolist()
+    together = draw(probs, uniforms([new_generator(seed) for seed in range(8)])).tolist()
     for seed in range(8):
-        assert int(draw(probs[seed], new_generator(seed, "cuda"))) == together[seed]
-        assert together[seed] == inverse_cdf(probs[seed].cpu(), seed, "cuda")
+        assert int(draw(probs[seed], uniforms([new_generator(seed)]))) == together[seed]
+        assert together[seed] == inverse_cdf(probs[seed].cpu(), seed)
 
 
 @pytest.mark.slow

@@ -95,10 +95,10 @@ def same_distribution_ok(a: list[int], b: list[int]) -> tuple[bool, str]:
     return stat < critical, f"chi2={stat:.2f} df={df} critical={critical:.2f} a={a} b={b}"
 
 
-def inverse_cdf(probs: torch.Tensor, seed: int, device: str = "cpu") -> int:
+def inverse_cdf(probs: torch.Tensor, seed: int) -> int:
     """The id the generator of `seed` draws from `probs` by inverse transform sampling, in plain Python: the first
     whose running sum (float64) reaches (1 - u) of the total, u that generator's first float64 uniform."""
-    u = float(torch.rand((), dtype=torch.float64, generator=new_generator(seed, device), device=device))
+    u = float(torch.rand((), dtype=torch.float64, generator=new_generator(seed)))
     total, running = sum(probs.double().tolist()), 0.0
     for i, p in enumerate(probs.double().tolist()):
         running += p

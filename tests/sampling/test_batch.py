@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from model.sampler import Sampler, SampleRow, draw, new_generator
+from model.sampler import Sampler, SampleRow, draw, new_generator, uniforms
 from model.sampling_params import SamplingParams
 from tests.sampling.distributions import inverse_cdf
 
@@ -22,17 +22,17 @@ def test_draw_inverts_the_cumulative_distribution_at_its_generators_uniform() ->
     for seed in range(100):
         probs = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(seed)) * 3, -1)
         probs[torch.randperm(1000, generator=torch.Generator().manual_seed(seed))[:700]] = 0  # top-k/top-p's zeros
-        assert int(draw(probs, new_generator(seed))) == inverse_cdf(probs, seed)
+        assert int(draw(probs, uniforms([new_generator(seed)]))) == inverse_cdf(probs, seed)
     probs = torch.zeros(50)
     probs[[0, 17, 49]] = torch.tensor([0.0, 1e-30, 1.0])
-    assert {int(draw(probs, new_generator(seed))) for seed in range(200)} == {49}
+    assert {int(draw(probs, uniforms([new_generator(seed)]))) for seed in range(200)} == {49}
 
 
 def test_rows_drawn_together_are_each_rows_own_draw() -> None:
-    """A 2-D `draw` takes each row's noise from that row's generator: the ids the rows draw one at a time."""
+    """A 2-D `draw` inverts each row at that row's own number: the ids the rows draw one at a time."""
     probs = torch.softmax(torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)) * 3, -1)
-    together = draw(probs, [new_generator(seed) for seed in range(6)])
-    assert together.tolist() == [int(draw(probs[i], new_generator(i))) for i in range(6)]
+    together = draw(probs, uniforms([new_generator(seed) for seed in range(6)]))
+    assert together.tolist() == [int(draw(probs[i], uniforms([new_generator(i)]))) for i in range(6)]
 
 
 def test_sampled_rows_of_different_parameters_filtered_together_draw_as_each_alone() -> None:

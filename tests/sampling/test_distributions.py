@@ -20,7 +20,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_sampled_tokens_follow_the_exact_distribution(case: str) -> None:
+def test_sampled_tokens_follow_the_exact_distribution(case: str, cpu_draw: str) -> None:
     kwargs, expect_kwargs = CASES[case]
     params = SamplingParams(**kwargs)
     assert not params.is_greedy

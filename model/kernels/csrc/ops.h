@@ -135,6 +135,13 @@ at::Tensor decode_attention(at::Tensor qkv, at::Tensor k_cache, at::Tensor v_cac
 // (sampling.cpp)
 std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits);
 
+// one id drawn from each row of logits (rows, vocab) fp32 after model/sampler.py's steps 1-6, with that row's
+// temperature (fp32), top-k (int64, 0: off), top-p (fp64, 1: off), min-p (fp32, 0: off) and uniform number u in
+// [0, 1) (fp64): steps 8-12, the row's inverse cumulative distribution at 1 - u (sampling.cpp). A row holding a NaN,
+// or no finite largest logit, gets the last id.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform);
+
 // A GPT-2 model's transformer blocks for B new tokens in one call (block.cpp): made once from the blocks'
 // parameters, each block's as ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, then the four products' (qkv,
 // attention projection, MLP up and down) weight, bias, scale and packed copy each (None where a block has none).
