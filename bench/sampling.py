@@ -73,7 +73,7 @@ def params_of(case: str, rows: int) -> list[SamplingParams]:
 
 def folio_pass(sampler_module: ModuleType, logits: torch.Tensor, params: list[SamplingParams]) -> Callable[[], Any]:
     """One step of `sampler_module`'s Sampler over `logits`, each sampled row with its own generator."""
-    rows = [sampler_module.SampleRow(p, None if p.is_greedy else new_generator(p.seed, logits.device))
+    rows = [sampler_module.SampleRow(p, None if p.is_greedy else new_generator(p.seed))
             for p in params]
     sampler = sampler_module.Sampler(N_VOCAB)
     return lambda: sampler(logits, rows).tokens
@@ -171,7 +171,7 @@ def main() -> None:
     # as a CPU engine does: every pass here (and the revision's) runs with them
     keep_freed_memory()
     if args.device == "cpu":
-        kernels.load()  # the sampler's one pass per row for argmax and log-sum-exp
+        kernels.load()  # the sampler's passes per row: argmax and log-sum-exp, and the draw
     row_counts = [int(r) for r in args.rows.split(",")]
     against = sampler_at(args.against) if args.against else None
     results = []
