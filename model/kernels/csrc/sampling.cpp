@@ -95,7 +95,7 @@ struct Scratch {
 float kth_largest(const float* s, int64_t n, int64_t k, std::vector<float>& best) {
   best.clear();
   float floor = -INFINITY;
-  const size_t cap = size_t(std::max<int64_t>(4 * k, 4096));
+  const size_t cap = size_t(std::max<int64_t>(4 * k, 1024));
   auto tighten = [&] {
     std::nth_element(best.begin(), best.begin() + (k - 1), best.end(), std::greater<float>());
     floor = best[k - 1];
