@@ -93,6 +93,19 @@ def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_k: Seque
                            torch.tensor(uniform, dtype=torch.float64))
 
 
+def fill_disallowed(logits: torch.Tensor, rows: Sequence[int], allowed: torch.Tensor) -> None:
+    """Structured output's masks, in place: row `rows[j]` of `logits` (rows, vocab) gets -inf wherever `allowed[j]`
+    ((len(rows), vocab) bool) is false. The kernels' vectorised select on CPU (torch's masked_fill took 0.15 ms of a
+    50,257-id row on one core of an AMD EPYC, Zen 5); torch's masked_fill elsewhere."""
+    lib = library()
+    if lib is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 \
+            and logits.stride(-1) == 1:
+        lib.fill_disallowed(logits, torch.tensor(rows, dtype=torch.long), allowed.contiguous())
+        return
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A 2-D weight (O, I) of any type packed for `linear`: panels of 16 outputs, (ceil(O / 16), I, 16), the last
     one zero-padded. As much memory again as the weight."""

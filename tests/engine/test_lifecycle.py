@@ -195,10 +195,10 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
     params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
     real_adjust = sampler_module.adjust
 
-    def adjust(masked, row, eos_id):
+    def adjust(masked, row, eos_id, **kwargs):
         if row.params is victim:
             raise RuntimeError("injected fault")
-        return real_adjust(masked, row, eos_id)
+        return real_adjust(masked, row, eos_id, **kwargs)
 
     monkeypatch.setattr(sampler_module, "adjust", adjust)
     prompts = [[1, 2, 3], [4, 5], [10]]

@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &folio::decode_attention, release_gil());
   m.def("row_argmax_logsumexp", &folio::row_argmax_logsumexp, release_gil());
   m.def("sample_rows", &folio::sample_rows, release_gil());
+  m.def("fill_disallowed", &folio::fill_disallowed, release_gil());
   m.def("pool_threads", &folio::pool_threads);
   m.def("use_threads", &folio::use_threads);
   m.def("set_torch_threads", &folio::set_torch_threads);

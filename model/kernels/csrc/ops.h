@@ -142,6 +142,10 @@ std::tuple<at::Tensor, at::Tensor> row_argmax_logsumexp(const at::Tensor& logits
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform);
 
+// structured output's masks, in place: row rows[j] of logits (rows, vocab) fp32 gets -inf wherever allowed[j] (bool,
+// (len(rows), vocab)) is false (sampling.cpp); torch's masked_fill took 0.15 ms a 50,257-id row on one core
+void fill_disallowed(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& allowed);
+
 // A GPT-2 model's transformer blocks for B new tokens in one call (block.cpp): made once from the blocks'
 // parameters, each block's as ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, then the four products' (qkv,
 // attention projection, MLP up and down) weight, bias, scale and packed copy each (None where a block has none).

@@ -226,6 +226,31 @@ int64_t sample_one(const float* x, int64_t n, float temperature, int64_t top_k, 
 
 }  // namespace
 
+void fill_disallowed(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& allowed) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "fill_disallowed: fp32 logits (rows, vocab), each row contiguous");
+  const int64_t R = logits.size(0), V = logits.size(1), stride = logits.stride(0), n = rows.numel();
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "fill_disallowed: rows as int64 indices");
+  TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == n && allowed.size(1) == V &&
+                  allowed.scalar_type() == at::kBool && allowed.is_contiguous(),
+              "fill_disallowed: allowed (len(rows), vocab) bool, contiguous");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; j++) TORCH_CHECK(0 <= r[j] && r[j] < R, "fill_disallowed: row ", r[j], " of ", R);
+  float* x = logits.data_ptr<float>();
+  const bool* ok = allowed.data_ptr<bool>();
+  pool().run(n, std::max<int64_t>(1, 32768 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; j++) {
+      float* row = x + r[j] * stride;
+      const bool* keep = ok + j * V;
+      int64_t i = 0;
+      for (; i + LANES <= V; i += LANES) vstore(row + i, vkeep_bytes(vload(row + i), keep + i, -INFINITY));
+      for (; i < V; i++)
+        if (!keep[i]) row[i] = -INFINITY;
+    }
+  });
+}
+
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                        const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniform) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,

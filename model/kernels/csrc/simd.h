@@ -69,6 +69,11 @@ static inline bool vany_greater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, 
 static inline bool vany_nan(Vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 // the lanes of v whose key is at least lo; the others (a NaN key's too) 0
 static inline Vec vkeep(Vec v, Vec key, Vec lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(key, lo, _CMP_GE_OQ), v); }
+// the lanes of v whose byte at `keep` (LANES of them) is nonzero; `fill` in the others
+static inline Vec vkeep_bytes(Vec v, const bool* keep, float fill) {
+  const __mmask16 k = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keep)), _mm_set1_epi8(-1));
+  return _mm512_mask_mov_ps(_mm512_set1_ps(fill), k, v);
+}
 static inline __m256 vhalves(Vec v) {  // the sum of v's two 8-lane halves
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
@@ -123,6 +128,11 @@ static inline __m256 vhalves(Vec v) { return v; }
 static inline bool vany_greater(Vec a, Vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
 static inline bool vany_nan(Vec v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 static inline Vec vkeep(Vec v, Vec key, Vec lo) { return _mm256_and_ps(v, _mm256_cmp_ps(key, lo, _CMP_GE_OQ)); }
+static inline Vec vkeep_bytes(Vec v, const bool* keep, float fill) {
+  const __m256i k = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(keep)));
+  const __m256 dropped = _mm256_castsi256_ps(_mm256_cmpeq_epi32(k, _mm256_setzero_si256()));
+  return _mm256_blendv_ps(v, _mm256_set1_ps(fill), dropped);
+}
 static inline Vec vtimes_pow2(Vec v, Vec n) {  // v * 2^n, n integral in [-126, 127]
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(v, _mm256_castsi256_ps(bits));

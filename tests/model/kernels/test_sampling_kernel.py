@@ -89,3 +89,19 @@ def test_rows_with_no_distribution_get_the_last_id(kernel_variant: build.Variant
         ids = kernel_draws(logits, SamplingParams(do_sample=True, top_p=0.9), [x])
         alone = kernel_draws(logits[3:], SamplingParams(do_sample=True, top_p=0.9), [x])
         assert [row[0] for row in ids] == [299, 299, 299, alone[0][0]]
+
+
+@pytest.mark.parametrize("width", [7, 65, 50257])
+def test_fill_disallowed_is_masked_fill_on_the_rows_named(kernel_variant: build.Variant, width: int) -> None:
+    """Structured output's masks in place: the rows named get -inf where their mask is false, every other value
+    (and every other row) as it was; rows apart by more than their width (a padded vocabulary's usable ids)."""
+    gen = torch.Generator().manual_seed(width)
+    padded = torch.randn(6, width + 9, generator=gen)
+    logits = padded[:, :width]
+    allowed = torch.rand(3, width, generator=gen) > 0.5
+    allowed[1] = False  # a row with nothing allowed: all -inf (the engine fails such a row before it samples)
+    want = logits.clone()
+    want[[4, 0, 2]] = want[[4, 0, 2]].masked_fill(~allowed, NEG)
+    rest = padded[:, width:].clone()
+    ops.fill_disallowed(logits, [4, 0, 2], allowed)
+    assert torch.equal(logits, want) and torch.equal(padded[:, width:], rest)
