@@ -188,7 +188,9 @@ int64_t sample_one(const float* x, int64_t n, float temperature, int64_t top_k, 
   bool nan = false;
   for (int64_t i = 0; i + LANES <= n; i += LANES) nan |= vany_nan(vload(x + i));
   for (int64_t i = n - n % LANES; i < n; i++) nan |= std::isnan(x[i]);
-  if (nan || !std::isfinite(top)) return n - 1;  // no distribution: the caller fails the row by its logprob
+  // no distribution: the last id (the sampler fails a row whose own logits hold a NaN or an infinity by that id's
+  // log-probability; a row whose every id a constraint bans, the engine fails before it samples)
+  if (nan || !std::isfinite(top)) return n - 1;
   sc.w.resize(size_t(n));
   float* w = sc.w.data();
   // s = (x - max) / temperature, as the sampler's torch path computes it (top-k compares these)
@@ -203,7 +205,14 @@ int64_t sample_one(const float* x, int64_t n, float temperature, int64_t top_k, 
     const Vec s = vload(w + i);
     vstore(w + i, vkeep(vexp(s), s, below));
   }
-  for (; i < n; i++) w[i] = w[i] >= std::max(kth, -87.3f) ? std::exp(w[i]) : 0.f;
+  if (i < n) {  // the last ids through vexp too: an id's weight must not depend on where it sits (ties stay ties)
+    float tail[LANES];
+    std::fill(tail, tail + LANES, -INFINITY);
+    std::copy(w + i, w + n, tail);
+    const Vec s = vload(tail);
+    vstore(tail, vkeep(vexp(s), s, below));
+    std::copy(tail, tail + (n - i), w + i);
+  }
   // top-p, then min-p: the weights kept are those of at least `floor` (the largest, 1, always is)
   float floor = min_p > 0 ? min_p : std::numeric_limits<float>::denorm_min();
   if (top_p < 1) floor = std::max(floor, top_p_floor(w, n, block_sums(w, n, 0.f, sc.blocks), top_p, sc));

@@ -5,6 +5,8 @@ and no id the torch path gives probability 0 is ever drawn. For every kernel var
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -68,7 +70,8 @@ def test_the_kernel_draws_the_torch_paths_id(kernel_variant: build.Variant, widt
 
 def test_ties_at_the_top_p_boundary_go_by_id(kernel_variant: build.Variant) -> None:
     """Ten equally likely ids and top-p 0.35: the first four by id are kept (a stable sort's order), as the torch
-    path keeps them; top-k 3 of five tied largest keeps all five."""
+    path keeps them; top-k 3 of five tied largest keeps all five; ids tied with the row's last (past its last whole
+    vector of lanes) likewise."""
     u = [i / 200 for i in range(200)]
     flat = torch.zeros(2, 10)
     drawn = kernel_draws(flat, SamplingParams(do_sample=True, top_p=0.35), u)
@@ -76,6 +79,15 @@ def test_ties_at_the_top_p_boundary_go_by_id(kernel_variant: build.Variant) -> N
     assert set(drawn[0]) == set(kept) == {0, 1, 2, 3}
     logits = torch.tensor([[1.0, 5.0, 5.0, 2.0, 5.0, 5.0, 0.0, 5.0]])
     assert set(kernel_draws(logits, SamplingParams(do_sample=True, top_k=3), u)[0]) == {1, 2, 4, 5, 7}
+    # a tie reaching past the last whole vector: the last id's weight is its tied neighbours' (not another exp's)
+    s = -1.0379400253295898
+    for width in (9, 17, 33, 50257):
+        row = torch.full((1, width), s)
+        row[0, 0] = 0.0
+        p = (1 + 2.5 * math.exp(s)) / (1 + (width - 1) * math.exp(s))  # the largest and three of the tied ids
+        params = SamplingParams(do_sample=True, top_p=p)
+        assert set(kernel_draws(row, params, u)[0]) == {0, 1, 2, 3}, width
+        assert (sampling_distribution(row[0], params) > 0).nonzero()[:, 0].tolist() == [0, 1, 2, 3]
 
 
 def test_rows_with_no_distribution_get_the_last_id(kernel_variant: build.Variant) -> None:
