@@ -38,6 +38,7 @@ from bench.quantize import cpu_name
 from bench.report import pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
+from model.kernels.ops import fill_disallowed
 from model.sampling_params import SamplingParams
 from model.structured import (
     ConstraintCompiler,
@@ -89,8 +90,8 @@ def run(engine: Engine, prompt: list[int], n: int, tokens: int, constraint: Any)
 
 def mask_overhead_ms(engine: Engine, prompt: list[int], n: int, constraint: Any, tokens: int) -> float:
     """The constraint's own work per decode step of `n` rows, replayed apart from the model (so that other load on
-    the machine does not swamp it): every row's mask, applied to its logits, and each matcher advanced, along a
-    constrained output the engine generated."""
+    the machine does not swamp it): every row's mask, applied to a copy of their logits together (as the sampler
+    applies them), and each matcher advanced, along a constrained output the engine generated."""
     ids = engine.generate(prompt, SamplingParams(max_new_tokens=tokens, temperature=1.0, do_sample=True, seed=0,
                                                  constraint=constraint)).token_ids
     rows = [RowMatcher(constraint) for _ in range(n)]
@@ -102,8 +103,8 @@ def mask_overhead_ms(engine: Engine, prompt: list[int], n: int, constraint: Any,
         t = time.perf_counter()
         for token in ids[:-1]:
             masks = allowed_tokens(rows, logits.size(1))
-            for i, r in enumerate(rows):
-                logits[i].masked_fill(~masks[i], float("-inf"))
+            fill_disallowed(logits.clone(), list(range(n)), masks)  # as the sampler applies them, to its copy
+            for r in rows:
                 r.advance(token)
         best = min(best, (time.perf_counter() - t) / max(1, len(ids) - 1))
     return best * 1000
