@@ -28,7 +28,7 @@ are the n largest of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -50,29 +50,6 @@ def usable_logits(logits: torch.Tensor, n_vocab: int) -> torch.Tensor:
     """Step 1: the logits of ids < n_vocab, a view (no copy): the ids past them (a padded vocabulary) can never be
     chosen, and probabilities are over the ids the tokenizer can decode. The ids keep their numbers."""
     return logits[..., :n_vocab] if logits.size(-1) > n_vocab else logits
-
-
-def apply_repetition_penalty(logits: torch.Tensor, context: torch.Tensor, penalty: float) -> torch.Tensor:
-    """Step 4, on a 1-D logits vector; `context` holds the ids seen so far (prompt and output). The result stays
-    finite: a tiny penalty (which favours repetition) divides a positive logit towards the largest float."""
-    if penalty == 1.0 or context.numel() == 0:
-        return logits
-    logits = logits.clone()
-    ids = context.unique()
-    picked = logits[ids]
-    biggest = torch.finfo(logits.dtype).max
-    logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-biggest, biggest)
-    return logits
-
-
-def apply_presence_frequency(logits: torch.Tensor, output: Sequence[int], presence: float,
-                             frequency: float) -> torch.Tensor:
-    """Step 5, on a 1-D logits vector: OpenAI's penalties over the ids generated so far (`output`)."""
-    if not output or not (presence or frequency):
-        return logits
-    counts = torch.bincount(to_device(list(output), logits.device), minlength=logits.size(-1))
-    counts = counts[: logits.size(-1)].to(logits.dtype)
-    return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
 
 
 def top_k_filter(logits: torch.Tensor, k: int | Sequence[int]) -> torch.Tensor:
@@ -278,29 +255,32 @@ class Sampler:
         the rows that need it; a draw for sampled rows, all filtered together and each drawn from its own generator.
         A row whose adjustment raised keeps the argmax, its error in the dict."""
         errors: dict[int, Exception] = {}
-        greedy: dict[int, torch.Tensor] = {}  # greedy rows whose logits were adjusted: their logits
-        sampled: dict[int, torch.Tensor] = {}  # sampled rows: their logits, adjusted where they need it
+        edits: dict[int, Edits] = {}  # the rows steps 2-5 change: how
+        greedy: list[int] = []  # greedy rows steps 2-6 change
+        sampled: list[int] = []
         for i, row in enumerate(rows):
             if row.params.is_greedy and not _adjusts(row, self.eos_id):
                 continue
-            try:  # steps 2-5 (6, the constraints, below: all the rows' at once)
-                logits = adjust(masked[i], row, self.eos_id, constrain=False)
+            try:
+                if _penalises(row, self.eos_id):
+                    edits[i] = row_edits(row, self.eos_id, masked.size(-1))
             except Exception as e:  # this row's own failure: it alone fails
                 errors[i] = e
                 continue
-            (greedy if row.params.is_greedy else sampled)[i] = logits
+            (greedy if row.params.is_greedy else sampled).append(i)
         picks = []  # (which rows, their tokens)
-        if greedy:
-            logits = torch.stack(list(greedy.values()))
-            _constrain(logits, [rows[i] for i in greedy])
-            picks.append((list(greedy), logits.argmax(dim=-1)))
-        if sampled:
-            which = list(sampled)
-            # every row sampled and none adjusted: their logits as they are, not a copy
-            plain = len(which) == len(rows) and not any(_adjusts(rows[i], self.eos_id) for i in which)
-            logits = masked if plain else torch.stack(list(sampled.values()))
-            _constrain(logits, [rows[i] for i in which])
-            picks.append((which, sample(logits, [rows[i].params for i in which], [rows[i].generator for i in which])))
+        for which in (greedy, sampled):
+            if not which:
+                continue
+            if len(which) == len(rows) and not edits and all(row.allowed is None for row in rows):
+                logits = masked  # every row sampled as it is: their logits, not a copy
+            else:  # the rows' own copy, which steps 2-6 change in place, each step once for all of them
+                logits = torch.stack([masked[i] for i in which])  # (an index into the padded view copies slower)
+                penalise(logits, [edits.get(i) for i in which], self.eos_id)
+                _constrain(logits, [rows[i] for i in which])
+            tokens = logits.argmax(dim=-1) if which is greedy else sample(
+                logits, [rows[i].params for i in which], [rows[i].generator for i in which])
+            picks.append((which, tokens))
         if not picks:
             return argmax, errors
         chosen = argmax.clone()
@@ -331,26 +311,87 @@ def _penalises(row: SampleRow, eos_id: int | None) -> bool:
                 or (eos_id is not None and len(row.output) < p.min_tokens))
 
 
-def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None, *, constrain: bool = True) -> torch.Tensor:
-    """Steps 2-6 for one row's usable logits (the same tensor when none applies); without step 6 where `constrain`
-    is false (the `Sampler` constrains a step's rows together)."""
+@dataclass
+class Edits:
+    """What steps 2-5 do to one row's logits, as sparse edits (ids below the row's width: a prompt may hold a padded
+    id, and logit_bias may name any)."""
+
+    bias: list[tuple[int, float]]  # step 2: (id, added)
+    ban_eos: bool  # step 3
+    seen: list[int]  # step 4: each id of the history once
+    penalty: float
+    counts: dict[int, int]  # step 5: id -> times generated
+    presence: float
+    frequency: float
+
+
+def row_edits(row: SampleRow, eos_id: int | None, width: int) -> Edits:
+    """Steps 2-5 for `row` over `width` logits, as `Edits` (host work: ids and numbers)."""
     p = row.params
-    if not (_penalises(row, eos_id) or (constrain and row.allowed is not None)):
+    repeat = p.repetition_penalty not in (None, 1.0)
+    penalised = bool(p.presence_penalty or p.frequency_penalty)
+    counts: dict[int, int] = {}
+    for t in row.output if penalised else ():
+        if t < width:
+            counts[t] = counts.get(t, 0) + 1
+    return Edits(bias=[(t, b) for t, b in p.logit_bias if t < width],
+                 ban_eos=eos_id is not None and eos_id < width and len(row.output) < p.min_tokens,
+                 seen=list({t for t in row.history if t < width}) if repeat else [],
+                 penalty=p.repetition_penalty or 1.0, counts=counts,
+                 presence=p.presence_penalty or 0.0, frequency=p.frequency_penalty or 0.0)
+
+
+def penalise(logits: torch.Tensor, edits: Sequence[Edits | None], eos_id: int | None) -> None:
+    """Steps 2-5 on rows of logits (a copy the caller owns), in place: `edits[j]` for row j (None: none), each step
+    one indexed operation for every row it applies to (a row at a time was about ten small ops each: 3.5 ms of a
+    sampler pass over 32 penalised rows of GPT-2's vocabulary on one core of an AMD EPYC, and as many launches on a
+    GPU). Step 4 keeps logits finite: a tiny penalty (which favours repetition) divides a positive logit towards the
+    largest float."""
+    device = logits.device
+    some = [(j, e) for j, e in enumerate(edits) if e is not None]
+
+    def flat(part: Callable[[Edits], Sequence], *per_row: Callable[[Edits], float]) -> list[torch.Tensor]:
+        """Every row's `part` in one tensor of ids (and of values, where a part holds pairs), the rows' indices
+        beside them, and each `per_row` number repeated along its row's ids: built from flat lists, on the host."""
+        lengths = [len(part(e)) for _, e in some]
+        items = [x for _, e in some for x in part(e)]
+        pairs = bool(items) and isinstance(items[0], tuple)
+        ids = torch.tensor([x[0] for x in items] if pairs else items, dtype=torch.long)
+        out = [torch.repeat_interleave(torch.tensor([j for j, _ in some]), torch.tensor(lengths)), ids]
+        if pairs:
+            out.append(torch.tensor([x[1] for x in items], dtype=logits.dtype))
+        for number in per_row:
+            out.append(torch.repeat_interleave(torch.tensor([number(e) for _, e in some], dtype=logits.dtype),
+                                               torch.tensor(lengths)))
+        return [t.to(device, non_blocking=True) for t in out]
+
+    if any(e.bias for _, e in some):  # step 2
+        rows, ids, bias = flat(lambda e: e.bias)
+        logits.index_put_((rows, ids), bias, accumulate=True)
+    banned = [j for j, e in some if e.ban_eos]
+    if banned:  # step 3
+        logits[to_device(banned, device), eos_id] = float("-inf")
+    if any(e.seen for _, e in some):  # step 4
+        rows, ids, penalty = flat(lambda e: e.seen, lambda e: e.penalty)
+        picked = logits[rows, ids]
+        biggest = torch.finfo(logits.dtype).max
+        logits[rows, ids] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-biggest, biggest)
+    if any(e.counts for _, e in some):  # step 5
+        rows, ids, count, presence, frequency = flat(lambda e: list(e.counts.items()), lambda e: e.presence,
+                                                     lambda e: e.frequency)
+        logits[rows, ids] = logits[rows, ids] - presence - frequency * count
+
+
+def adjust(logits: torch.Tensor, row: SampleRow, eos_id: int | None) -> torch.Tensor:
+    """Steps 2-6 for one row's usable logits (the same tensor when none applies), as `Sampler` applies them to a
+    step's rows together."""
+    if not _adjusts(row, eos_id):
         return logits
-    logits = logits.clone()
-    for token, bias in p.logit_bias:
-        if token < logits.size(-1):
-            logits[token] += bias
-    if eos_id is not None and len(row.output) < p.min_tokens:
-        logits[eos_id] = float("-inf")
-    if p.repetition_penalty not in (None, 1.0) and row.history:
-        # ids past the usable vocabulary (a prompt may hold a padded id) have no logit to penalise
-        context = to_device([t for t in row.history if t < logits.size(-1)], logits.device)
-        logits = apply_repetition_penalty(logits, context, p.repetition_penalty)
-    logits = apply_presence_frequency(logits, row.output, p.presence_penalty, p.frequency_penalty)
-    if constrain and row.allowed is not None:  # the vocabulary's width: its usable ids' part
-        logits = logits.masked_fill(~row.allowed[: logits.size(-1)].to(logits.device), float("-inf"))
-    return logits
+    rows = logits[None].clone()
+    if _penalises(row, eos_id):
+        penalise(rows, [row_edits(row, eos_id, logits.size(-1))], eos_id)
+    _constrain(rows, [row])
+    return rows[0]
 
 
 def sample_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:

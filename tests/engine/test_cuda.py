@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import sampler as sampler_module
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
 from model.quantize import quantize
@@ -27,6 +28,7 @@ from tests.engine.references import together
 from tests.engine.test_graphs import BLOCK
 from tests.engine.test_graphs import jobs as graph_jobs
 from tests.sampling.distributions import inverse_cdf
+from tests.sampling.test_filters import edited_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,6 +174,19 @@ def test_constrained_requests_decode_on_cuda(make_engine: Callable[..., Engine])
     for r in results[:3]:
         assert re.fullmatch(pattern, r.finished.generated_text), r.finished.generated_text
     assert results[3].token_ids == engine.generate(prompt, free).token_ids
+
+
+def test_steps_2_to_6_on_cuda_equal_the_cpus() -> None:
+    """Logit bias, min_tokens, the penalties and a constraint applied on the device to a batch of rows, each step one
+    indexed operation (the masks and ids made on the host): the CPU's logits exactly (float32 adds, multiplies and
+    divides round alike)."""
+    logits, rows = edited_rows(40)
+    edits = [sampler_module.row_edits(r, 39, 40) for r in rows]
+    on_cpu, on_cuda = logits.clone(), logits.cuda()
+    for x in (on_cpu, on_cuda):
+        sampler_module.penalise(x, edits, 39)
+        sampler_module._constrain(x, rows)
+    assert torch.equal(on_cuda.cpu(), on_cpu)
 
 
 @pytest.mark.slow

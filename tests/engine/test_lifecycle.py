@@ -192,15 +192,16 @@ def test_a_request_failing_on_its_first_token_fails_alone(make_checkpoint, make_
     which failed every request in flight."""
     ck = make_checkpoint(block_size=32)
     engine = make_engine(ck, max_batch_size=4, start=False)
-    params, victim = SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, seed=13, do_sample=True)
-    real_adjust = sampler_module.adjust
+    params = SamplingParams(max_new_tokens=12)
+    victim = SamplingParams(max_new_tokens=12, seed=13, do_sample=True, repetition_penalty=1.3)
+    real_edits = sampler_module.row_edits
 
-    def adjust(masked, row, eos_id, **kwargs):
+    def row_edits(row, eos_id, width):  # the row's own work before the batch's: where its failure is its alone
         if row.params is victim:
             raise RuntimeError("injected fault")
-        return real_adjust(masked, row, eos_id, **kwargs)
+        return real_edits(row, eos_id, width)
 
-    monkeypatch.setattr(sampler_module, "adjust", adjust)
+    monkeypatch.setattr(sampler_module, "row_edits", row_edits)
     prompts = [[1, 2, 3], [4, 5], [10]]
 
     async def main():

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from model import sampler as sampler_module
 from model.sampler import (
     Sampler,
     SampleRow,
-    apply_repetition_penalty,
+    adjust,
     choose_token,
     min_p_filter,
     new_generator,
@@ -118,15 +119,67 @@ def test_extreme_valid_parameters_sample_their_limit(kwargs: dict, tokens: set[i
 def test_repetition_penalty_exact_values() -> None:
     logits = torch.tensor([2.0, -1.0, 0.5, -0.5, 3.0, 0.0])
     before = logits.clone()
-    context = torch.tensor([0, 1, 1, 3, 5])
-    out = apply_repetition_penalty(logits, context, 2.0)
+
+    def penalised(history: list[int], penalty: float) -> list[float]:
+        return adjust(logits, SampleRow(SamplingParams(repetition_penalty=penalty), history=history), None).tolist()
+
     # positive seen logits are divided, negative ones multiplied; ids 2 and 4 are unseen; 0 stays 0
-    assert out.tolist() == [1.0, -2.0, 0.5, -1.0, 3.0, 0.0]
+    assert penalised([0, 1, 1, 3, 5], 2.0) == [1.0, -2.0, 0.5, -1.0, 3.0, 0.0]
     assert torch.equal(logits, before)  # the input is not modified
-    assert apply_repetition_penalty(logits, context, 1.0).tolist() == before.tolist()
-    assert apply_repetition_penalty(logits, torch.tensor([], dtype=torch.long), 2.0).tolist() == before.tolist()
+    assert penalised([0, 1, 1, 3, 5], 1.0) == before.tolist()
+    assert penalised([], 2.0) == before.tolist()
     # a penalty below 1 rewards repetition instead
-    assert apply_repetition_penalty(logits, torch.tensor([0, 3]), 0.5).tolist() == [4.0, -1.0, 0.5, -0.25, 3.0, 0.0]
+    assert penalised([0, 3], 0.5) == [4.0, -1.0, 0.5, -0.25, 3.0, 0.0]
+
+
+def edited_rows(width: int) -> tuple[torch.Tensor, list[SampleRow]]:
+    """Five rows of logits (`width` ids, the last EOS) and rows asking for every one of steps 2-6, in mixes."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, width, generator=gen) * 3
+    allowed = torch.rand(width, generator=gen) > 0.3
+    rows = [SampleRow(SamplingParams(logit_bias={3: 2.5, 7: -100.0, 55: 1.0}, repetition_penalty=1.7, min_tokens=5,
+                                     max_new_tokens=9), history=[1, 3, 3, 8, 60], output=[3, 8]),
+            SampleRow(SamplingParams(presence_penalty=0.6, frequency_penalty=0.25), history=[2, 2, 4, 2],
+                      output=[2, 2, 4, 2, 70], allowed=allowed),
+            SampleRow(SamplingParams()),
+            SampleRow(SamplingParams(repetition_penalty=0.8, presence_penalty=-0.4), history=[5, 6, 6], output=[6, 6]),
+            SampleRow(SamplingParams(logit_bias={0: -3.0}, min_tokens=1, max_new_tokens=2), output=[])]
+    return logits, rows
+
+
+def test_steps_2_to_6_on_a_batch_equal_each_row_alone() -> None:
+    """The sampler applies logit bias, min_tokens, the repetition, presence and frequency penalties and the
+    constraints to a step's rows together, each step once: every row's logits come out as that row's alone (worked
+    out here in plain Python, in float32 as torch rounds), whatever the other rows ask for."""
+    width, eos = 40, 39
+    logits, rows = edited_rows(width)
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+
+    def alone(row: SampleRow, values: list[float]) -> list[float]:
+        p, out = row.params, list(values)
+        for t, b in p.logit_bias:
+            if t < width:
+                out[t] = f32(out[t] + f32(b))
+        if len(row.output) < p.min_tokens:
+            out[eos] = NEG
+        if p.repetition_penalty not in (None, 1.0):
+            for t in {t for t in row.history if t < width}:
+                x = out[t]
+                out[t] = f32(x / f32(p.repetition_penalty)) if x > 0 else f32(x * f32(p.repetition_penalty))
+        if p.presence_penalty or p.frequency_penalty:
+            for t in {t for t in row.output if t < width}:
+                count = row.output.count(t)
+                out[t] = f32(f32(out[t] - f32(p.presence_penalty)) - f32(f32(p.frequency_penalty) * count))
+        if row.allowed is not None:
+            out = [x if ok else NEG for x, ok in zip(out, row.allowed.tolist())]
+        return out
+
+    together = logits.clone()
+    sampler_module.penalise(together, [sampler_module.row_edits(r, eos, width) for r in rows], eos)
+    sampler_module._constrain(together, rows)
+    for j, row in enumerate(rows):
+        assert together[j].tolist() == alone(row, logits[j].tolist()), j
+        assert adjust(logits[j], row, eos).tolist() == together[j].tolist(), j
 
 
 def test_repetition_penalty_changes_the_greedy_choice_only_with_a_context() -> None:
