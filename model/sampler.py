@@ -121,19 +121,27 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams | Sequenc
     row of `logits`, or one per row of 2-D logits (rows of different parameters filtered together: each filter
     runs once for all of them, on the rows that use it)."""
     rows = _as_rows(logits)
-    every = _per_row(params, rows)
+    temperatures, top_ks, top_ps, min_ps = _filters(_per_row(params, rows), rows.dtype)
     # shifted by the maximum first (softmax does that anyway), so that dividing by a tiny temperature takes
-    # logits towards -inf, never to +inf (inf - inf would make the softmax NaN); a temperature below the dtype's
-    # smallest normal number would round to 0 in the division and is taken as that number
-    tiny = torch.finfo(rows.dtype).tiny
-    temperatures = [max(p.temperature if p.temperature is not None else 1.0, tiny) for p in every]
+    # logits towards -inf, never to +inf (inf - inf would make the softmax NaN)
     shifted = rows - rows.amax(dim=-1, keepdim=True)
     if any(t != 1.0 for t in temperatures):
         shifted = shifted / to_device([[t] for t in temperatures], rows.device, rows.dtype)
-    shifted = top_k_filter(shifted, [p.top_k or 0 for p in every])
-    shifted = top_p_filter(shifted, [p.top_p if p.top_p is not None else 1.0 for p in every])
-    shifted = min_p_filter(shifted, [p.min_p or 0.0 for p in every])
+    shifted = top_k_filter(shifted, top_ks)
+    shifted = top_p_filter(shifted, top_ps)
+    shifted = min_p_filter(shifted, min_ps)
     return torch.softmax(shifted, dim=-1).view_as(logits)
+
+
+def _filters(params: Sequence[SamplingParams],
+             dtype: torch.dtype) -> tuple[list[float], list[int], list[float], list[float]]:
+    """Steps 8-11's parameters per row, unset ones as the value that leaves a row alone: temperatures (1; one below
+    `dtype`'s smallest normal number would round to 0 in the division and is taken as that number), top-k (0),
+    top-p (1), min-p (0)."""
+    tiny = torch.finfo(dtype).tiny
+    return ([max(p.temperature if p.temperature is not None else 1.0, tiny) for p in params],
+            [p.top_k or 0 for p in params], [p.top_p if p.top_p is not None else 1.0 for p in params],
+            [p.min_p or 0.0 for p in params])
 
 
 @dataclass(frozen=True)
@@ -353,16 +361,16 @@ def penalise(logits: torch.Tensor, edits: Sequence[Edits | None], eos_id: int | 
     def flat(part: Callable[[Edits], Sequence], *per_row: Callable[[Edits], float]) -> list[torch.Tensor]:
         """Every row's `part` in one tensor of ids (and of values, where a part holds pairs), the rows' indices
         beside them, and each `per_row` number repeated along its row's ids: built from flat lists, on the host."""
-        lengths = [len(part(e)) for _, e in some]
-        items = [x for _, e in some for x in part(e)]
+        parts = [part(e) for _, e in some]
+        lengths = torch.tensor([len(x) for x in parts])
+        items = [x for xs in parts for x in xs]
         pairs = bool(items) and isinstance(items[0], tuple)
         ids = torch.tensor([x[0] for x in items] if pairs else items, dtype=torch.long)
-        out = [torch.repeat_interleave(torch.tensor([j for j, _ in some]), torch.tensor(lengths)), ids]
+        out = [torch.repeat_interleave(torch.tensor([j for j, _ in some]), lengths), ids]
         if pairs:
             out.append(torch.tensor([x[1] for x in items], dtype=logits.dtype))
         for number in per_row:
-            out.append(torch.repeat_interleave(torch.tensor([number(e) for _, e in some], dtype=logits.dtype),
-                                               torch.tensor(lengths)))
+            out.append(torch.repeat_interleave(torch.tensor([number(e) for _, e in some], dtype=logits.dtype), lengths))
         return [t.to(device, non_blocking=True) for t in out]
 
     if any(e.bias for _, e in some):  # step 2
@@ -406,10 +414,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     sorting it (`model.kernels.ops.sample_rows`); elsewhere `draw` from `sampling_distribution`. Both are the
     inverse cumulative distribution at the same number: the same id, up to float rounding at a boundary."""
     u = uniforms(generators)
-    tiny = torch.finfo(torch.float32).tiny
-    ids = ops.sample_rows(logits, [max(p.temperature if p.temperature is not None else 1.0, tiny) for p in params],
-                          [p.top_k or 0 for p in params], [p.top_p if p.top_p is not None else 1.0 for p in params],
-                          [p.min_p or 0.0 for p in params], u)
+    ids = ops.sample_rows(logits, *_filters(params, logits.dtype), u)
     return ids if ids is not None else draw(sampling_distribution(logits, params), u)
 
 
