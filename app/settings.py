@@ -136,6 +136,11 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(False, description="on CUDA, decode without CUDA graphs (vLLM's flag): every step's "
                                 "kernels launched one by one, as on the CPU. By default a step replays a graph "
                                 "captured at start-up for its batch and context size (model/engine/graphs.py)")
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto", description="run ahead (vLLM's async scheduling): the next decode step's forward launched on a "
+        "step's chosen tokens before the host has looked at them, so that the host's work on a step (stops, text, "
+        "events) overlaps the device's work on the next; the tokens are the same either way. auto: on CUDA, off "
+        "on a CPU, where the forward is computed as it is launched (model/engine/ahead.py)")
     compile: bool = Field(False, description="on CUDA, compile the decode step before its CUDA graphs are captured "
                           "(torch.compile: fewer, fused kernels a step), at the cost of a minute or more at start-up; "
                           "nothing without the graphs (--enforce-eager, or the CPU)")
@@ -209,6 +214,7 @@ class Settings(BaseSettings):
             threads=self.threads or None,
             kv_cache_dtype=self.kv_cache_dtype,
             enforce_eager=self.enforce_eager,
+            async_scheduling={"auto": None, "on": True, "off": False}[self.async_scheduling],
             compile=self.compile,
             max_loras=self.max_loras if self.lora_enabled else 0,
             speculative_model=self.speculative_model,

@@ -10,7 +10,9 @@ For each model (the bundled default and a random-init GPT-2 124M shape):
   `transformers`' static batched `generate` (left-padded prompts, run to the longest request; only the
   tokens each request asked for count), in `--repeats` alternating rounds, the best of each side.
 - the same with every request sampled (`--sampled-concurrency`; temperature 1 over the whole vocabulary on both
-  sides, each Folio request with its own seed): what choosing tokens by sampling costs each.
+  sides, each Folio request with its own seed): what choosing tokens by sampling costs each;
+- at batch 1 and the largest concurrency, the engine again with async scheduling the other way than the device's
+  default ("async off" on CUDA, "async on" on a CPU; model/engine/ahead.py): what running ahead is worth there.
 
 Prints a table, writes bench/results/engine_decode.json and engine_decode.png. Ratios are what matter:
 absolute figures depend on the machine.
@@ -35,7 +37,7 @@ from bench.models import gpt2_124m, to_hf
 from bench.report import cpu_name, pyplot, save_figure, write_json
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.devices import default_dtype
-from model.engine import Engine
+from model.engine import Engine, ahead
 from model.reference import generate_naive
 from model.sampling_params import SamplingParams
 from model.tokenizer import CharTokenizer
@@ -158,6 +160,9 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
         return ids
 
     folio_ids = time_engine("folio")
+    # async scheduling the other way than the device's default (off on CUDA, on on a CPU): what it is worth
+    out["folio_flipped_same_tokens"] = float(time_engine("folio_flipped", async_scheduling=not default_async(device))
+                                             == folio_ids)
     if engine_compile:  # the decode step compiled before its graphs are captured (--compile)
         out["folio_compiled_same_tokens"] = float(time_engine("folio_compiled", compile=True) == folio_ids)
     torch.set_num_threads(baseline_threads)  # the engine set its own count (by the model's size)
@@ -183,20 +188,31 @@ def bench_batch1(ck: Checkpoint, hf, new_tokens: int, repeats: int,  # noqa: ANN
     return out
 
 
+def default_async(device: str) -> bool:
+    """Whether the engine runs ahead on `device` by default (async scheduling: model/engine/ahead.py)."""
+    return ahead.default_async_scheduling(torch.device(device))
+
+
 def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int,  # noqa: ANN001
-                     baseline_threads: int, device: str = "cpu", sampled: bool = False) -> dict[str, float]:
+                     baseline_threads: int, device: str = "cpu", sampled: bool = False,
+                     flipped: bool = False) -> dict[str, float]:
     """Aggregate tokens/s of n concurrent requests: the engine vs `transformers`' static batch, in alternating
     rounds (this VM's speed drifts by 10-20% over minutes), the best round of each. `sampled`: every request
     samples at temperature 1 from the whole vocabulary (transformers' default top-k of 50 turned off), greedy
-    otherwise."""
+    otherwise. `flipped`: also an engine with async scheduling the other way than the device's default, in the
+    same rounds ("folio_flipped")."""
     ps = prompts(n, ck.tokenizer.n_vocab, seed=n)
     g = torch.Generator().manual_seed(100 + n)
     lengths = torch.randint(new_tokens // 2, new_tokens + 1, (n,), generator=g).tolist()
     wanted = sum(lengths)
-    engine = Engine(ck, max_batch_size=n, max_waiting=n, device=device).start()
-    engine.generate(ps[0], SamplingParams(max_new_tokens=8))
+    engines = {"folio": Engine(ck, max_batch_size=n, max_waiting=n, device=device).start()}
+    if flipped:
+        engines["folio_flipped"] = Engine(ck, max_batch_size=n, max_waiting=n, device=device,
+                                          async_scheduling=not default_async(device)).start()
+    for engine in engines.values():
+        engine.generate(ps[0], SamplingParams(max_new_tokens=8))
 
-    async def folio() -> float:
+    async def folio(engine: Engine) -> float:
         t = time.perf_counter()
         streams = [engine.submit(p, SamplingParams(max_new_tokens=L, stop_at_eos=False, do_sample=sampled,
                                                    temperature=1.0 if sampled else None, seed=i))
@@ -226,16 +242,19 @@ def bench_concurrent(ck: Checkpoint, hf, n: int, new_tokens: int, repeats: int, 
         torch.set_num_threads(saved)
         return elapsed
 
-    folio_s, hf_s = [], []
+    seconds: dict[str, list[float]] = {name: [] for name in [*engines, "transformers"]}
     try:
         for _ in range(max(1, repeats)):
-            folio_s.append(asyncio.run(folio()))
-            hf_s.append(transformers())
+            for name, engine in engines.items():
+                seconds[name].append(asyncio.run(folio(engine)))
+            seconds["transformers"].append(transformers())
     finally:
-        engine.stop()
-    return {"folio": wanted / min(folio_s), "transformers": wanted / min(hf_s), "tokens": wanted,
-            "rounds": len(folio_s), "folio_all": [wanted / s for s in folio_s],
-            "transformers_all": [wanted / s for s in hf_s]}
+        for engine in engines.values():
+            engine.stop()
+    out: dict[str, Any] = {"tokens": wanted, "rounds": max(1, repeats)}
+    for name, s in seconds.items():
+        out[name], out[f"{name}_all"] = wanted / min(s), [wanted / x for x in s]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None},
                     "new_tokens": args.new_tokens, "models": {}}
     rows = []
+    flipped = "async off" if default_async(device) else "async on"  # the rows of the engine run the other way
     for name in args.models.split(","):
         ck = named_checkpoint(name, args.checkpoint)
         hf = to_hf(ck.model).to(device, dtype)
@@ -283,10 +303,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, "b1 --compile", b1["folio_compiled"], b1["transformers"], b1["naive"], ceiling))
         if "transformers_compiled" in b1:
             rows.append((name, "b1 vs compile", fastest, b1["transformers_compiled"], float("nan"), float("nan")))
-        for n in [int(x) for x in args.concurrency.split(",") if x]:
-            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device)
+        rows.append((name, "b1 " + flipped, b1["folio_flipped"], float("nan"), float("nan"), float("nan")))
+        loads = [int(x) for x in args.concurrency.split(",") if x]
+        for n in loads:
+            c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device, flipped=n == max(loads))
             entry["concurrent"][str(n)] = c
             rows.append((name, f"{n} concurrent", c["folio"], c["transformers"], float("nan"), float("nan")))
+            if "folio_flipped" in c:
+                rows.append((name, f"{n} {flipped}", c["folio_flipped"], float("nan"), float("nan"), float("nan")))
         for n in [int(x) for x in args.sampled_concurrency.split(",") if x]:
             c = bench_concurrent(ck, hf, n, new_tokens, args.repeats, args.threads, device, sampled=True)
             entry["concurrent_sampled"][str(n)] = c
@@ -329,6 +353,12 @@ def plot(report: dict[str, Any], png: Path) -> None:
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], folio, 0.4, label="Folio engine")
         ax.bar([i + 0.2 for i in x], hf, 0.4, label="transformers generate")
+        flipped = [(i, c["folio_flipped"]) for i, c in enumerate([e["batch1"]] + [c for _, c in loads])
+                   if "folio_flipped" in c]
+        if flipped:
+            ax.plot([i - 0.2 for i, _ in flipped], [f for _, f in flipped], "rx", ms=9,
+                    label="Folio, async scheduling " + ("off" if report["machine"]["device"].startswith("cuda")
+                                                        else "on"))
         if "transformers_compiled" in e["batch1"]:
             ax.plot([0.2], [e["batch1"]["transformers_compiled"]], "k*", ms=12,
                     label="transformers static cache + torch.compile")

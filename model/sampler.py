@@ -166,6 +166,64 @@ class SamplerOutput:
     errors: dict[int, Exception] = field(default_factory=dict)
 
 
+@dataclass
+class Choice:
+    """A sampler pass's chosen tokens (`tokens`, on the device), their log-probabilities and each row's top-n
+    alternatives on their way to the host in one copy (`Sampler.choose`); `result()` waits for them."""
+
+    tokens: torch.Tensor  # (rows,), on the logits' device
+    rows: Sequence[SampleRow]
+    errors: dict[int, Exception]
+    tops: list[tuple[list[int], int]]  # (which rows, n) per distinct top-n (usually none, or one)
+    values: torch.Tensor  # what the host reads: the tokens, their log-probabilities, then the tops (float64)
+    copied: torch.cuda.Event | None  # where the values went to pinned host memory asynchronously: its end
+
+    @classmethod
+    def of(cls, masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], chosen: torch.Tensor,
+           errors: dict[int, Exception]) -> Choice:
+        """The chosen tokens (`chosen`, on the device) with their log-probabilities and each row's top-n
+        alternatives, gathered into one tensor and, from a GPU, copied to pinned host memory without waiting: the
+        pass's one copy to the host, which a forward launched after it does not delay."""
+        n = len(rows)
+        parts = [chosen.double(), (masked.gather(1, chosen[:, None])[:, 0] - lse).double()]
+        tops = []
+        for k in sorted({r.params.top_n_tokens for r in rows} - {0}):
+            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == k]
+            index = slice(None) if len(which) == n else to_device(which, masked.device)
+            values, ids = torch.topk(masked[index], k)
+            parts += [(values - lse[index, None]).double().reshape(-1), ids.double().reshape(-1)]
+            tops.append((which, k))
+        values, copied = torch.cat(parts), None
+        if values.device.type == "cuda":
+            values = values.to("cpu", non_blocking=True)  # pinned memory, from the caching host allocator
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(chosen, rows, errors, tops, values, copied)
+
+    def result(self) -> SamplerOutput:
+        """The pass's tokens, log-probabilities and alternatives on the host (a wait for the device where they come
+        from one). A sampled row whose chosen token's log-probability is NaN or infinite drew from logits holding
+        NaN or infinity, which are no distribution: it fails, the others do not (as `torch.multinomial` refused
+        them). A greedy row still takes its argmax, reported with that log-probability (null over HTTP)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows, errors, n = self.rows, self.errors, len(self.rows)
+        host = self.values.tolist()
+        tokens = [-1 if i in errors else int(t) for i, t in enumerate(host[:n])]
+        out = SamplerOutput(tokens, host[n: 2 * n], [[] for _ in rows], errors)
+        for i, logprob in enumerate(out.logprobs):
+            if i not in errors and not rows[i].params.is_greedy and not -math.inf <= logprob < math.inf:
+                errors[i] = FloatingPointError("cannot sample: the model's logits for this row hold NaN or infinity")
+                tokens[i] = -1
+        at = 2 * n
+        for which, k in self.tops:
+            values, ids = host[at: at + len(which) * k], host[at + len(which) * k: at + 2 * len(which) * k]
+            at += 2 * len(which) * k
+            for j, i in enumerate(which):
+                out.top[i] = [(int(t), v) for t, v in zip(ids[j * k: (j + 1) * k], values[j * k: (j + 1) * k])]
+        return out
+
+
 class Sampler:
     """One batched pass over the logits of every row: ids, their log-probabilities and top-n alternatives out.
 
@@ -179,11 +237,17 @@ class Sampler:
         self.eos_id = eos_id
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+        return self.choose(logits, rows).result()
+
+    def choose(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> Choice:
+        """`__call__` in two halves: every row's token chosen (`Choice.tokens`, on the device) and on its way to the
+        host with its log-probability and alternatives; `Choice.result()` waits for them. Between the two the
+        engine may launch the next step's forward on those tokens (model/engine/scheduler.py: running ahead)."""
         masked = usable_logits(logits.float(), self.n_vocab)  # step 1, once for the batch
         # each row's argmax and log-sum-exp in one pass (a log-probability is a logit minus the latter)
         argmax, lse = row_argmax_logsumexp(masked)
         chosen, errors = self._choose(masked, rows, argmax)
-        return self._output(masked, lse, rows, chosen, errors)
+        return Choice.of(masked, lse, rows, chosen, errors)
 
     def verify(self, logits: torch.Tensor, rows: Sequence[SampleRow], draft: Sequence[int]) -> SamplerOutput:
         """Speculative decoding: which of one request's `draft` tokens it takes, and its next token after them.
@@ -216,7 +280,7 @@ class Sampler:
                 break
         used = len(tokens)
         chosen = to_device([max(t, 0) for t in tokens], masked.device)
-        return self._output(masked[:used], lse[:used], rows[:used], chosen, errors)
+        return Choice.of(masked[:used], lse[:used], rows[:used], chosen, errors).result()
 
     def _verify_one(self, logits: torch.Tensor, row: SampleRow, argmax: int) -> int:
         """One position of `verify`: the token `__call__` would choose there."""
@@ -224,38 +288,6 @@ class Sampler:
         if row.params.is_greedy:
             return argmax if adjusted is logits else int(adjusted.argmax())
         return int(sample_row(adjusted, row))
-
-    @staticmethod
-    def _output(masked: torch.Tensor, lse: torch.Tensor, rows: Sequence[SampleRow], chosen: torch.Tensor,
-                errors: dict[int, Exception]) -> SamplerOutput:
-        """The chosen tokens (`chosen`, on the device) with their log-probabilities and each row's top-n
-        alternatives, brought to the host together: the pass's one wait for the device. A sampled row whose chosen
-        token's log-probability is NaN or infinite drew from logits holding NaN or infinity, which are no
-        distribution: it fails, the others do not (as `torch.multinomial` refused them). A greedy row still takes
-        its argmax, reported with that log-probability (null over HTTP)."""
-        n = len(rows)
-        parts = [chosen.double(), (masked.gather(1, chosen[:, None])[:, 0] - lse).double()]
-        tops = []  # (which rows, n) per distinct n (usually one)
-        for k in sorted({r.params.top_n_tokens for r in rows} - {0}):
-            which = [i for i, r in enumerate(rows) if r.params.top_n_tokens == k]
-            index = slice(None) if len(which) == n else to_device(which, masked.device)
-            values, ids = torch.topk(masked[index], k)
-            parts += [(values - lse[index, None]).double().reshape(-1), ids.double().reshape(-1)]
-            tops.append((which, k))
-        host = torch.cat(parts).tolist()
-        tokens = [-1 if i in errors else int(t) for i, t in enumerate(host[:n])]
-        out = SamplerOutput(tokens, host[n: 2 * n], [[] for _ in rows], errors)
-        for i, logprob in enumerate(out.logprobs):
-            if i not in errors and not rows[i].params.is_greedy and not -math.inf <= logprob < math.inf:
-                errors[i] = FloatingPointError("cannot sample: the model's logits for this row hold NaN or infinity")
-                tokens[i] = -1
-        at = 2 * n
-        for which, k in tops:
-            values, ids = host[at: at + len(which) * k], host[at + len(which) * k: at + 2 * len(which) * k]
-            at += 2 * len(which) * k
-            for j, i in enumerate(which):
-                out.top[i] = [(int(t), v) for t, v in zip(ids[j * k: (j + 1) * k], values[j * k: (j + 1) * k])]
-        return out
 
     def _choose(self, masked: torch.Tensor, rows: Sequence[SampleRow],
                 argmax: torch.Tensor) -> tuple[torch.Tensor, dict[int, Exception]]:

@@ -25,6 +25,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the KV cache's element type: auto, fp32, fp16 (runner.resolve_kv_cache_dtype)
     enforce_eager: bool = False  # decode steps without CUDA graphs (vLLM's name; model/engine/graphs.py)
     compile: bool = False  # the decode step the CUDA graphs capture compiled first (torch.compile; graphs.py)
+    # the next decode step's forward launched on a step's chosen tokens before the host has looked at them (vLLM's
+    # async scheduling; model/engine/ahead.py); None: on CUDA (on a CPU it only reorders a step's work)
+    async_scheduling: bool | None = None
     prefix_cache: bool = True  # reuse the keys and values of a prompt's prefix a cache row already holds
     max_loras: int = 0  # LoRA adapters loaded at once (`Engine.load_adapter`); 0: adapters off (no hooks at all)
     # speculative decoding (model/speculative/; vLLM's option names): "[ngram]" drafts by prompt lookup, any other

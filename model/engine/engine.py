@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from model.checkpoint import Checkpoint, load_checkpoint
+from model.engine.ahead import default_async_scheduling
 from model.engine.attention import check_spec
 from model.engine.config import NGRAM, EngineConfig
 from model.engine.events import EngineError, EngineStopped, Event, GenerationError, Result, TokenEvent, end_of
@@ -53,8 +54,11 @@ decoding with `speculative_model` a checkpoint directory); the configuration as 
         self.runner = ModelRunner(checkpoint, config)
         self.draft_runner: ModelRunner | None = None  # the draft model's, with `--speculative-model PATH`
         proposer = self._proposer(checkpoint, config)
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = default_async_scheduling(self.runner.device)
         self.config = replace(config, device=self.runner.device, dtype=self.runner.dtype, threads=self.runner.threads,
-                              window_shift=window_shift,
+                              window_shift=window_shift, async_scheduling=async_scheduling,
                               draft_token_cost=proposer.token_cost if isinstance(proposer, DraftModelProposer)
                               else config.draft_token_cost)
         self.n_vocab, self.eos_id = self.tokenizer.n_vocab, self.tokenizer.eos_id

@@ -95,16 +95,21 @@ class DecodeGraphs:
         rows, length = smallest_at_least(self.rows, n), smallest_at_least(self.contexts, context)
         return None if rows is None or length is None else (rows, length)
 
-    def run(self, key: tuple[int, int], rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def run(self, key: tuple[int, int], rows: list[int], tokens: list[int] | torch.Tensor,
+            positions: list[int]) -> torch.Tensor:
         """The step of graph `key` (from `bucket`) for these rows: logits (len(rows), vocab), a copy of the graph's
-        output (the next replay overwrites it)."""
+        output (the next replay overwrites it). `tokens`: ids on the host, or a tensor of them on the device (copied
+        into the inputs there, after the host's part: nothing waits for them)."""
         n, width = len(rows), key[0]
         if self.copied is not None:
             self.copied.synchronize()  # the last step's inputs are on the device: the staging buffer is free
         staging = self.staging[:width]
-        staging[:n] = torch.tensor([tokens, positions, rows]).T
+        on_device = isinstance(tokens, torch.Tensor)
+        staging[:n] = torch.tensor([[0] * n if on_device else tokens, positions, rows]).T
         staging[n:] = self.padding
         self.inputs[:width].copy_(staging, non_blocking=True)
+        if on_device:
+            self.inputs[:n, IDS].copy_(tokens)
         if self.capture:
             self.copied = torch.cuda.Event()
             self.copied.record()

@@ -11,6 +11,7 @@ and the scheduler lets a request that ended leave the batch before its event goe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -51,11 +52,17 @@ class OutputProcessor:
                 req.scorer.add(req.prefilled, logits[i, :n])
         return logits[torch.arange(len(plan)), torch.tensor([n - 1 for _, n in plan])]
 
-    def process(self, reqs: list[Request], logits: torch.Tensor) -> list[tuple[Request, TokenEvent | EngineError]]:
+    def process(self, reqs: list[Request], logits: torch.Tensor,
+                chosen: Callable[[torch.Tensor], None] | None = None) -> list[tuple[Request, TokenEvent | EngineError]]:
         """Choose every row's next token in one sampler pass: each request's `TokenEvent` (its `finished` set when
-        it should stop), or the error it failed with alone."""
+        it should stop), or the error it failed with alone. `chosen`, where given, is called with the tokens (on
+        the device, a row's -1 not yet known) once they are chosen and before anything waits for them or looks at
+        them: the scheduler launches the next step's forward there (running ahead)."""
         allowed, stuck = self._masks(reqs, logits.size(-1))
-        out = self.sampler(logits, [req.sample_row(allowed.get(i)) for i, req in enumerate(reqs)])
+        choice = self.sampler.choose(logits, [req.sample_row(allowed.get(i)) for i, req in enumerate(reqs)])
+        if chosen is not None:
+            chosen(choice.tokens)
+        out = choice.result()
         attention = watch(self.runner.model, self.runner.cache, reqs)
         events: list[tuple[Request, TokenEvent | EngineError]] = []
         for i, req in enumerate(reqs):

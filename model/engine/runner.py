@@ -194,10 +194,12 @@ class ModelRunner:
                 logits = self.model(self._ids(idx), step, take)
         return logits if every_position else logits[:, 0]
 
-    def decode(self, rows: list[int], tokens: list[int], positions: list[int],
+    def decode(self, rows: list[int], tokens: list[int] | torch.Tensor, positions: list[int],
                adapters: Sequence[lora.LoraAdapter | None] = ()) -> torch.Tensor:
         """One token per row, `tokens[i]` at `positions[i]` of cache row `rows[i]`, through `adapters[i]` (as in
-        `forward_chunks`): logits (len(rows), vocab). A CUDA graph's replay where one holds the step."""
+        `forward_chunks`): logits (len(rows), vocab). `tokens`: ids on the host, or a tensor of them on this device
+        (a step's chosen tokens, not yet seen by the host: running ahead). A CUDA graph's replay where one holds
+        the step."""
         if self.graphs is not None and all(a is None for a in adapters):
             key = self.graphs.bucket(len(rows), max(positions) + 1)
             if key is not None:
@@ -205,8 +207,9 @@ class ModelRunner:
         # rows 0..n-1 in order need no index (cheaper without the kernels)
         row_idx = None if rows == list(range(len(rows))) else self._ids(rows)
         step = self.cache.step(self._ids([[p] for p in positions]), row_idx, max(positions) + 1)
+        ids = tokens.view(-1, 1) if isinstance(tokens, torch.Tensor) else self._ids([[t] for t in tokens])
         with lora.applying(adapters, self.device):
-            return self.model(self._ids([[t] for t in tokens]), step)[:, 0]
+            return self.model(ids, step)[:, 0]
 
     def copy_prefix(self, source: int, row: int, length: int) -> None:
         """Row `row` gets the keys and values of positions 0..length-1 of row `source`."""

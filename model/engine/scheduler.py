@@ -14,6 +14,9 @@ One iteration of the loop:
    are more rows of that forward, in its cache row at the positions after its last token, and the output processor
    verifies them (`OutputProcessor.verify`): the request takes the drafted tokens the model agrees with, then one of
    its own; the others advance by one token as without.
+   With async scheduling (on by default on CUDA), the next decode step's forward is launched on this step's tokens
+   as soon as they are chosen, before the host looks at them, and the next iteration takes its logits
+   (model/engine/ahead.py): the host's work on a step overlaps the device's work on the next.
 
 Sliding window: position embeddings cover `block_size` positions. When a row's next token would sit at
 position `block_size`, the window slides: the row keeps its last `block_size - window_shift + 1` tokens,
@@ -30,9 +33,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from model.devices import to_device
+from model.engine import ahead
+from model.engine.ahead import Ahead
 from model.engine.batch import Batch
 from model.engine.config import EngineConfig
 from model.engine.events import EngineError, EngineStats, EngineStopped, GenerationError, Overloaded
@@ -46,6 +53,14 @@ from model.speculative import Drafting, Proposer, Speculator, speculates
 from model.tokenizer import Tokenizer
 
 log = logging.getLogger("folio.engine")
+
+
+@dataclass
+class Ready:
+    """A forward run ahead, done: its `logits`, and the row of them each running request takes, by request id."""
+
+    logits: torch.Tensor
+    index: dict[int, int]
 
 
 class Scheduler:
@@ -75,6 +90,9 @@ class Scheduler:
         self.step_started: float | None = None  # monotonic time the current loop iteration began; None when idle
         self.fault_hook: Callable[[list[Request]], None] | None = None  # test hook: fault injection
         self.flush: Callable[[], None] = lambda: None  # hands the events of a step to their event loops
+        # running ahead (async scheduling: model/engine/ahead.py)
+        self.async_scheduling = bool(config.async_scheduling)
+        self.ahead: Ahead | None = None  # the forward run ahead, not yet taken
 
     # -- from any thread, under `lock` ------------------------------------------------------------------
     def in_flight(self) -> int:
@@ -118,6 +136,7 @@ class Scheduler:
         torch.set_grad_enabled(False)
         self.runner.on_engine_thread()
         while True:
+            ready = self._join_ahead()  # before anything else touches the cache
             with self.lock:
                 self.step_started = None
                 while not (self.stopping or self.in_flight()):
@@ -140,7 +159,7 @@ class Scheduler:
                         self.flush()  # first tokens go out now, not after the decode step
                     if self.batch.running:
                         with self.runner.decode_context():
-                            self._decode_step()
+                            self._decode_step(ready)
                     if self.jobs:
                         self._job_step()
             except Exception as e:  # a bug in the loop itself: fail what is in flight, keep serving
@@ -281,19 +300,43 @@ class Scheduler:
                                                 adapters=[req.params.adapter for req, _ in plan])
         return self.output.score_prompts(plan, logits) if scoring else logits
 
-    def _decode_step(self) -> None:
-        """One token for every running row; rows whose window is full slide it (re-prefill) first."""
+    def _join_ahead(self) -> Ready | None:
+        """The forward run ahead, if one was, once done: the cache rows it wrote recorded (the tokens the host saw,
+        a row whose request left among them), and its logits for the requests still running at the rows and
+        positions it fed. One that failed leaves its rows unknown, and they decode again."""
+        run, self.ahead = self.ahead, None
+        if run is None:
+            return None
+        if run.logits is None:
+            log.warning("a decode step run ahead failed (its rows decode again): %s", run.error)
+            for row in run.rows:
+                self.batch.contents.forget(row)
+            return None
+        index = {}
+        for i, req in enumerate(run.reqs):
+            token = run.fed[i] if i < len(run.fed) else None
+            if token is None:
+                continue
+            self.batch.contents.wrote(run.rows[i], run.positions[i], [token])
+            if req.row == run.rows[i] and req.pos == run.positions[i] + 1:  # still running, this token taken
+                index[req.id] = i
+        return Ready(run.logits, index) if index else None
+
+    def _decode_step(self, ready: Ready | None = None) -> None:
+        """One token for every running row, from the forward run ahead (`ready`) where it holds the row's logits;
+        rows whose window is full slide it (re-prefill) first."""
         reqs = self._run_fault_hook(list(self.batch.running), "")
+        early = {} if ready is None else ready.index  # the rows run ahead: their row of its logits, by request id
         slid: dict[int, torch.Tensor] = {}  # the logits of rows whose window slid, by request id
         for req in reqs:
-            if self.batch.slide(req, self.window_shift, self.block_size):
+            if req.id not in early and self.batch.slide(req, self.window_shift, self.block_size):
                 with self.batch.writing([req.row], [0], [req.context]):
                     slid[req.id] = self.runner.forward_chunks([req.row], [req.context], [0],
                                                               adapters=[req.params.adapter])[0]
                 req.pos = len(req.context)
         if not reqs:
             return
-        normal = [req for req in reqs if req.id not in slid]
+        normal = [req for req in reqs if req.id not in slid and req.id not in early]
         drafts = self._drafts(normal)
         start = time.perf_counter()
         logits = None
@@ -313,10 +356,18 @@ class Scheduler:
                 logits = self.runner.decode(rows, tokens, positions, adapters)
         plain = [r for r in reqs if r.id not in drafts]
         if plain:
-            if slid or drafts:  # the plain rows' logits, the slid rows' among them (`plain` keeps the rows' order)
-                self._emit(plain, torch.stack([slid[r.id] if r.id in slid else logits[first[r.id]] for r in plain]))
+            if ready is not None and all(r.id in early for r in plain):  # every row run ahead (the usual step)
+                index = [early[r.id] for r in plain]
+                whole = index == list(range(ready.logits.size(0)))
+                self._emit(plain, ready.logits if whole else ready.logits[index], may_run_ahead=True)
+            elif slid or drafts or early:  # the plain rows' logits, from wherever each came (`plain` keeps the order)
+                got = dict(slid)
+                if ready is not None:
+                    got.update((i, ready.logits[j]) for i, j in early.items())
+                self._emit(plain, torch.stack([got[r.id] if r.id in got else logits[first[r.id]]  # type: ignore[index]
+                                               for r in plain]), may_run_ahead=True)
             else:
-                self._emit(plain, logits)
+                self._emit(plain, logits, may_run_ahead=True)
         for r in normal:
             if r.id in drafts:
                 draft = drafts[r.id]
@@ -359,15 +410,41 @@ class Scheduler:
         if error is not None:
             self._fail(req, error)
 
-    def _emit(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _runs_ahead(self, reqs: list[Request]) -> list[int]:
+        """Which of a decode step's `reqs` the next step's forward runs ahead for (model/engine/ahead.py): none where
+        running ahead is off, or the next step must first be seen by the host (a request to admit or prefill, a
+        job, speculative decoding, streamed attention, fault injection, the engine stopping); else every row that
+        cannot end at its length or slide its window at this step's token."""
+        if (not self.async_scheduling or self.stopping or self.jobs or self.batch.prefilling
+                or self.speculator is not None or self.fault_hook is not None
+                or (self.waiting and len(self.batch) < self.max_batch_size)
+                or any(r.params.attention is not None for r in reqs)):
+            return []
+        return [i for i, r in enumerate(reqs) if not r.cancelled and r.pos < self.block_size
+                and len(r.output) + 1 < r.params.max_new_tokens]
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor, *, may_run_ahead: bool = False) -> None:
         """Stream each row's next token (`OutputProcessor.process`); a request that ends leaves the batch first, a
-        row whose choice failed fails alone."""
-        for req, ev in self.output.process(reqs, logits):
+        row whose choice failed fails alone. A decode step's rows (`may_run_ahead`) may have the next step's
+        forward launched on their tokens as soon as they are chosen (`_runs_ahead`)."""
+        which = self._runs_ahead(reqs) if may_run_ahead else []
+        launched: list[Ahead] = []
+
+        def run_ahead(tokens: torch.Tensor) -> None:
+            chosen = tokens if len(which) == len(reqs) else tokens[to_device(which, tokens.device)]
+            launched.append(ahead.launch(self.runner, [reqs[i] for i in which], chosen))
+
+        fed: dict[int, int] = {}  # by request id: the token it took, where it took one
+        for req, ev in self.output.process(reqs, logits, run_ahead if which else None):
             if isinstance(ev, EngineError):
                 self._fail(req, ev)
                 continue
+            fed[req.id] = ev.id
             if req.speculation is not None:
                 Speculator.chose(req.speculation, ev.id)  # what its proposal would have drafted: a sample of its rate
             if ev.finished is not None:
                 self._leave(req)
             req.sink(ev)
+        if launched:
+            self.ahead = launched[0]
+            self.ahead.fed = [fed.get(req.id) for req in self.ahead.reqs]

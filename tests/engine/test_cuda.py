@@ -18,6 +18,7 @@ import torch
 from model import sampler as sampler_module
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.engine import Engine
+from model.engine import ahead as ahead_module
 from model.quantize import quantize
 from model.reference import generate_naive
 from model.sampler import draw, new_generator, uniforms
@@ -146,6 +147,30 @@ def test_cuda_graphs_are_captured_by_default_and_decode_as_eager_steps(make_engi
         work = graph_jobs(6, sampled)
         assert [r.token_ids for r in together(engine, work)] == [r.token_ids for r in together(eager, work)]
     assert {rows for rows, _ in replays} >= {1, 2, 4, 6} and {ctx for _, ctx in replays} == {64, 128, 160}
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_running_ahead_on_cuda_generates_what_a_step_at_a_time_generates(make_engine: Callable[..., Engine],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        eager: bool) -> None:
+    """Async scheduling, on by default on CUDA: the next step's forward launched on the device's chosen tokens (their
+    copy to the host not waited for first), through the captured graphs or eagerly, gives the tokens and
+    log-probabilities of a step at a time, greedy, seeded, past the window, more requests than slots."""
+    launches = []
+    launch = ahead_module.launch
+    monkeypatch.setattr(ahead_module, "launch", lambda *args: launches.append(1) or launch(*args))
+    kwargs = {"device": "cuda", "dtype": torch.float32, "max_batch_size": 4, "window_shift": 8,
+              "enforce_eager": eager}
+    engine = make_engine(tiny_checkpoint(BLOCK), **kwargs)
+    plain = make_engine(tiny_checkpoint(BLOCK), async_scheduling=False, **kwargs)
+    assert engine.config.async_scheduling and (engine.runner.graphs is None) == eager
+    for sampled in (False, True):
+        work = graph_jobs(6, sampled)
+        got, want = together(engine, work), together(plain, work)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for g, w in zip(got, want):
+            assert [t.logprob for t in g.tokens] == pytest.approx([t.logprob for t in w.tokens], abs=1e-4)
+    assert len(launches) > 50
 
 
 def test_a_drawn_token_inverts_the_cumulative_distribution_on_cuda() -> None:

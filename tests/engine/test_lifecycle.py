@@ -334,7 +334,7 @@ def test_the_engine_config_is_built_once_and_kept_as_resolved(make_checkpoint) -
     engine = Engine(ck, config, prefix_cache=False)  # keywords go over the object's fields
     try:
         assert engine.config == replace(config, device=torch.device("cpu"), dtype=torch.float32, window_shift=2,
-                                        prefix_cache=False)
+                                        prefix_cache=False, async_scheduling=False)
         assert engine.runner.cache.k.shape[1] == 3 and engine.scheduler.batch.prefix_cache is False
         scheduler = engine.scheduler
         assert (scheduler.max_waiting, scheduler.prefill_chunk, scheduler.window_shift) == (5, 7, 2)

@@ -132,6 +132,7 @@ async def info(request: Request) -> dict[str, Any]:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "cpu_kernels": runner.cpu_kernels,  # "loaded (avx512)", or why not
         "cuda_graphs": runner.cuda_graphs,  # "N captured in S s", or why none (--enforce-eager)
+        "async_scheduling": engine.config.async_scheduling,  # decode steps run ahead (--async-scheduling)
         "threads": runner.threads,  # CPU threads (--threads, else by the model's size); 0 on a GPU
         "quantization": service.quantization,
         "packed_weight_bytes": runner.packed_bytes,  # the kernels' second copy of the linear weights

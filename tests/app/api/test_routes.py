@@ -81,6 +81,7 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert (info["block_size"], info["device"], info["dtype"]) == (64, "cpu", "float32")
     assert info["cpu_kernels"] == kernels.status() != "not loaded"  # "loaded (variant)", or why not
     assert info["cuda_graphs"] == "not used on this device"  # on CUDA: "N captured in S s", or why none
+    assert info["async_scheduling"] is False  # running ahead: on by default on CUDA only
     assert info["threads"] == client.app.state.service.engine.runner.threads >= 1
     linears = [m.weight.shape for m in ck.model.modules() if isinstance(m, torch.nn.Linear)]
     packed = sum(-(-out // 16) * 16 * n_in * 4 for out, n_in in linears)
@@ -90,6 +91,20 @@ def test_info_describes_model_engine_and_training(client: TestClient, char_check
     assert info["max_batch_size"] == 4 and info["max_new_tokens_limit"] == LIMIT
     assert info["training"] == TRAINING
     assert info["version"] == VERSION
+
+
+def test_async_scheduling_can_be_forced_on_and_answers_the_same(client: TestClient,
+                                                               make_client: Callable[..., TestClient]) -> None:
+    """`--async-scheduling on` runs decode steps ahead on the CPU too (/info says so); a seeded stream with a stop
+    string and a greedy answer are the default server's, token for token."""
+    ahead = make_client(async_scheduling="on")
+    assert ahead.get("/info").json()["async_scheduling"] is True
+    for parameters in ({"max_new_tokens": 40, "details": True},
+                       {"max_new_tokens": 40, "details": True, "do_sample": True, "seed": 5, "stop": ["e "]}):
+        body = {"inputs": "ROMEO:", "parameters": parameters}
+        got, want = ahead.post("/generate", json=body), client.post("/generate", json=body)
+        assert got.status_code == want.status_code == 200, got.text
+        assert got.json() == want.json()
 
 
 def test_info_shows_no_absolute_path(client: TestClient) -> None:
