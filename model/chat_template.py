@@ -239,8 +239,8 @@ def resolve_chat_template(carried: str | None, fallback: ChatTemplate | None = N
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
     """`messages` checked and copied as plain data for a template: a non-empty list of objects, each with a role
-    of ROLES and a content (a string, or a list of text parts, joined by newlines; null or absent: ''), other keys
-    as they are (plain JSON data)."""
+    of ROLES (or OpenAI's 'developer', which templates see as 'system') and a content (a string, or a list of text
+    parts, joined by newlines; null or absent: ''), other keys as they are (plain JSON data)."""
     if not isinstance(messages, list | tuple) or not messages:
         raise ValidationError("messages", f"must be a non-empty list of messages, got {preview(messages)}")
     out = []
@@ -249,9 +249,12 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             raise ValidationError(where, f"must be an object with a role and a content, got {preview(message)}")
         role = message.get("role")
-        if role not in ROLES:
-            raise ValidationError(f"{where}.role", f"must be one of {', '.join(map(repr, ROLES))}, got {preview(role)}")
+        if role not in (*ROLES, "developer"):
+            raise ValidationError(f"{where}.role", f"must be one of {', '.join(map(repr, ROLES))} or 'developer', "
+                                                   f"got {preview(role)}")
         plain = _plain(message, where)
+        if role == "developer":  # OpenAI's newer name for the system's instructions
+            plain["role"] = "system"
         plain["content"] = _content(message.get("content"), f"{where}.content")
         out.append(plain)
     return out

@@ -54,6 +54,9 @@ def response_format(value: Mapping[str, Any] | None, field: str = "response_form
     """OpenAI's response_format (or text.format, output_config.format): None for plain text."""
     if value is None:
         return None
+    if not isinstance(value, Mapping):
+        raise ValidationError(field, f"must be an object with a type ('text', 'json_object' or 'json_schema'), got "
+                              f"{preview(value)}")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -68,7 +71,8 @@ def structured_outputs(value: Mapping[str, Any] | None) -> Requested | None:
     """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
     if value is None:
         return None
-    given = [k for k in VLLM_KINDS if value.get(k) not in (None, False)]
+    # json_object: false asks for nothing; any other kind given is checked (json: false is no schema)
+    given = [k for k in VLLM_KINDS if value.get(k) is not None and not (k == "json_object" and value[k] is False)]
     unknown = [k for k in value if k not in VLLM_KINDS]
     if unknown or len(given) != 1:
         raise ValidationError("structured_outputs", f"must hold exactly one of {', '.join(VLLM_KINDS)}, got "

@@ -192,6 +192,10 @@ def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[Iterable[str], s
         mine = {field: allowed for (route, field), allowed in ranges.items() if route == path}
         described = [_describe(e, mine) for e in errors[:MAX_ERRORS_SHOWN]]
         message = "; ".join(m for _, m in described)
+        kind = request.headers.get("content-type", "")
+        if isinstance(errors[0].get("input") if errors else None, bytes) and "json" not in kind.lower():
+            # FastAPI reads a body as JSON only when its Content-Type says so: say that, not what the bytes are not
+            message = f"body: send it as JSON, with Content-Type: application/json (got {preview(kind or None)})"
         if len(errors) > MAX_ERRORS_SHOWN:
             message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"
         param = described[0][0] if described else None
@@ -215,10 +219,14 @@ def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[Iterable[str], s
     app.add_exception_handler(StarletteHTTPException, http_error)
 
     async def internal(request: Request, exc: Exception) -> StrictJSONResponse:
-        """An error nothing expected (a bug): 500, and the ID under which the log shows its traceback."""
+        """An error nothing expected (a bug): 500, and the ID under which the log shows its traceback. With
+        `Connection: close`: the server closes the connection after it (Starlette re-raises the error for the
+        server to log, and uvicorn then drops the connection), so a keep-alive client must not send its next
+        request on it."""
         request_id = current_request_id()
         message = f"internal server error; the server's log has its traceback under request_id {request_id}"
         body = error_body(request.url.path, 500, "internal", "server_error", message, None)
-        return StrictJSONResponse(body, status_code=500, headers={HEADER: request_id} if request_id else None)
+        headers = {"connection": "close", **({HEADER: request_id} if request_id else {})}
+        return StrictJSONResponse(body, status_code=500, headers=headers)
 
     app.add_exception_handler(Exception, internal)

@@ -149,8 +149,9 @@ class ServedModels:
             try:
                 stamp = files_stamp(path, ADAPTER_FILES)  # before reading: a change while it reads is seen later
                 adapter = engine.load_adapter(name, path)
-            except ValueError as e:
-                raise ValidationError("lora_path", f"the adapter does not fit the model {base!r}: {e}") from None
+            except ValueError as e:  # what the files hold (or lack), with the client's path cut short
+                why = str(e).replace(str(path), preview(str(path)))
+                raise ValidationError("lora_path", f"cannot serve it over the model {base!r}: {why}") from None
             self.adapters[name] = (base, path)
             self._adapter_stamps[name] = stamp
         log.info("serving LoRA adapter %s (rank %d, %s) over %s", name, adapter.rank, ", ".join(adapter.targets),

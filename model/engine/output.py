@@ -21,7 +21,7 @@ from model.engine.request import Request
 from model.engine.runner import ModelRunner
 from model.sampler import Sampler, SamplerOutput, new_generator
 from model.scoring import PromptScorer
-from model.stopping import StoppingCriteria
+from model.stopping import CONSTRAINT_DONE, StoppingCriteria
 from model.structured.matcher import ConstraintViolation, RowMatcher, allowed_tokens
 from model.tokenizer import Tokenizer
 
@@ -52,22 +52,28 @@ class OutputProcessor:
                 req.scorer.add(req.prefilled, logits[i, :n])
         return logits[torch.arange(len(plan)), torch.tensor([n - 1 for _, n in plan])]
 
-    def process(self, reqs: list[Request], logits: torch.Tensor,
-                chosen: Callable[[torch.Tensor], None] | None = None) -> list[tuple[Request, TokenEvent | EngineError]]:
+    def process(self, reqs: list[Request], logits: torch.Tensor, chosen: Callable[[torch.Tensor], None] | None = None,
+                ) -> list[tuple[Request, TokenEvent | Finished | EngineError]]:
         """Choose every row's next token in one sampler pass: each request's `TokenEvent` (its `finished` set when
-        it should stop), or the error it failed with alone. `chosen`, where given, is called with the tokens (on
-        the device, a row's -1 not yet known) once they are chosen and before anything waits for them or looks at
-        them: the scheduler launches the next step's forward there (running ahead)."""
+        it should stop), or the error it failed with alone, or its end without a token (its constraint, satisfied,
+        allows only an end of text, which this vocabulary lacks: a regex only the empty output matches). `chosen`,
+        where given, is called with the tokens (on the device, a row's -1 not yet known) once they are chosen and
+        before anything waits for them or looks at them: the scheduler launches the next step's forward there
+        (running ahead)."""
         allowed, stuck = self._masks(reqs, logits.size(-1))
         choice = self.sampler.choose(logits, [req.sample_row(allowed.get(i)) for i, req in enumerate(reqs)])
         if chosen is not None:
             chosen(choice.tokens)
         out = choice.result()
         attention = watch(self.runner.model, self.runner.cache, reqs)
-        events: list[tuple[Request, TokenEvent | EngineError]] = []
+        events: list[tuple[Request, TokenEvent | Finished | EngineError]] = []
         for i, req in enumerate(reqs):
             try:
                 if i in stuck:
+                    assert req.matcher is not None
+                    if req.matcher.satisfied:  # it asks only for the end (no EOS in this vocabulary): it ends here
+                        events.append((req, self.finished(req, CONSTRAINT_DONE)))
+                        continue
                     raise ConstraintViolation("the constraint allows no token of this model's vocabulary here")
                 if i in out.errors:
                     raise out.errors[i]

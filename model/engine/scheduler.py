@@ -42,7 +42,7 @@ from model.engine import ahead
 from model.engine.ahead import Ahead
 from model.engine.batch import Batch
 from model.engine.config import EngineConfig
-from model.engine.events import EngineError, EngineStats, EngineStopped, GenerationError, Overloaded
+from model.engine.events import EngineError, EngineStats, EngineStopped, Finished, GenerationError, Overloaded
 from model.engine.jobs import Job
 from model.engine.output import OutputProcessor
 from model.engine.prefill import plan_prefill
@@ -438,6 +438,10 @@ class Scheduler:
         for req, ev in self.output.process(reqs, logits, run_ahead if which else None):
             if isinstance(ev, EngineError):
                 self._fail(req, ev)
+                continue
+            if isinstance(ev, Finished):  # ended without a token (its constraint allows only the empty output)
+                self._leave(req)
+                req.sink(ev)
                 continue
             fed[req.id] = ev.id
             if req.speculation is not None:

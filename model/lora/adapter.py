@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from model.config import GPTConfig
 from model.files import atomic_path, atomic_write_json
 from model.gpt import GPT
+from model.previews import preview
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -112,12 +113,17 @@ class LoRAConfig:
                 raise AdapterError(f"{source}: {key}={value!r} is not supported (Folio implements {key}={unused!r})")
         targets = config.get("target_modules")
         if isinstance(targets, str):  # PEFT: a regular expression over the full module names
-            raise AdapterError(f"{source}: target_modules is a regular expression ({targets!r}); Folio reads a list "
-                               f"of names among {', '.join(TARGETS)}")
+            raise AdapterError(f"{source}: target_modules is a regular expression ({preview(targets)}); Folio reads "
+                               f"a list of names among {', '.join(TARGETS)}")
+        if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+            raise AdapterError(f"{source}: target_modules must be a list of names among {', '.join(TARGETS)}, got "
+                               f"{preview(targets)}")
+        dropout = config.get("lora_dropout") or 0.0
+        if isinstance(dropout, bool) or not isinstance(dropout, int | float):
+            raise AdapterError(f"{source}: lora_dropout must be a number, got {preview(dropout)}")
         try:
-            return cls(r=config.get("r"), lora_alpha=config.get("lora_alpha"),
-                       lora_dropout=float(config.get("lora_dropout") or 0.0), target_modules=tuple(targets or ()),
-                       use_rslora=bool(config.get("use_rslora", False)))
+            return cls(r=config.get("r"), lora_alpha=config.get("lora_alpha"), lora_dropout=float(dropout),
+                       target_modules=tuple(targets or ()), use_rslora=bool(config.get("use_rslora", False)))
         except AdapterError as e:
             raise AdapterError(f"{source}: {e}") from None
 
@@ -220,6 +226,10 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         config = LoRAConfig.from_peft(json.loads(config_path.read_text(encoding="utf-8")), str(config_path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AdapterError(f"{config_path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise AdapterError(f"{config_path} nests too deeply to be an adapter's configuration") from None
+    except OSError as e:
+        raise AdapterError(f"{config_path} cannot be read: {e.strerror}") from None
     factors: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(weights_path, framework="pt", device="cpu") as f:
@@ -230,9 +240,13 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
                 if not t.is_floating_point() or t.dim() != 2:
                     raise AdapterError(f"{weights_path}: {key} is {t.dtype} of shape {tuple(t.shape)}, expected a "
                                        "2-D float tensor")
+                if not bool(torch.isfinite(t).all()):  # every request through it would fail at its first token
+                    raise AdapterError(f"{weights_path}: {key} holds NaN or infinite values")
                 factors.setdefault(module, {})[factor] = t.to(torch.float32)
     except SafetensorError as e:
         raise AdapterError(f"{weights_path} is not a readable safetensors file: {e}") from None
+    except OSError as e:
+        raise AdapterError(f"{weights_path} cannot be read: {e.strerror}") from None
     weights = {}
     for module, pair in sorted(factors.items()):
         if set(pair) != {"A", "B"}:

@@ -75,7 +75,11 @@ def load_adapter(path: str | Path, config: GPTConfig, *, name: str | None = None
     base of `config`: `AdapterError` (a ValueError) naming what differs (a layer the base lacks, a factor's shape,
     the rank) or what is missing or not supported."""
     path = Path(path)
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except OSError as e:  # a name too long, a loop of links: what pathlib does not swallow
+        raise AdapterError(f"adapter directory cannot be read: {path}: {e.strerror}") from None
+    if not found:
         raise AdapterError(f"adapter directory not found: {path}")
     adapter = read_adapter(path)
     check_adapter(adapter, config)

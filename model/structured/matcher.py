@@ -53,6 +53,11 @@ class RowMatcher:
         return self.matcher.is_stopped() and self.matcher.is_accepting()
 
     @property
+    def satisfied(self) -> bool:
+        """The output so far satisfies the grammar (which may allow more, or only an end of text)."""
+        return not self.matcher.is_error() and self.matcher.is_accepting()
+
+    @property
     def stuck(self) -> bool:
         """Nothing more may come (the grammar allows no token of this vocabulary), yet the output is incomplete."""
         return self.matcher.is_error() or (self.matcher.is_stopped() and not self.matcher.is_accepting())

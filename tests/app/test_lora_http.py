@@ -117,6 +117,17 @@ def test_load_and_unload_over_http(dirs, merged) -> None:
         assert r.status_code == 200 and text(c, "two") == merged["merged-two"]
 
 
+def test_a_path_that_cannot_be_an_adapter_is_a_short_422(dirs, merged, tmp_path) -> None:
+    """A path no file system takes (a name over 255 bytes) and a long one that does not exist: 422s naming
+    lora_path, the path cut short in the message; the server goes on serving."""
+    with client(checkpoint=dirs["base"], enable_lora=True) as c:
+        for path in ("/" + "a" * 300, "/".join(["b" * 200] * 20), str(tmp_path / "nothing")):
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "lora_path", r.text
+            assert len(r.text) < 600 and "cannot serve it over the model" in r.text, r.text
+        assert text(c) == merged["base"]  # still serving
+
+
 def test_adapters_off_refuse_a_load(dirs) -> None:
     with client(checkpoint=dirs["base"]) as c:
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(dirs["one"])})

@@ -296,3 +296,23 @@ def test_a_server_of_one_checkpoint_reloads_it(tmp_path: Path, alone: dict[str, 
         r = c.post("/admin/reload", json={})
         assert r.status_code == 200 and r.json()["reloaded"] == {"one": True}, r.text
         assert greedy(c)["choices"][0]["text"] == alone["b"]
+        for body, needle in (({"model": ""}, "model: "), ({"model": "one", "force": True}, "unknown fields include "
+                                                                                             "['force']")):
+            r = c.post("/admin/reload", json=body)  # no name is not every name; no field it does not know
+            assert r.status_code == 422 and needle in r.json()["error"], r.text
+
+
+def test_tokenize_and_detokenize_use_the_tokenizer_of_the_model_named(tmp_path: Path) -> None:
+    """vLLM's `model` field (or the X-Folio-Model header) picks whose tokenizer answers; an unknown model is a 404,
+    never another model's ids."""
+    a = make_char_checkpoint(tmp_path / "a", chars=list("abc "))
+    b = make_char_checkpoint(tmp_path / "b", chars=list(" cba"))
+    with client(checkpoint=a, models=[str(b)]) as c:
+        ids = {name: c.post("/tokenize", json={"prompt": "abc", "model": name}).json()["tokens"] for name in "ab"}
+        assert ids == {"a": [0, 1, 2], "b": [3, 2, 1]}
+        assert c.post("/tokenize", json={"prompt": "abc"}, headers={"X-Folio-Model": "b"}).json()["tokens"] == [3, 2, 1]
+        assert c.post("/detokenize", json={"tokens": [0, 1], "model": "b"}).json() == {"prompt": " c"}
+        for route, body in (("/tokenize", {"prompt": "abc", "model": "nope"}),
+                            ("/detokenize", {"tokens": [0], "model": "nope"})):
+            r = c.post(route, json=body)
+            assert r.status_code == 404 and "nope" in r.text, r.text

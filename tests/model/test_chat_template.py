@@ -146,12 +146,19 @@ def test_a_failing_template_is_a_validation_error_naming_source_and_reason(text:
         assert len(str(e.value)) < 400
 
 
+def test_a_developer_message_is_the_systems_instructions() -> None:
+    """OpenAI's 'developer' role (its newer name for 'system'): a template renders it as a system message."""
+    conversation = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert DEFAULT_TEMPLATE.render(conversation) == DEFAULT_TEMPLATE.render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+
+
 @pytest.mark.parametrize("messages, field, fragment", [
     ([], "messages", "must be a non-empty list of messages, got []"),
     ("hello", "messages", "must be a non-empty list of messages, got 'hello'"),
     ([{"role": "user", "content": "a"}, "b"], "messages[1]", "must be an object with a role and a content"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "robot", "content": "c"}],
-     "messages[2].role", "must be one of 'system', 'user', 'assistant', 'tool', got 'robot'"),
+     "messages[2].role", "must be one of 'system', 'user', 'assistant', 'tool' or 'developer', got 'robot'"),
     ([{"content": "a"}], "messages[0].role", "got None"),
     ([{"role": "user", "content": 5}], "messages[0].content", "must be a string or a list of text parts, got 5"),
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}],

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from app.api.openai.protocol import ERRORS as OPENAI_ERRORS
-from app.api.protocol import error_docs
+from app.api.protocol import StrictModel, error_docs
 from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import described_service
 from app.serving.models import served_models, without_paths
@@ -74,8 +74,8 @@ async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) 
     return {"lora_name": body.lora_name, "unloaded": True}
 
 
-class ReloadRequest(BaseModel):
-    model: str | None = Field(None, description="the model to reload (default: every loaded one)")
+class ReloadRequest(StrictModel):
+    model: str | None = Field(None, min_length=1, description="the model to reload (default: every loaded one)")
 
 
 
@@ -85,7 +85,8 @@ async def reload(body: ReloadRequest, request: Request) -> dict[str, Any]:
     finish on the old weights. A checkpoint that fails to load is refused and the old one keeps serving (the
     reason in the answer and in /info). Behind the API key (app/http/auth.py)."""
     models = served_models(request)
-    names = [models.registry.slot_for(body.model)] if body.model else [n for n, _, _ in models.registry.loaded()]
+    names = [models.registry.slot_for(body.model)] if body.model is not None else [
+        n for n, _, _ in models.registry.loaded()]
     started = time.perf_counter()
     reloaded = {name: await run_in_threadpool(models.registry.reload, name) for name in names}
     return {"reloaded": reloaded, "seconds": round(time.perf_counter() - started, 3), "models": models.describe()}

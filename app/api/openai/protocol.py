@@ -95,7 +95,7 @@ class SamplingRequest(StrictModel):
         greedy = self.temperature == 0
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or len(key) > 10:
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # "²" and "１" are digits int() refuses or reads
                 raise ValidationError("logit_bias", f"keys must be token ids as strings, got {preview(key)}")
             bias[int(key)] = value
         with api.naming_fields():

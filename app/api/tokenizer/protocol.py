@@ -25,7 +25,7 @@ class TokenizeRequest(StrictModel):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS, description="vLLM, with messages")
     parameters: GenerateParameters | None = None
     add_special_tokens: bool | None = None
-    model: str | None = None
+    model: str | None = Field(None, description="the model whose tokenizer answers (vLLM's field)")
 
     @model_validator(mode="after")
     def _one_text(self) -> TokenizeRequest:
@@ -48,6 +48,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(StrictModel):
     tokens: TokenIds = Field(description="token ids (vLLM's /detokenize shape)")
+    model: str | None = Field(None, description="the model whose tokenizer decodes them (vLLM's field)")
 
 
 class DetokenizeResponse(BaseModel):

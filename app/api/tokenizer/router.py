@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from app.api.protocol import error_docs
@@ -21,7 +21,7 @@ from app.api.tokenizer.protocol import (
     TokenizeResponse,
 )
 from app.http.limits import ThreadedBodyRoute
-from app.serving.deps import ServiceDep
+from app.serving.deps import ServiceDep, request_service
 from model.sampling_params import ValidationError, preview
 from model.tokenizer import CharTokenizer, Tokenizer
 
@@ -30,9 +30,11 @@ ERRORS = error_docs(401, 413, 422, 429, 503)
 
 
 @router.post("/tokenize", response_model=list[SimpleToken] | TokenizeResponse, responses=ERRORS)
-async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """The text's tokens: with `inputs` (TGI), each token's id, text and character offsets; with `prompt` or
-    `messages` (vLLM), `{count, max_model_len, tokens}`."""
+    `messages` (vLLM), `{count, max_model_len, tokens}`. `model` (vLLM's), else the `X-Folio-Model` header, picks
+    the model whose tokenizer answers."""
+    service = await request_service(request, body.model)
     limit = service.settings.max_tokenize_chars
     if body.messages is not None:
         text = await service.render_chat(body.messages, body.tools, body.add_generation_prompt, TOKENIZE)
@@ -51,8 +53,10 @@ async def tokenize(body: TokenizeRequest, service: ServiceDep) -> Response:
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-async def detokenize(body: DetokenizeRequest, service: ServiceDep) -> DetokenizeResponse:
-    """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number)."""
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """Token ids back to text (vLLM's shape; ids of up to `--max-tokenize-chars` in number), by the tokenizer of the
+    model `model` names (else the `X-Folio-Model` header's)."""
+    service = await request_service(request, body.model)
     limit, vocab = service.settings.max_tokenize_chars, service.engine.n_vocab
     if len(body.tokens) > limit:
         raise ValidationError("tokens", f"must hold at most {limit} ids (the server's --max-tokenize-chars), "

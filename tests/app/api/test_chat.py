@@ -105,6 +105,7 @@ def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient)
      "max_completion_tokens", "must agree"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100_000}, "max_completion_tokens",
      "[1, 256]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}, "max_tokens", "[1, 256]"),  # as sent
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs",
      "20"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature", "allowed: [0, 2]"),

@@ -85,6 +85,8 @@ def test_count_tokens_counts_what_messages_sends(client: TestClient) -> None:
     ({"messages": MESSAGES, "max_tokens": 5, "tools": [{"name": "f"}]}, 422, "invalid_request_error", "tools"),
     ({"messages": MESSAGES, "max_tokens": 5, "model": "claude-opus"}, 404, "not_found_error", "claude-opus"),
     ({"messages": MESSAGES, "max_tokens": 100_000}, 422, "invalid_request_error", "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 5, "output_config": {"format": "json"}}, 422, "invalid_request_error",
+     "output_config.format: must be an object"),
 ])
 def test_bad_requests_get_anthropics_error_body(client: TestClient, body: dict, status: int, kind: str,
                                                 needle: str) -> None:

@@ -76,3 +76,11 @@ def test_completion_stream_include_usage_ends_with_a_usage_chunk(client: TestCli
 def test_completion_for_another_model_is_404(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "gpt-4"})
     assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4'", "'tiny-char'")
+
+
+def test_max_tokens_absent_or_null_is_openais_default_of_16(client: TestClient) -> None:
+    """One field, one default: null means what leaving it out means (the server's --max-new-tokens-default is for
+    the APIs that have none of their own)."""
+    for body in ({}, {"max_tokens": None}):
+        got = completion(client, temperature=0, ignore_eos=True, **body)
+        assert got["usage"]["completion_tokens"] == 16, body

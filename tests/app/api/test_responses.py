@@ -93,6 +93,8 @@ def test_text_format_json_schema_constrains_the_output(bpe_client: TestClient) -
     ({"input": "Hi", "max_output_tokens": 100_000}, "max_output_tokens", "[1, 256]"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "banana"}}}}, "text.format.schema",
      "banana"),
+    ({"input": "Hi", "text": {"format": "json"}}, "text.format", "must be an object"),
+    ({"input": "Hi", "text": {"format": [1]}}, "text.format", "got [1]"),
 ])
 def test_bad_requests_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/responses", json=body)

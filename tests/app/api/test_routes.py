@@ -201,3 +201,21 @@ def test_docs_pages_load_everything_from_this_server(client: TestClient, page: s
         r = client.get(url)
         assert r.status_code == 200 and len(r.content) > 1000, url
         assert types[Path(url).suffix] in r.headers["content-type"], (url, r.headers["content-type"])
+
+
+def test_an_unexpected_error_is_a_500_that_closes_the_connection(char_checkpoint: Path) -> None:
+    """A bug in a route: 500 in the family's error body, the request ID under which the log has the traceback,
+    and `Connection: close` (the server drops the connection after it, so a keep-alive client must not reuse it)."""
+    app = create_app(Settings(checkpoint=char_checkpoint, **BASE))
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/v1/broken", broken, methods=["GET"])  # an OpenAI path: its error body
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.get("/v1/broken")
+        assert r.status_code == 500 and r.headers["connection"] == "close"
+        request_id = r.headers["x-request-id"]
+        assert r.json()["error"]["type"] == "server_error" and request_id in r.json()["error"]["message"]
+        assert "a bug" not in r.text  # the traceback is the log's, not the client's
+        assert c.get("/health").status_code == 200

@@ -139,6 +139,14 @@ HUGE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "'nope'"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]", ""),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "weather"}},
+     "tool_choice.function.name", "got None"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["weather"]}}},
+     "tool_choice.function.name", "['weather']"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters", "[1]"),
+    ({"response_format": "json"}, "response_format", ""),
+    ({"structured_outputs": {"json": False}}, "structured_outputs.json", "got False"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "chat template"),
 ])
 def test_bad_constraints_are_422_naming_their_field(bpe_client: TestClient, body: dict, param: str,
@@ -203,3 +211,23 @@ def test_a_compile_that_hangs_stalls_nobody_and_ends_as_a_422(bpe_client: TestCl
         assert_openai_error(r, 422, "invalid_request_error", "response_format.json_schema.schema", "longer than")
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("constraint", [{"structured_outputs": {"regex": ""}},
+                                        {"structured_outputs": {"choice": [""]}}], ids=["regex", "choice"])
+def test_a_constraint_only_the_empty_output_satisfies_is_an_empty_answer(client: TestClient,
+                                                                         constraint: dict) -> None:
+    """A character vocabulary has no EOS: nothing may be generated, and that is the answer (200, empty text,
+    finish_reason stop), whole or streamed, not a server error."""
+    r = client.post("/v1/completions", json={"prompt": "A", "max_tokens": 5, **constraint})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("", "stop", 0)
+    r = client.post("/v1/completions", json={"prompt": "A", "max_tokens": 5, "stream": True, **constraint})
+    events = parse_sse(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), r.text
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == ""
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1] == "stop"
+    tgi = client.post("/generate", json={"inputs": "A", "parameters": {"max_new_tokens": 5, "details": True,
+                                                                      "grammar": {"type": "regex", "value": ""}}})
+    assert tgi.status_code == 200 and tgi.json()["generated_text"] == "", tgi.text

@@ -259,11 +259,14 @@ OPENAI_INVALID = [
     ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2", "got 2.5"),
     ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2", "got -3"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "token ids as strings", "got 'x'"),
+    ({"logit_bias": {"²": 1}}, "logit_bias", "token ids as strings", "got '²'"),  # a digit int() refuses
+    ({"logit_bias": {"１": 1}}, "logit_bias", "token ids as strings", "got '１'"),  # a digit int() would read as 1
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100.0, 100.0]", "101"),
     ({"logit_bias": {"100000": 1}}, "logit_bias", "the model's vocabulary", "got 100000"),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "[0, 16]", "got 17"),
     ({"min_p": 1.5}, "min_p", "less than or equal to 1", "got 1.5"),
     ({"prompt": [0, 100000]}, "prompt", "the model's vocabulary", "got 100000"),
+    ({"prompt": [0, 100000], "echo": True}, "prompt", "the model's vocabulary", "got 100000"),  # before it is echoed
     ({"max_tokens": "many"}, "max_tokens", "valid integer", "'many'"),
     ({"stop": ""}, "stop", "non-empty", "''"),
     ({"stop": ["a"] * 17}, "stop", "at most 16 stop strings, got", "(17 items)"),
@@ -381,3 +384,12 @@ def test_errors_echo_a_short_preview_of_a_large_value(client: TestClient, route:
     assert len(r.content) < 700, r.text[:200]
     message = r.json()["error"]["message"] if route.startswith("/v1") else r.json()["error"]
     assert message.startswith(field) and needle in message, message
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_json_body_sent_as_another_type_is_told_to_say_json(client: TestClient, content_type: str | None) -> None:
+    """curl -d sends form-encoded; the body is JSON all the same: the 422 says what to send, not what bytes are."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = client.post("/v1/completions", content=b'{"prompt": "A", "max_tokens": 2}', headers=headers)
+    assert_openai_error(r, 422, "invalid_request_error", "body", "Content-Type: application/json",
+                        repr(content_type) if content_type else "got None")

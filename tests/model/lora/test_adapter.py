@@ -26,6 +26,7 @@ from model.lora.adapter import (
     save_adapter,
     trainable_parameters,
 )
+from model.lora.batched import load_adapter
 from model.merge import main as merge_main
 from model.testing import random_gpt
 from model.tokenizer import CharTokenizer
@@ -139,6 +140,10 @@ def test_an_adapter_that_does_not_fit_its_base_is_refused_naming_the_module(
     ({"r": 4}, "has rank 2"),
     ({"target_modules": ".*c_attn"}, "is a regular expression"),
     ({"peft_type": "IA3"}, "only LoRA adapters"),
+    ({"target_modules": 5}, "target_modules must be a list of names"),
+    ({"target_modules": [["c_attn"]]}, "target_modules must be a list of names"),
+    ({"lora_dropout": [1]}, "lora_dropout must be a number, got \\[1\\]"),
+    ({"lora_dropout": "0.1"}, "lora_dropout must be a number"),
 ])
 def test_peft_settings_folio_does_not_implement_are_refused(tmp_path: Path, change: dict, needle: str) -> None:
     model = random_gpt(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=16), seed=0)
@@ -148,6 +153,32 @@ def test_peft_settings_folio_does_not_implement_are_refused(tmp_path: Path, chan
     path = tmp_path / ADAPTER_CONFIG_FILE
     path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
     with pytest.raises(AdapterError, match=needle):
+        read_adapter(tmp_path)
+
+
+def test_an_adapter_config_nested_too_deeply_or_unreadable_is_refused(tmp_path: Path) -> None:
+    """What json or the file system raise besides a decoding error is an AdapterError too (a 422 over HTTP)."""
+    (tmp_path / ADAPTER_WEIGHTS_FILE).write_bytes(b"")
+    (tmp_path / ADAPTER_CONFIG_FILE).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(AdapterError, match="nests too deeply"):
+        read_adapter(tmp_path)
+    (tmp_path / ADAPTER_CONFIG_FILE).unlink()
+    (tmp_path / ADAPTER_CONFIG_FILE).mkdir()  # is_file() says no: the "missing" message
+    with pytest.raises(AdapterError, match="is missing"):
+        read_adapter(tmp_path)
+    with pytest.raises(AdapterError, match="adapter directory cannot be read: .*File name too long"):
+        load_adapter(tmp_path / ("a" * 300), GPTConfig())
+
+
+def test_factors_holding_nan_or_infinity_are_refused(tmp_path: Path) -> None:
+    """Every request through such an adapter would fail at its first token: it is not loaded."""
+    model = random_gpt(GPTConfig(block_size=16, vocab_size=65, n_layer=1, n_head=2, n_embd=16), seed=0)
+    lora = LoRAConfig(r=2)
+    add_lora(model, lora)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.lora_B.weight[0, 0] = float("nan")
+    save_adapter(tmp_path, model, lora)
+    with pytest.raises(AdapterError, match="lora_B.weight holds NaN or infinite values"):
         read_adapter(tmp_path)
 
 

@@ -211,6 +211,22 @@ def test_a_character_model_generates_under_a_regex(compiler) -> None:
         engine.stop(timeout=10)
 
 
+@pytest.mark.parametrize("spec", [ConstraintSpec.regex(""), ConstraintSpec.choice([""])], ids=["regex", "choice"])
+def test_a_constraint_only_the_empty_output_satisfies_ends_without_a_token(compiler, spec: ConstraintSpec) -> None:
+    """On a vocabulary without EOS nothing may be generated: the request ends at once, its constraint done, with no
+    token (not an error), beside a request that generates as it would alone."""
+    ck = tiny_checkpoint(block_size=64)
+    engine = Engine(ck, device="cpu", threads=1, max_batch_size=4).start()
+    try:
+        prompt, free = ck.tokenizer.encode("ab"), SamplingParams(max_new_tokens=12, stop_at_eos=False)
+        empty, other = together(engine, [(prompt, sampled(compiler.compile(spec, ck.tokenizer), 1)), (prompt, free)])
+        assert empty.token_ids == [] and empty.finished.generated_text == ""
+        assert empty.finished.finish_reason == CONSTRAINT_DONE and empty.finished.generated_tokens == 0
+        assert other.token_ids == engine.generate(prompt, free).token_ids
+    finally:
+        engine.stop(timeout=10)
+
+
 def test_a_pathological_schema_is_refused_while_other_requests_go_on(engine, gpt2_tok) -> None:
     """Compiles run in the compiler's threads: the engine thread never waits for one, and a running request gets
     all its tokens while pathological schemas are refused."""

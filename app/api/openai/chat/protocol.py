@@ -62,6 +62,9 @@ class ChatCompletionRequest(SamplingRequest):
             if tool.get("type") != "function" or not isinstance(function, dict):
                 raise ValidationError(f"tools[{i}]", f"must be {{type: function, function: {{name, parameters}}}}, "
                                       f"got {preview(tool)}")
+            if not isinstance(function.get("parameters") or {}, dict):
+                raise ValidationError(f"tools[{i}].function.parameters", f"must be a JSON schema (an object), got "
+                                      f"{preview(function.get('parameters'))}")
             name = function.get("name")
             if not isinstance(name, str) or not name or name in functions:
                 raise ValidationError(f"tools[{i}].function.name", f"must be a function name used once, got "
@@ -75,8 +78,9 @@ class ChatCompletionRequest(SamplingRequest):
                        for n, (_, f) in functions.items()]
             schema = options[0] if len(options) == 1 else {"anyOf": options}
             return ToolPlan(Requested(ConstraintSpec.json_schema(schema, strict=False), "tools"), None)
-        chosen = (self.tool_choice.get("function") or {}).get("name") if isinstance(self.tool_choice, dict) else None
-        if chosen not in functions:
+        function = self.tool_choice.get("function") if isinstance(self.tool_choice, dict) else None
+        chosen = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(chosen, str) or chosen not in functions:
             raise ValidationError("tool_choice.function.name", f"must name one of the tools ({preview(list(functions))}"
                                   f"), got {preview(chosen)}")
         i, function = functions[chosen]
@@ -99,7 +103,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, defaults: ServerDefaults, **extra: Any) -> SamplingParams:
         self.check()
-        requested = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_new_tokens = defaults.max_new_tokens_for(requested, CHAT.field("max_new_tokens"))
+        given = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_new_tokens = defaults.max_new_tokens_for(getattr(self, given), given)  # named as the client named it
         top_n = (self.top_logprobs or 0) if self.logprobs else 0
         return self.sampling_params(CHAT, max_new_tokens, top_n, **extra)

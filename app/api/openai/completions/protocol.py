@@ -23,6 +23,7 @@ from app.api.protocol import (
 )
 from model.sampling_params import SamplingParams, ValidationError
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, whether max_tokens is absent or null
 OPENAI = Api({"prompt": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"})
 
 
@@ -32,8 +33,9 @@ class CompletionRequest(SamplingRequest):
         union_mode="left_to_right",
         description=f"the prompt: a string, a list of token ids, or a list of up to {MAX_PROMPTS} of either "
                     "(a batch: each prompt's choices follow the previous prompt's)")
-    max_tokens: int | None = Field(16, ge=0, description="tokens to generate at most; 0 (with echo) scores the "
-                                                         "prompt only")
+    max_tokens: int | None = Field(None, ge=0, description=f"tokens to generate at most (absent or null: "
+                                   f"{DEFAULT_MAX_TOKENS}, OpenAI's default, within the server's limit); 0 (with echo) "
+                                   "scores the prompt only")
     n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt; one prefill shared by all of them")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="sample this many per prompt and return the n "
                                                                    "with the highest mean logprob (>= n)")
@@ -82,7 +84,9 @@ class CompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: ServerDefaults) -> SamplingParams:
         if self.max_tokens == 0 and not self.echo:
             raise ValidationError("max_tokens", "may be 0 only with echo (to score the prompt), got 0")
-        max_new_tokens = defaults.max_new_tokens_for(self.max_tokens, OPENAI.field("max_new_tokens"))
+        max_tokens = min(DEFAULT_MAX_TOKENS, defaults.max_new_tokens_limit) if self.max_tokens is None \
+            else self.max_tokens
+        max_new_tokens = defaults.max_new_tokens_for(max_tokens, OPENAI.field("max_new_tokens"))
         # echo with logprobs scores the prompt too; max_tokens 0 needs the prompt's scores whatever logprobs is
         prompt_logprobs = (self.logprobs or 0) if self.echo and (self.logprobs is not None or not max_new_tokens) \
             else None

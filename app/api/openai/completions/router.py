@@ -32,7 +32,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     params, samples = body.to_sampling_params(service.defaults), body.samples(service.defaults)
     params = await service.constrained(params, body.constraint())
     prompts = body.prompts()
-    echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     streams: list[list[GenerationStream]] = []
     try:
         for prompt in prompts:
@@ -40,6 +39,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     except BaseException:
         cancel_all([s for group in streams for s in group])
         raise
+    # the engine took the prompts: a prompt of ids holds only ids the tokenizer decodes
+    echoes = [(p if isinstance(p, str) else service.tokenizer.decode(p)) if body.echo else "" for p in prompts]
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
