@@ -62,20 +62,21 @@ static float round_group(const float* xg, int8_t* q) {
 // a NaN or an infinity, so its row comes out NaN)
 struct Int4Rows {
   Int4Rows(const float* x, int64_t M, int64_t I)
-      : blocks((I + BLOCK - 1) / BLOCK), stride(3 * BLOCK * blocks), data(M * stride, 0) {
+      : blocks((I + BLOCK - 1) / BLOCK), stride(3 * BLOCK * blocks), groups(I / INT4_GROUP), data(M * stride, 0),
+        scales(M * groups) {
     pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; m++) row(x + m * I, I, data.data() + m * stride);
+      for (int64_t m = begin; m < end; m++) row(x + m * I, I, data.data() + m * stride, scales.data() + m * groups);
     });
   }
   // where weight j (< 32) of a block's group h (< PAIR) sits among the block's bytes: 16-byte pieces, the low
   // nibbles' (weights 0-15) of each group, then the high ones' (16-31)
   static int64_t position(int64_t h, int64_t j) { return (j / 16 * PAIR + h) * 16 + j % 16; }
-  void row(const float* x, int64_t I, uint8_t* out) const {
+  void row(const float* x, int64_t I, uint8_t* out, float* group_scales) const {
     for (int64_t g = 0; g < I / INT4_GROUP; g++) {
       uint8_t* blk = out + (g / PAIR) * 3 * BLOCK;
       const int64_t h = g % PAIR;
       int8_t q[INT4_GROUP];
-      const float scale = round_group(x + g * INT4_GROUP, q);
+      const float scale = group_scales[g] = round_group(x + g * INT4_GROUP, q);
       for (int64_t j = 0; j < INT4_GROUP; j++) blk[position(h, j)] = uint8_t(q[j]);
       float* scales = reinterpret_cast<float*>(blk + 2 * BLOCK);
       for (int64_t piece = 0; piece < 2; piece++)  // lanes of (piece, h): 4 a piece of 16 bytes
@@ -89,18 +90,22 @@ struct Int4Rows {
     }
   }
   const uint8_t* block(int64_t m, int64_t b) const { return data.data() + m * stride + b * 3 * BLOCK; }
-  int64_t blocks, stride;
+  // row m's scales of groups g.. (one each; `block` has them by lane)
+  const float* group_scales(int64_t m, int64_t g) const { return scales.data() + m * groups + g; }
+  int64_t blocks, stride, groups;
   std::vector<uint8_t> data;
+  std::vector<float> scales;
 };
 
 // a block's nibbles (q + 8) as bytes, in Int4Rows' order; `half`: the block's second group is past the row's end
 // (its bytes read as zeros)
 static inline IVec unpack(const uint8_t* p, bool half) {
 #ifdef FOLIO_VEC512
+  // the 32 bytes in both halves, the upper half's 16-bit lanes shifted by 4 (a byte's high nibble to its low one), a
+  // mask of the low nibbles: three instructions
   const __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  const __m512i both = _mm512_broadcast_i64x4(bytes);
+  return _mm512_and_si512(_mm512_mask_srli_epi16(both, __mmask32(0xFFFF0000u), both, 4), _mm512_set1_epi8(0x0F));
 #else
   (void)half;
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
@@ -230,6 +235,10 @@ static inline void block_products(const uint8_t* w, const uint16_t* s, int64_t r
   }
 }
 
+#ifdef FOLIO_VEC512
+static constexpr int64_t SCALE_RUN = 8;  // blocks whose 16 fp16 group scales one 256-bit load holds
+#endif
+
 // y[m, o + r] for R weight rows from o and MB x rows from m0 (y's row stride O)
 template <int R, int MB>
 static inline void int4_tile(const Weight& w, const Int4Rows& x, int64_t m0, int64_t o, float* y) {
@@ -239,7 +248,35 @@ static inline void int4_tile(const Weight& w, const Int4Rows& x, int64_t m0, int
   Vec acc[R][MB];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) acc[r][m] = vzero();
-  for (int64_t b = 0; b < whole; b++) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, b, false, acc);
+  int64_t b = 0;
+#ifdef FOLIO_VEC512
+  // SCALE_RUN blocks at a time: each weight row's 16 group scales of them converted once, a block's lanes picked
+  // from them by one permute (block_scales' load, broadcast, conversion and permute per block and row took as many
+  // instructions as the products: a batch-1 step ran at half the memory bandwidth int8's does)
+  for (; b + SCALE_RUN <= whole; b += SCALE_RUN) {
+    Vec scales[R];
+    for (int r = 0; r < R; r++) {
+      scales[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + r * groups + b * PAIR)));
+      if constexpr (MB == 1) scales[r] = vmul(scales[r], vload(x.group_scales(m0, b * PAIR)));  // x's, once for all
+    }
+    for (int k = 0; k < SCALE_RUN; k++) {
+      // lane l of block k: the scale of its group 2k + (l / 4) % 2 (lanes a a a a b b b b, twice: block_scales')
+      const __m512i pick = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
+                                            _mm512_set1_epi32(2 * k));
+      for (int r = 0; r < R; r++) {
+        const IVec wv = unpack(wp + r * row_bytes + (b + k) * BLOCK / 2, false);
+        const Vec sv = _mm512_permutexvar_ps(pick, scales[r]);
+        for (int m = 0; m < MB; m++) {
+          const uint8_t* xb = x.block(m0 + m, b + k);
+          const Vec sums = to_floats(dot(wv, iload(xb), iload(xb + BLOCK)));
+          if constexpr (MB == 1) acc[r][m] = vfma(sums, sv, acc[r][m]);
+          else acc[r][m] = vfma(sums, vmul(sv, vload(reinterpret_cast<const float*>(xb + 2 * BLOCK))), acc[r][m]);
+        }
+      }
+    }
+  }
+#endif
+  for (; b < whole; b++) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, b, false, acc);
   if (whole < x.blocks) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, whole, true, acc);
   const float* bias = w.bias ? w.bias->data_ptr<float>() + o : nullptr;
   for (int r = 0; r < R; r++)
