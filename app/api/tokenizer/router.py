@@ -26,7 +26,7 @@ from model.sampling_params import ValidationError, preview
 from model.tokenizer import CharTokenizer, Tokenizer
 
 router = APIRouter(tags=["Tokenizer"], route_class=ThreadedBodyRoute)
-ERRORS = error_docs(401, 413, 422, 429, 503)
+ERRORS = error_docs(401, 404, 413, 422, 429, 503)  # 404: a model not served
 
 
 @router.post("/tokenize", response_model=list[SimpleToken] | TokenizeResponse, responses=ERRORS)
