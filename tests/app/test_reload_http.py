@@ -146,7 +146,10 @@ def test_the_engine_a_reload_or_an_unload_retires_is_freed(tmp_path: Path) -> No
 def test_memory_stays_level_across_reloads_under_load(tmp_path: Path) -> None:
     """A real server with --watch, streaming clients throughout, a 48 MB checkpoint re-saved five times: every
     request completes, the newest weights answer last, and the RSS stays within a few copies of the weights of
-    where it started (each old engine kept would add the weights twice: their packed copy too). Figures printed."""
+    where it started (each old engine kept would add the weights twice: their packed copy too, so five kept would
+    add ten copies). The allocator keeps some freed memory (model/malloc.py): the growth measured 82-151 MB, steady
+    from 2 s after the last reload on, over 13 runs on a 2-vCPU Zen 5 (3 copies, the bound before, failed 2 of them).
+    Figures printed."""
     live = make_char_checkpoint(tmp_path / "live", seed=0, n_layer=4, n_embd=512)
     weights_mb = (live / "model.safetensors").stat().st_size / 2**20
     with serving(live, tmp_path / "server.log", "--watch", "0.2") as (base, proc), httpx.Client(timeout=60) as http:
@@ -170,7 +173,7 @@ def test_memory_stays_level_across_reloads_under_load(tmp_path: Path) -> None:
           f"failed {load.failed.count}, {len(load.checkpoints)} checkpoints answered")
     assert load.failed.count == 0, list(load.failed)
     assert len(load.checkpoints) >= 2 and last in load.checkpoints
-    assert after - before < 3 * weights_mb
+    assert after - before < 4 * weights_mb
 
 
 def cp(*files: Path) -> None:
