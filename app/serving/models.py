@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
@@ -198,6 +199,16 @@ class ServedModels:
                     log.info("reloaded LoRA adapter %s from %s", name, path)
                 except (ValueError, KeyError) as e:
                     log.warning("LoRA adapter %s changed but cannot be reloaded (the old one serves on): %s", name, e)
+
+    def adapter_files(self, name: str) -> tuple[str, Path, str] | None:
+        """Adapter `name`'s base model, directory, and a short digest of its files as last read (it changes when a
+        training run writes the adapter again); None if no adapter of that name is served."""
+        with self._adapters_lock:
+            if name not in self.adapters:
+                return None
+            base, path = self.adapters[name]
+            stamp = self._adapter_stamps.get(name, ())
+        return base, path, hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
 
     def describe_adapters(self) -> list[dict[str, Any]]:
         """The adapters as /v1/models lists them (vLLM's `parent`, the base model; `root`, the directory's name)."""

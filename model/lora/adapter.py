@@ -260,11 +260,25 @@ def read_adapter(directory: str | os.PathLike[str]) -> Adapter:
         weights[module] = (a, b)
     if not weights:
         raise AdapterError(f"{weights_path} holds no LoRA weights")
+    return Adapter(config, weights, _folio_metadata(metadata), directory)
+
+
+def adapter_provenance(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """What Folio recorded in an adapter's weights file (`save_adapter`'s `folio`: its training run), read from the
+    file's header alone; {} where there is none or the file cannot be read."""
+    try:
+        with safe_open(Path(directory) / ADAPTER_WEIGHTS_FILE, framework="pt", device="cpu") as f:
+            return _folio_metadata(f.metadata() or {})
+    except (SafetensorError, OSError):
+        return {}
+
+
+def _folio_metadata(metadata: dict[str, str]) -> dict[str, Any]:
     try:
         folio = json.loads(metadata.get("folio", "{}"))
     except json.JSONDecodeError:
-        folio = {}
-    return Adapter(config, weights, folio if isinstance(folio, dict) else {}, directory)
+        return {}
+    return folio if isinstance(folio, dict) else {}
 
 
 def _module_of(key: str, source: str) -> tuple[str, str]:

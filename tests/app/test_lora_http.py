@@ -6,6 +6,7 @@ unloaded meanwhile finishing as it would have."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -22,10 +23,13 @@ from model.checkpoint import load_checkpoint, save_checkpoint
 from model.lora import batched as lora
 from model.lora.adapter import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from model.testing import make_char_checkpoint
+from model.train.__main__ import main as train_main
+from tests import REPO
 from tests.conftest import make_peft_adapter
 
 BASE: dict[str, Any] = dict(device="cpu", threads=1, max_batch_size=4, max_waiting=8)
 KEY = {"Authorization": "Bearer secret"}
+BUNDLED = REPO / "weights" / "shakespeare-char"
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +191,37 @@ def test_an_adapter_rewritten_by_a_training_run_is_served_anew_without_a_failed_
             asking.join()
         assert answers and set(answers) <= {merged["merged-one"], merged["merged-two"]}
         assert text(c, "base") == merged["base"]
+
+
+def test_the_training_view_shows_an_adapters_own_run(tmp_path: Path) -> None:
+    """A LoRA training run over the bundled model (model.train --lora, 20 steps) writes the adapter and its
+    metrics.jsonl; served with --lora-modules, /models/{adapter}/training answers with that run (its provenance, its
+    base, every metrics row), not a 404, and /v1/models lists it for the page's picker. Its fingerprint follows the
+    adapter's files: a new checkpoint of the adapter (as the run writes it) changes it."""
+    text = tmp_path / "new.txt"
+    text.write_text("the cat sat on the mat. a dog ran to the park.\n" * 400)
+    out = tmp_path / "adapter"
+    assert train_main(["--data", str(text), "--out", str(out), "--init-from", str(BUNDLED), "--lora",
+                       "--lora-rank", "4", "--max-iters", "20", "--batch-size", "4", "--eval-interval", "10",
+                       "--eval-iters", "2", "--log-interval", "5", "--warmup-iters", "5", "--device", "cpu",
+                       "--no-progress", "--threads", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    with client(checkpoint=BUNDLED, model_id="base", lora_modules=[f"cats={out}"], watch=0.1) as c:
+        assert "cats" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        r = c.get("/models/cats/training")
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["model"] == "cats" and got["base_model"] == "base" and got["metrics"] == rows
+        training = got["training"]
+        assert training["steps"] == 20 and training["train_config"]["lora_rank"] == 4, training
+        assert training["base"]["source"] == "shakespeare-char" and training["dataset"] == "new.txt"
+        assert str(tmp_path) not in r.text  # no paths, as /info
+        first = got["fingerprint"]
+        assert first and c.get("/models/cats/training").json()["fingerprint"] == first
+        weights = out / ADAPTER_WEIGHTS_FILE
+        shutil.copy(weights, tmp_path / "w")
+        os.replace(tmp_path / "w", weights)  # a new checkpoint of the adapter: its files' stamp changes
+        deadline = time.monotonic() + 30
+        while c.get("/models/cats/training").json()["fingerprint"] == first:
+            assert time.monotonic() < deadline, "the fingerprint never followed the adapter's new files"
+            time.sleep(0.1)

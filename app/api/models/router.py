@@ -22,6 +22,7 @@ from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import described_service
 from app.serving.models import served_models, without_paths
 from model.checkpoint import CONFIG_FILE
+from model.lora.adapter import adapter_provenance
 from model.sampling_params import ValidationError
 from model.train.outputs import METRICS_FILE
 
@@ -118,9 +119,18 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
 async def training(name: str, request: Request) -> dict[str, Any]:
     """A served model's training run, for the playground's live view: the checkpoint's provenance, which weights
     serve it now (null while it is not loaded), and the run's metrics (train loss per log interval, train/val
-    loss per evaluation) from the metrics.jsonl beside it (empty for a checkpoint without one). Open like /info:
-    no paths, no prompts, and it loads no model (a model not loaded is described from its files)."""
+    loss per evaluation) from the metrics.jsonl beside it (empty for a checkpoint without one). A LoRA adapter's
+    are its own: the provenance its training run wrote into its weights file, the metrics beside it, its base
+    model, and a digest of its files for the weights. Open like /info: no paths, no prompts, and it loads no model
+    (a model not loaded is described from its files)."""
 
+    adapter = served_models(request).adapter_files(name)
+    if adapter is not None:  # a LoRA adapter: its own run, from its directory (a LoRA training run's output)
+        base, path, digest = adapter
+        training = (await run_in_threadpool(adapter_provenance, path)).get("training") or {}
+        rows = await run_in_threadpool(_metrics_tail, path / METRICS_FILE)
+        return {"model": name, "base_model": base, "fingerprint": digest, "training": without_paths(training),
+                "metrics": rows}
     name, service = await described_service(request, name)
     if service is not None:
         path, training, fingerprint = service.checkpoint.path, service.checkpoint.training, service.fingerprint
