@@ -357,8 +357,7 @@ def plot(report: dict[str, Any], png: Path) -> None:
                    if "folio_flipped" in c]
         if flipped:
             ax.plot([i - 0.2 for i, _ in flipped], [f for _, f in flipped], "rx", ms=9,
-                    label="Folio, async scheduling " + ("off" if report["machine"]["device"].startswith("cuda")
-                                                        else "on"))
+                    label="Folio, async scheduling " + ("off" if default_async(report["machine"]["device"]) else "on"))
         if "transformers_compiled" in e["batch1"]:
             ax.plot([0.2], [e["batch1"]["transformers_compiled"]], "k*", ms=12,
                     label="transformers static cache + torch.compile")

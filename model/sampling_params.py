@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 MAX_SEED = 2**63 - 1
 MAX_LOGIT_BIAS = 1024  # entries in one request's logit_bias
 MAX_TOP_N = 20  # alternatives reported per token
+
+
 class ValidationError(ValueError):
     """A parameter outside its allowed range; `field` names it, the message gives range and value."""
 

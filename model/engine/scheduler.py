@@ -313,12 +313,11 @@ class Scheduler:
                 self.batch.contents.forget(row)
             return None
         index = {}
-        for i, req in enumerate(run.reqs):
-            token = run.fed[i] if i < len(run.fed) else None
+        for i, (req, row, position, token) in enumerate(zip(run.reqs, run.rows, run.positions, run.fed)):
             if token is None:
                 continue
-            self.batch.contents.wrote(run.rows[i], run.positions[i], [token])
-            if req.row == run.rows[i] and req.pos == run.positions[i] + 1:  # still running, this token taken
+            self.batch.contents.wrote(row, position, [token])
+            if req.row == row and req.pos == position + 1:  # still running, this token taken
                 index[req.id] = i
         return Ready(run.logits, index) if index else None
 

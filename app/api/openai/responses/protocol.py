@@ -44,7 +44,8 @@ class ResponsesRequest(StrictModel):
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it: instructions as the system turn, then the input; the
-        Responses API's `developer` role is a system turn, its `input_text` / `output_text` parts text parts."""
+        Responses API's `developer` role a system turn (as chat's: model/chat_template.py), its `input_text` /
+        `output_text` parts text parts."""
         if self.store:
             raise ValidationError("store", "must be false or unset: Folio keeps no responses (the API is stateless "
                                   "here), got true")
@@ -74,7 +75,7 @@ class ResponsesRequest(StrictModel):
                                               f"{', '.join(TEXT_PARTS)} (only text is supported), got "
                                               f"{preview(part.get('type') if isinstance(part, dict) else part)}")
                 content = [{"type": "text", "text": part.get("text")} for part in content]
-            out.append({"role": "system" if role == "developer" else role, "content": content})
+            out.append({"role": role, "content": content})
         return out
 
     def constraint(self) -> Requested | None:
