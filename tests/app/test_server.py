@@ -176,6 +176,43 @@ def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
     assert e.value.body["error"]["type"] == "invalid_request_error"
 
 
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+
+
+def test_sdks_call_tools_through_messages_and_responses(server: str) -> None:
+    """Each SDK's own types read the call, whole and streamed (the anthropic SDK's accumulator parses the streamed
+    input_json_delta; the openai SDK's Responses stream its function-call events), and the greedy call is the one
+    chat completions makes."""
+    chat = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=30)
+    expected = chat.chat.completions.create(
+        model="tiny-char", messages=[{"role": "user", "content": "Zone?"}], max_tokens=60, temperature=0,
+        tools=[{"type": "function", "function": {"name": "time", "parameters": ZONE}}],
+        tool_choice="required").choices[0].message.tool_calls[0].function
+    claude = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=30)
+    kwargs = dict(model="tiny-char", messages=[{"role": "user", "content": "Zone?"}], max_tokens=60,
+                  tools=[{"name": "time", "input_schema": ZONE}], tool_choice={"type": "any"},
+                  extra_body={"temperature": 0})
+    got = claude.messages.create(**kwargs)
+    [block] = got.content
+    assert isinstance(block, anthropic.types.ToolUseBlock) and got.stop_reason == "tool_use"
+    assert (block.name, block.input) == (expected.name, json.loads(expected.arguments))
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", block.name, block.input)]
+    tools = [{"type": "function", "name": "time", "parameters": ZONE}]
+    response = chat.responses.create(model="tiny-char", input="Zone?", tools=tools, tool_choice="required",
+                                     max_output_tokens=60, temperature=0)
+    [call] = response.output
+    assert isinstance(call, openai.types.responses.ResponseFunctionToolCall)
+    assert (call.name, json.loads(call.arguments)) == (expected.name, json.loads(expected.arguments))
+    with chat.responses.stream(model="tiny-char", input="Zone?", tools=tools, tool_choice="required",
+                               max_output_tokens=60, temperature=0) as stream:
+        done = [e for e in stream if e.type == "response.function_call_arguments.done"]
+        streamed = stream.get_final_response()
+    assert [e.arguments for e in done] == [call.arguments] == [streamed.output[0].arguments]
+
+
 def test_chunked_body_over_the_limit_is_413(server: str) -> None:
     big = json.dumps({"inputs": "a" * 20_000}).encode()
 

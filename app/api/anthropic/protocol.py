@@ -4,49 +4,123 @@ fields in errors (`MESSAGES`)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.api import structured
+from app.api import structured, tools
 from app.api.openai.chat.protocol import MAX_MESSAGES, MAX_TOOLS
 from app.api.protocol import STOP_DOC, Api, ServerDefaults, StrictModel
 from app.api.structured import Requested
+from app.api.tools import Function, ToolPlan, read_flat_tools
 from model.sampling_params import SamplingParams, ValidationError, preview
 from model.stopping import MAX_STOP_STRINGS
 
 MESSAGES = Api({"prompt": "messages", "max_new_tokens": "max_tokens", "stop": "stop_sequences"})
 ROLES = ("user", "assistant")  # the system prompt is its own field
 STOP_REASONS = {"length": "max_tokens", "eos_token": "end_turn", "stop_sequence": "stop_sequence", "stop": "end_turn"}
+TOOL_CHOICES = {"auto": tools.AUTO, "any": tools.REQUIRED, "tool": tools.NAMED, "none": tools.NONE}
+BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}  # the content blocks each role sends
 
 
 class CountTokensRequest(StrictModel):
     model: str | None = Field(None, description="the model to answer (GET /v1/models); unset: the default")
     messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES, description="the conversation: role (user, "
-                                           "assistant) and content, a string or a list of text blocks")
+                                           "assistant) and content, a string or a list of blocks: text, tool_use "
+                                           "(assistant), tool_result (user)")
     system: str | list[dict[str, Any]] | None = Field(None, description="the system prompt: a string or text blocks")
-    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS, description="not supported: use "
-                                               "/v1/chat/completions for tool calls")
-    tool_choice: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS, description="custom tools the model may "
+                                               "call: {name, description, input_schema}")
+    tool_choice: dict[str, Any] | None = Field(None, description="{type: auto (the default with tools), any, tool "
+                                               "(with name), none}")
     thinking: dict[str, Any] | None = Field(None, description="accepted; Folio's models do not think aloud")
     output_config: dict[str, Any] | None = Field(None, description="{format: {type: json_schema, schema}}: the "
                                                  "answer's text follows the schema")
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The messages as the chat template takes them (OpenAI's shape: a system turn first if there is a system
-        prompt; text blocks are its text parts). Roles other than user and assistant are refused here, naming the
-        message; the template's checks name the rest (a block that is not text, an empty list)."""
-        if self.tools:
-            raise ValidationError("tools", "are not supported by Folio's Messages API (its chat completions, "
-                                  "/v1/chat/completions, call tools)")
+        """The conversation as the chat template takes it, in chat completions' shape: the system prompt a system
+        turn, text blocks joined by newlines, an assistant's `tool_use` blocks its `tool_calls`, a user's
+        `tool_result` blocks `tool` turns before the user's text. Every block is checked here, named as the client
+        sent it (`messages[2].content[1].tool_use_id`)."""
+        out = [] if self.system is None else [{"role": "system", "content": _text(self.system, "system")}]
         for i, message in enumerate(self.messages):
             role = message.get("role")
             if role not in ROLES:
                 raise ValidationError(f"messages[{i}].role", f"must be one of 'user', 'assistant' (the system "
                                       f"prompt is the system field), got {preview(role)}")
-        if self.system is None:
-            return self.messages
-        return [{"role": "system", "content": self.system}, *self.messages]
+            out.extend(_turns(role, message.get("content"), f"messages[{i}].content"))
+        return out
+
+    def functions(self) -> list[Function]:
+        """The tools offered: custom tools {name, description, input_schema, strict}."""
+        return read_flat_tools(self.tools, (None, "custom"), "input_schema", strict=False, schema_required=True)
+
+    def tool_plan(self) -> ToolPlan | str | None:
+        """What the tools ask of the output (app/api/tools.py): tool_choice {type: auto | any | tool | none}."""
+        choice = self.tool_choice or {"type": "auto"}
+        kind = choice.get("type")
+        mode = TOOL_CHOICES.get(kind) if isinstance(kind, str) else None
+        if mode is None:
+            raise ValidationError("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got "
+                                  f"{preview(kind)}")
+        return tools.plan(self.functions(), mode, choice.get("name"), "tool_choice.name")
+
+
+def _text(content: object, where: str) -> str:
+    """A string, or text blocks joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValidationError(where, f"must be a string or a list of text blocks, got {preview(content)}")
+    texts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            raise ValidationError(f"{where}[{j}].type", f"must be 'text', got {preview(kind)}")
+        texts.append(_string(block.get("text"), f"{where}[{j}].text"))
+    return "\n".join(texts)
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValidationError(where, f"must be a string, got {preview(value)}")
+    return value
+
+
+def _turns(role: str, content: object, where: str) -> list[dict[str, Any]]:
+    """One message's turns in chat completions' shape (`conversation`)."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise ValidationError(where, f"must be a string or a list of content blocks, got {preview(content)}")
+    allowed = BLOCKS[role]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}[{j}]"
+        if kind not in allowed:
+            raise ValidationError(f"{at}.type", f"must be one of {', '.join(allowed)} in a {role} message (only "
+                                  f"these are supported), got {preview(kind)}")
+        if kind == "text":
+            texts.append(_string(block.get("text"), f"{at}.text"))
+        elif kind == "tool_use":
+            if not isinstance(block.get("input"), dict):
+                raise ValidationError(f"{at}.input", f"must be an object, got {preview(block.get('input'))}")
+            calls.append({"id": _string(block.get("id"), f"{at}.id"), "type": "function",
+                          "function": {"name": _string(block.get("name"), f"{at}.name"),
+                                       "arguments": json.dumps(block["input"])}})
+        else:  # a tool_result: a string, text blocks, or nothing
+            result = block.get("content")
+            results.append({"role": "tool", "tool_call_id": _string(block.get("tool_use_id"), f"{at}.tool_use_id"),
+                            "content": "" if result is None else _text(result, f"{at}.content")})
+    turns = results
+    if texts or calls or not results:
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        turns.append(turn)
+    return turns
 
 
 class MessagesRequest(CountTokensRequest):

@@ -9,6 +9,7 @@ import uuid
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from app.api import tools
 from app.api.anthropic.protocol import MESSAGES, AnthropicError, CountTokensRequest, MessagesRequest
 from app.api.anthropic.serving import message, stream_events
 from app.http.limits import ThreadedBodyRoute
@@ -23,23 +24,26 @@ ERRORS = {code: {"model": AnthropicError} for code in (401, 404, 413, 422, 424, 
 
 @router.post("/messages", responses={**ERRORS, 200: SSE_OR_JSON_DOC})
 async def messages(body: MessagesRequest, request: Request) -> Response:
-    """The next assistant message of a conversation (`system`, `messages` of text blocks), with Anthropic's
-    `stop_reason` and usage; `stream` sends its event sequence. `model` picks one of the models served."""
+    """The next assistant message of a conversation (`system`, `messages` of text, tool_use and tool_result
+    blocks), with Anthropic's `stop_reason` and usage; `stream` sends its event sequence. `tools` with
+    `tool_choice` any or tool answer a `tool_use` block, its input generated under the tool's `input_schema`.
+    `model` picks one of the models served."""
     service = await request_service(request, body.model)
-    params = await service.constrained(body.to_sampling_params(service.defaults), body.constraint())
-    prompt = await service.render_chat(body.conversation(), None, True, MESSAGES)
+    call, requested = await tools.output_plan(service, body)
+    params = await service.constrained(body.to_sampling_params(service.defaults), requested)
+    prompt = await service.render_chat(body.conversation(), tools.template_tools(body), True, MESSAGES)
     stream = await service.start(prompt, params, None, MESSAGES)
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
-        return StreamingResponse(stream_events(service, stream, mid, request_record(request)),
+        return StreamingResponse(stream_events(service, stream, mid, call, request_record(request)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     [result] = await service.results(request, [stream])
-    return StrictJSONResponse(message(service, mid, result))
+    return StrictJSONResponse(message(service, mid, result, call))
 
 
 @router.post("/messages/count_tokens", responses=ERRORS)
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     """The conversation's tokens, as /v1/messages would send it to the model."""
     service = await request_service(request, body.model)
-    prompt = await service.render_chat(body.conversation(), None, True, MESSAGES)
+    prompt = await service.render_chat(body.conversation(), tools.template_tools(body), True, MESSAGES)
     return {"input_tokens": len(await service.encode(prompt, MESSAGES))}

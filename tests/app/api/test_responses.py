@@ -89,7 +89,7 @@ def test_text_format_json_schema_constrains_the_output(bpe_client: TestClient) -
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "'robot'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type", "input_image"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type", "function_call_output"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
     ({"input": "Hi", "max_output_tokens": 100_000}, "max_output_tokens", "[1, 256]"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "banana"}}}}, "text.format.schema",
      "banana"),

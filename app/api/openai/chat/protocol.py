@@ -4,30 +4,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field
 
+from app.api import tools
 from app.api.openai.protocol import SamplingRequest
 from app.api.protocol import MAX_LOGPROBS, Api, ServerDefaults
-from app.api.structured import Requested
+from app.api.tools import Function, ToolPlan, read_function
 from model.sampling_params import SamplingParams, ValidationError, preview
-from model.structured import ConstraintSpec
 
 MAX_MESSAGES = 1024  # turns in one conversation
 MAX_TOOLS = 128  # functions offered in one request
-AUTO = "auto"  # tool_choice: the model may call a tool or answer in text
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """How a request's tools shape its output: the constraint for the call (the named function's parameters, or
-    with `tool_choice: required` an object naming one of the functions and its arguments), and the function's name
-    when it is fixed."""
-
-    requested: Requested
-    name: str | None
 
 
 CHAT = Api({"prompt": "messages", "max_new_tokens": "max_completion_tokens", "top_n_tokens": "top_logprobs"})
@@ -50,43 +38,29 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = Field(True, description="extension (vLLM): end the prompt with the assistant's "
                                                           "turn")
 
-    def tool_plan(self) -> ToolPlan | str | None:
-        """What the tools ask of the output: a `ToolPlan` (tool_choice required, or a named function), `AUTO`
-        (tools offered, the model may answer in text), or None (no tools, or tool_choice none). Each tool must be
-        `{type: function, function: {name, parameters}}`."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        functions: dict[str, tuple[int, dict[str, Any]]] = {}
-        for i, tool in enumerate(self.tools):
+    def functions(self) -> list[Function]:
+        """The functions offered, each `{type: function, function: {name, description, parameters, strict}}`."""
+        taken: set[str] = set()
+        out = []
+        for i, tool in enumerate(self.tools or ()):
             function = tool.get("function")
             if tool.get("type") != "function" or not isinstance(function, dict):
                 raise ValidationError(f"tools[{i}]", f"must be {{type: function, function: {{name, parameters}}}}, "
                                       f"got {preview(tool)}")
-            if not isinstance(function.get("parameters") or {}, dict):
-                raise ValidationError(f"tools[{i}].function.parameters", f"must be a JSON schema (an object), got "
-                                      f"{preview(function.get('parameters'))}")
-            name = function.get("name")
-            if not isinstance(name, str) or not name or name in functions:
-                raise ValidationError(f"tools[{i}].function.name", f"must be a function name used once, got "
-                                      f"{preview(name)}")
-            functions[name] = (i, function)
-        if self.tool_choice in (None, AUTO):
-            return AUTO
-        if self.tool_choice == "required":
-            options = [{"type": "object", "properties": {"name": {"const": n}, "arguments": f.get("parameters", {})},
-                        "required": ["name", "arguments"], "additionalProperties": False}
-                       for n, (_, f) in functions.items()]
-            schema = options[0] if len(options) == 1 else {"anyOf": options}
-            return ToolPlan(Requested(ConstraintSpec.json_schema(schema, strict=False), "tools"), None)
-        function = self.tool_choice.get("function") if isinstance(self.tool_choice, dict) else None
-        chosen = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(chosen, str) or chosen not in functions:
-            raise ValidationError("tool_choice.function.name", f"must name one of the tools ({preview(list(functions))}"
-                                  f"), got {preview(chosen)}")
-        i, function = functions[chosen]
-        spec = ConstraintSpec.json_schema(function.get("parameters") or {"type": "object"},
-                                          strict=bool(function.get("strict")))
-        return ToolPlan(Requested(spec, f"tools[{i}].function.parameters"), chosen)
+            where = f"tools[{i}].function"
+            out.append(read_function(where, function.get("name"), function.get("parameters"), f"{where}.parameters",
+                                     function.get("description"), bool(function.get("strict")), taken))
+        return out
+
+    def tool_plan(self) -> ToolPlan | str | None:
+        """What the tools ask of the output (app/api/tools.py): tool_choice none, auto (the default), required, or
+        {type: function, function: {name}}."""
+        functions = self.functions()
+        if isinstance(self.tool_choice, dict):
+            function = self.tool_choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            return tools.plan(functions, tools.NAMED, name, "tool_choice.function.name")
+        return tools.plan(functions, self.tool_choice or tools.AUTO)
 
     def samples(self, defaults: ServerDefaults) -> int:
         defaults.check_sequences("n", "n", self.n, str(self.n))

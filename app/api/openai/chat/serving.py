@@ -5,20 +5,19 @@ with `logprobs.content` in OpenAI's shape (token, logprob, bytes, top_logprobs).
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from app.api.openai.chat.protocol import ChatCompletionRequest, ToolPlan
+from app.api.openai.chat.protocol import ChatCompletionRequest
 from app.api.openai.protocol import finish_reason, usage
+from app.api.tools import ToolPlan
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
 from app.serving.service import GenerationService, cancel_all
 from model.engine import Finished, GenerationStream, Result, TokenEvent
-from model.stopping import CONSTRAINT_DONE
 
 
 def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dict[str, Any]:
@@ -32,28 +31,23 @@ def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dic
     return out
 
 
-def tool_call(text: str, name: str | None) -> dict[str, Any]:
-    """OpenAI's tool call from a constrained output: the arguments a named function's schema held it to, or
-    (tool_choice required) the object `{name, arguments}` it generated."""
-    if name is None:
-        call = json.loads(text)
-        name, arguments = call["name"], json.dumps(call["arguments"])
-    else:
-        arguments = text
+def tool_call(text: str, tools: ToolPlan) -> dict[str, Any]:
+    """OpenAI's tool call from a whole constrained output."""
+    name, arguments = tools.call(text)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
 def called(result: Result, tools: ToolPlan | None) -> bool:
     """Whether `result` is a whole tool call: its constraint done (not cut by max_tokens)."""
-    return tools is not None and result.finished.finish_reason == CONSTRAINT_DONE
+    return tools is not None and tools.whole(result.finished)
 
 
 def message(result: Result, tools: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """A choice's message and finish_reason: its text, or its tool call."""
     if called(result, tools):
         assert tools is not None
-        return {"role": "assistant", "content": None, "tool_calls": [tool_call(result.text, tools.name)]}, \
+        return {"role": "assistant", "content": None, "tool_calls": [tool_call(result.text, tools)]}, \
             "tool_calls"
     return {"role": "assistant", "content": result.text}, finish_reason(result.finished)
 
@@ -128,8 +122,8 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
                         if lp:
                             out.append(chunks.chunk(index, {}, None, lp))
                         continue
-                    if ev.finished.finish_reason == CONSTRAINT_DONE:
-                        call = {"index": 0, **tool_call(held[index], tools.name)}
+                    if tools.whole(ev.finished):
+                        call = {"index": 0, **tool_call(held[index], tools)}
                         out.append(chunks.chunk(index, {"tool_calls": [call]}, "tool_calls", lp))
                     else:
                         out.append(chunks.chunk(index, {"content": held[index]}, finish_reason(ev.finished), lp))

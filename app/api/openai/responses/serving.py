@@ -1,18 +1,24 @@
-"""OpenAI Responses' answers: the engine's result as a `response` object (one assistant message with one
-`output_text` part; `status` completed, or incomplete with its reason when max_output_tokens cut it), and its
-events as the Responses stream: `response.created`, `response.in_progress`, `response.output_item.added`,
+"""OpenAI Responses' answers: the engine's result as a `response` object (one output item: an assistant message with
+one `output_text` part, or a `function_call` when the request's tools asked for a call and it is whole; `status`
+completed, or incomplete with its reason when max_output_tokens cut it), and its events as the Responses stream:
+`response.created`, `response.in_progress`, then the item's events, then `response.completed` (or
+`response.incomplete`), each with its `sequence_number`. A message's events are `response.output_item.added`,
 `response.content_part.added`, a `response.output_text.delta` per token's text, `response.output_text.done`,
-`response.content_part.done`, `response.output_item.done`, `response.completed` (or `response.incomplete`), each
-with its `sequence_number`; a failure mid-stream is an `error` event then `response.failed`."""
+`response.content_part.done`, `response.output_item.done`; a call's, once it is whole, `response.output_item.added`,
+its arguments in one `response.function_call_arguments.delta`, `response.function_call_arguments.done`,
+`response.output_item.done` (a call cut short comes as a message instead, as in the whole response). A failure
+mid-stream is an `error` event then `response.failed`."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.api.openai.responses.protocol import ResponsesRequest
+from app.api.tools import ToolPlan
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse_event
@@ -24,18 +30,19 @@ PATH = "/v1/responses"
 
 @dataclass
 class ResponseWriter:
-    """One response's fixed fields, and the sequence numbers of its stream's events."""
+    """One response's fixed fields, its tool plan, and the sequence numbers of its stream's events."""
 
     rid: str
-    mid: str
     body: ResponsesRequest
     model: str
+    call: ToolPlan | None
+    mid: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
 
     def response(self, status: str, text: str | None = None, fin: Finished | None = None,
                  prompt_tokens: int = 0) -> dict[str, Any]:
-        output = [] if text is None else [self.item(text, "completed" if status == "completed" else "incomplete")]
+        output = [] if text is None or fin is None else [self.output(text, fin)]
         generated = fin.generated_tokens if fin is not None else 0
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
@@ -43,14 +50,24 @@ class ResponseWriter:
             "model": self.model, "output": output, "error": None, "incomplete_details": incomplete,
             "instructions": self.body.instructions, "max_output_tokens": self.body.max_output_tokens,
             "temperature": self.body.temperature, "top_p": self.body.top_p, "store": False,
-            "text": self.body.text or {"format": {"type": "text"}}, "tools": [], "tool_choice": "auto",
-            "parallel_tool_calls": False, "truncation": "disabled", "metadata": self.body.metadata or {},
-            "previous_response_id": None, "reasoning": None, "user": self.body.user,
+            "text": self.body.text or {"format": {"type": "text"}}, "tools": self.body.tools or [],
+            "tool_choice": self.body.tool_choice or "auto",
+            "parallel_tool_calls": self.body.parallel_tool_calls is not False, "truncation": "disabled",
+            "metadata": self.body.metadata or {}, "previous_response_id": None, "reasoning": None,
+            "user": self.body.user,
             "usage": None if fin is None else {
                 "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt_tokens + generated},
         }
+
+    def output(self, text: str, fin: Finished) -> dict[str, Any]:
+        """The response's output item: the whole call, else the message."""
+        if self.call is not None and self.call.whole(fin):
+            name, arguments = self.call.call(text)
+            return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                    "name": name, "arguments": arguments, "status": "completed"}
+        return self.item(text, status_of(fin))
 
     def item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "message", "id": self.mid, "status": status, "role": "assistant",
@@ -60,6 +77,31 @@ class ResponseWriter:
         out = sse_event(kind, {"type": kind, "sequence_number": self.sequence, **data})
         self.sequence += 1
         return out
+
+    def message_start(self) -> bytes:
+        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
+        return (self.event("response.output_item.added", output_index=0, item={**self.item("", "in_progress"),
+                                                                               "content": []})
+                + self.event("response.content_part.added", **ids, part=part("")))
+
+    def text_delta(self, delta: str) -> bytes:
+        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
+        return self.event("response.output_text.delta", **ids, delta=delta, logprobs=[])
+
+    def item_done(self, item: dict[str, Any]) -> bytes:
+        """The events that end the output item (a message's, whose start was sent; a call's, whole)."""
+        if item["type"] == "function_call":
+            ids = {"item_id": item["id"], "output_index": 0}
+            return (self.event("response.output_item.added", output_index=0,
+                               item={**item, "arguments": "", "status": "in_progress"})
+                    + self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+                    + self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"])
+                    + self.event("response.output_item.done", output_index=0, item=item))
+        text = item["content"][0]["text"]
+        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
+        return (self.event("response.output_text.done", **ids, text=text, logprobs=[])
+                + self.event("response.content_part.done", **ids, part=part(text))
+                + self.event("response.output_item.done", output_index=0, item=item))
 
 
 def part(text: str) -> dict[str, Any]:
@@ -73,28 +115,26 @@ def status_of(fin: Finished) -> str:
 
 async def stream_events(service: GenerationService, stream: GenerationStream, writer: ResponseWriter,
                         record: RequestRecord | None) -> AsyncIterator[bytes]:
-    ids = {"item_id": writer.mid, "output_index": 0, "content_index": 0}
     yield (writer.event("response.created", response=writer.response("in_progress"))
            + writer.event("response.in_progress", response=writer.response("in_progress"))
-           + writer.event("response.output_item.added", output_index=0, item={**writer.item("", "in_progress"),
-                                                                             "content": []})
-           + writer.event("response.content_part.added", **ids, part=part("")))
+           + (writer.message_start() if writer.call is None else b""))  # text as it comes; a call once it is whole
     text = ""
     try:
         async for batch in service.text_batches(stream, record):
             out = []
             for delta, fin in batch:
-                if delta:
-                    text += delta
-                    out.append(writer.event("response.output_text.delta", **ids, delta=delta, logprobs=[]))
+                text += delta
+                if delta and writer.call is None:
+                    out.append(writer.text_delta(delta))
                 if fin is not None:
+                    item = writer.output(text, fin)
+                    if writer.call is not None and item["type"] == "message":  # a call cut short: its text
+                        out.append(writer.message_start() + (writer.text_delta(text) if text else b""))
                     status = status_of(fin)
-                    out.append(writer.event("response.output_text.done", **ids, text=text, logprobs=[])
-                               + writer.event("response.content_part.done", **ids, part=part(text))
-                               + writer.event("response.output_item.done", output_index=0,
-                                              item=writer.item(text, status))
+                    out.append(writer.item_done(item)
                                + writer.event(f"response.{status}",
-                                              response=writer.response(status, text, fin, stream.prompt_tokens)))
+                                              response={**writer.response(status, text, fin, stream.prompt_tokens),
+                                                        "output": [item]}))
             if out:
                 yield b"".join(out)
     except EngineError as e:
