@@ -49,22 +49,42 @@ def json_schema_format(value: Mapping[str, Any], field: str, nested: bool = True
     return Requested(ConstraintSpec.json_schema(schema, strict=bool(inner.get("strict"))), f"{where}.schema")
 
 
+# the keys of each format, by its type and whether a json_schema nests its schema (chat's response_format) or not
+# (the Responses API's text.format, Anthropic's output_config.format); json_object's `value` is TGI's schema
+FORMAT_KEYS = {
+    **{("text", nested): {"type"} for nested in (True, False)},
+    **{("json_object", nested): {"type", "value"} for nested in (True, False)},
+    ("json_schema", True): {"type", "json_schema"},
+    ("json_schema", False): {"type", "name", "schema", "strict", "description"},
+}
+
+
 def response_format(value: Mapping[str, Any] | None, field: str = "response_format",
                     nested: bool = True) -> Requested | None:
-    """OpenAI's response_format (or text.format, output_config.format): None for plain text."""
+    """OpenAI's response_format (or text.format, output_config.format; TGI's json_object with a `value` schema,
+    as huggingface_hub sends it): None for plain text."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
         raise ValidationError(field, f"must be an object with a type ('text', 'json_object' or 'json_schema'), got "
                               f"{preview(value)}")
     kind = value.get("type")
+    keys = FORMAT_KEYS.get((kind, nested)) if isinstance(kind, str) else None
+    if keys is None:
+        raise ValidationError(f"{field}.type", f"must be one of 'text', 'json_object', 'json_schema', got "
+                              f"{preview(kind)}")
+    unknown = sorted(str(k) for k in value if k not in keys)
+    if unknown:  # a key this format does not have is not silently dropped (TGI's schema in `value` was)
+        raise ValidationError(f"{field}.{unknown[0]}", f"is not a field of a {kind!r} format (it takes "
+                              f"{', '.join(sorted(keys))})")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return Requested(ConstraintSpec.json_object(), field)
     if kind == "json_schema":
         return json_schema_format(value, field, nested)
-    raise ValidationError(f"{field}.type", f"must be one of 'text', 'json_object', 'json_schema', got {preview(kind)}")
+    if "value" in value:  # TGI's {type: json_object, value: schema}, which huggingface_hub's chat_completion sends
+        where = f"{field}.value"
+        return Requested(ConstraintSpec.json_schema(_schema(value["value"], where), strict=False), where)
+    return Requested(ConstraintSpec.json_object(), field)
 
 
 def structured_outputs(value: Mapping[str, Any] | None) -> Requested | None:

@@ -141,6 +141,11 @@ def test_inference_client_and_langchain_chat(server: str) -> None:
     assert hf.chat_completion(messages, **kwargs).choices[0].message.content == expected
     assert "".join(c.choices[0].delta.content or "" for c in hf.chat_completion(messages, stream=True,
                                                                                    **kwargs)) == expected
+    closed = {**Verdict.model_json_schema(), "additionalProperties": False}
+    schema = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": closed}}
+    for seed in range(3):  # sent as TGI's {type: json_object, value: schema}
+        answer = hf.chat_completion(messages, model="tiny-char", max_tokens=40, seed=seed, response_format=schema)
+        assert isinstance(Verdict.model_validate_json(answer.choices[0].message.content), Verdict)
     llm = ChatOpenAI(base_url=f"{server}/v1", api_key="x", model="tiny-char", max_tokens=8, temperature=0,
                      max_retries=0, timeout=30)
     assert llm.invoke("Hi").content == expected

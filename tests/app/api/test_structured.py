@@ -112,6 +112,16 @@ def test_tool_calls_are_generated_under_the_functions_schema(bpe_client: TestCli
     jsonschema.validate(json.loads(calls[0][0]["function"]["arguments"]), schemas["weather"])
 
 
+def test_tgis_json_object_with_a_value_is_that_schema(bpe_client: TestClient) -> None:
+    """huggingface_hub's chat_completion sends a JSON schema as TGI's {type: json_object, value: schema}: the
+    schema is kept, not dropped for any JSON."""
+    for seed in SEEDS:
+        body = {"messages": USER, "response_format": {"type": "json_object", "value": PERSON}, "seed": seed,
+                **SAMPLED}
+        choice = ok(bpe_client.post("/v1/chat/completions", json=body))["choices"][0]
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+
+
 def test_anthropic_output_config_format(bpe_client: TestClient) -> None:
     body = {"messages": USER, "max_tokens": 40, "temperature": 1.0,
             "output_config": {"format": {"type": "json_schema", "schema": PERSON}}}
@@ -148,6 +158,9 @@ HUGE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
     ({"response_format": "json"}, "response_format", ""),
     ({"structured_outputs": {"json": False}}, "structured_outputs.json", "got False"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "chat template"),
+    ({"response_format": {"type": "text", "schema": PERSON}}, "response_format.schema", "not a field"),
+    ({"response_format": {"type": "json_object", "value": [1]}}, "response_format.value", "[1]"),
+    ({"response_format": {"type": ["json_object"]}}, "response_format.type", "['json_object']"),
 ])
 def test_bad_constraints_are_422_naming_their_field(bpe_client: TestClient, body: dict, param: str,
                                                     needle: str) -> None:
