@@ -2,9 +2,10 @@
 
 `ApiKeyMiddleware` answers a request to a protected route without the key (`Authorization: Bearer <key>`) with
 401 before its body is read, before admission holds a slot for it, and before the model it names is looked up or
-loaded (app/serving/models.py): a client without the key can make the server do nothing but this comparison. The routes
-left open (health, probes, /metrics, /info, /v1/models, /inspect/limits, a model's training view, the playground's
-pages) describe the server and load no model (app/serving/models.py, `ServedModels.if_loaded`).
+loaded (app/serving/models.py): a client without the key can make the server do nothing but this comparison. The
+routes left open (health, probes, /metrics, /info, /v1/models and /v1/models/{id}, /inspect/limits, a model's training
+view, the playground's pages) describe the server and load no model (app/serving/models.py,
+`ServedModels.if_loaded`).
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ def test_adapters_are_models_whose_answers_equal_the_merged_model(dirs, merged) 
                 lora_modules=[f"one={dirs['one']}", f"two={dirs['two']}"]) as c:
         listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
         assert listed["one"]["parent"] == "base" and listed["two"]["root"] == "two"
+        assert c.get("/v1/models/one").json() == listed["one"]  # OpenAI's retrieve
+        assert listed["one"]["created"] == int((dirs["one"] / "adapter_model.safetensors").stat().st_mtime)
         assert text(c, "one") == merged["merged-one"] and text(c, "two") == merged["merged-two"]
         assert text(c) == text(c, "base") == merged["base"]
         assert completion(c, "two")["model"] == "two"

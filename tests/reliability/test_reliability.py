@@ -49,7 +49,7 @@ def test_fuzzing_every_operation_finds_no_5xx_and_no_undocumented_answer(server:
         "/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions", "/v1/responses",
         "/v1/messages", "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/inspect", "/admin/reload",
         "/v1/load_lora_adapter", "/v1/unload_lora_adapter"))
-    assert len(result["per_operation"]) == len(generation) + 10, sorted(result["per_operation"])
+    assert len(result["per_operation"]) == len(generation) + 11, sorted(result["per_operation"])
     assert all(result["per_operation"][op]["negative"] > 0 for op in generation)
     assert 200 in result["by_status"] and 422 in result["by_status"]
 

@@ -21,22 +21,53 @@ from app.api.protocol import StrictModel, error_docs
 from app.http.limits import ThreadedBodyRoute
 from app.serving.deps import described_service
 from app.serving.models import served_models, without_paths
-from model.checkpoint import CONFIG_FILE
-from model.lora.adapter import adapter_provenance
+from model.checkpoint import CONFIG_FILE, WEIGHTS_FILE
+from model.lora.adapter import ADAPTER_WEIGHTS_FILE, adapter_provenance
+from model.registry import ModelNotFound
 from model.sampling_params import ValidationError
 from model.train.outputs import METRICS_FILE
 
 router = APIRouter(tags=["Models"], route_class=ThreadedBodyRoute)
 
 
+def model_cards(request: Request) -> list[dict[str, Any]]:
+    """The models served and the LoRA adapters, as OpenAI's model objects (with Folio's state); `created` is when
+    the weights file was written (the model's own creation, the same across reloads), else 0."""
+    models = served_models(request)
+    paths = models.registry.paths()
+    cards = []
+    for m in models.describe():
+        path = paths.get(m["name"])
+        created = written(path / WEIGHTS_FILE) if path is not None else 0
+        cards.append({"id": m["name"], "object": "model", "created": created, "owned_by": "folio", **m})
+    for adapter in models.describe_adapters():
+        files = models.adapter_files(adapter["name"])
+        created = written(files[1] / ADAPTER_WEIGHTS_FILE) if files is not None else 0
+        cards.append({"id": adapter["name"], "object": "model", "created": created, "owned_by": "folio", **adapter})
+    return cards
+
+
+def written(path: Path) -> int:
+    try:
+        return int(path.stat().st_mtime)
+    except OSError:
+        return 0
+
+
 @router.get("/v1/models", tags=["OpenAI"])
 async def models(request: Request) -> dict[str, Any]:
     """The models served, each with its state (app/serving/models.py; loads none)."""
-    models = served_models(request)
-    adapters = [{"id": a["name"], "object": "model", "created": 0, "owned_by": "folio", **a}
-                for a in models.describe_adapters()]
-    return {"object": "list", "data": [{"id": m["name"], "object": "model", "created": int(m["loaded_at"] or 0),
-                                        "owned_by": "folio", **m} for m in models.describe()] + adapters}
+    return {"object": "list", "data": await run_in_threadpool(model_cards, request)}
+
+
+@router.get("/v1/models/{model_id:path}", tags=["OpenAI"], responses=OPENAI_ERRORS)
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model or adapter of the list (OpenAI's retrieve), or 404 naming those served."""
+    cards = await run_in_threadpool(model_cards, request)
+    for card in cards:
+        if card["id"] == model_id:
+            return card
+    raise ModelNotFound(model_id, [card["id"] for card in cards])
 
 
 class LoadLoraAdapterRequest(BaseModel):

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.api.system.router import VERSION
 from app.main import create_app
 from app.settings import Settings
-from app.testing import metric
+from app.testing import assert_openai_error, metric
 from model import kernels
 from model.checkpoint import WEIGHTS_FILE, load_checkpoint
 from model.files import sha256_file
@@ -144,6 +144,18 @@ def test_v1_models_lists_the_served_model(client: TestClient) -> None:
     model = body["data"][0]
     assert (model["id"], model["object"], model["owned_by"]) == ("tiny-char", "model", "folio")
     assert isinstance(model["created"], int) and model["created"] > 0
+
+
+def test_a_model_is_retrieved_by_id_created_when_its_weights_were_written(client: TestClient,
+                                                                          char_checkpoint: Path) -> None:
+    """OpenAI's retrieve (`client.models.retrieve`): the list's entry; `created` is the weights file's time, which
+    a reload does not change; an unknown id is the 404 naming the served models."""
+    listed = client.get("/v1/models").json()["data"][0]
+    r = client.get("/v1/models/tiny-char")
+    assert r.status_code == 200 and r.json() == listed
+    assert listed["created"] == int((char_checkpoint / WEIGHTS_FILE).stat().st_mtime)
+    r = client.get("/v1/models/gpt-4o")
+    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4o'", "tiny-char")
 
 
 def test_tokenize_gives_ids_texts_and_character_offsets(client: TestClient) -> None:
