@@ -121,7 +121,7 @@ def _install_middleware(app: FastAPI, settings: Settings) -> None:
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id"])
+                           expose_headers=["X-Request-Id", "Request-Id"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, get_metrics=lambda: app.state.metrics)
     # outermost: the request's ID is on every answer, the 413s and 429s of the middlewares inside included

@@ -2,7 +2,8 @@
 
 Every HTTP request gets an ID: the client's `X-Request-Id` when it is sane (1 to 128 characters out of letters,
 digits and `._~:+/=-`: UUIDs, nginx's `$request_id`, tracing IDs), else a new one (32 hex digits, as nginx makes).
-The ID comes back in the `X-Request-Id` response header and in the `request_id` field of JSON error bodies
+The ID comes back in the `X-Request-Id` response header (and `request-id`, Anthropic's name for it, which the
+anthropic SDK reads), and in the `request_id` field of JSON error bodies
 (app/http/errors.py), and is on every log line written while the request is handled: `RequestIdFilter` reads it from
 the request's context, so a log call needs no argument for it (the engine thread's lines about a request are
 written in the context of its submitter, `Request.caller` in model/engine/request.py).
@@ -139,12 +140,13 @@ class RequestLogMiddleware:
                                client=client[0] if client else None)
         current_request.set(record)
         scope.setdefault("state", {})[RECORD] = record  # the routes find it in the request's state
-        header = (b"x-request-id", record.id.encode())
+        # the anthropic SDK reads Anthropic's `request-id` (its `_request_id`, an error's `request_id`)
+        headers = [(b"x-request-id", record.id.encode()), (b"request-id", record.id.encode())]
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), header]}
+                message = {**message, "headers": [*message.get("headers", ()), *headers]}
             await send(message)
 
         try:

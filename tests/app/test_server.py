@@ -124,6 +124,8 @@ def test_openai_sdk_parse_and_responses(server: str) -> None:
     expected = client.chat.completions.create(model="tiny-char", max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]).choices[0].message.content
     assert response.output_text == expected and response.status in ("completed", "incomplete")
+    raw = client.responses.with_raw_response.create(model="tiny-char", input="Hi", max_output_tokens=8).http_response
+    openai.types.responses.Response.model_validate(raw.json())  # every field the SDK's type requires is there
     with client.responses.stream(model="tiny-char", input="Hi", instructions="Be", max_output_tokens=8,
                                  temperature=0) as stream:
         assert "".join(e.delta for e in stream if e.type == "response.output_text.delta") == expected
@@ -166,6 +168,7 @@ def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
     kwargs = dict(model="tiny-char", system="Be", messages=messages, max_tokens=12, extra_body={"temperature": 0})
     got = client.messages.create(**kwargs)
     assert [b.text for b in got.content] == [expected.choices[0].message.content]
+    assert got._request_id and len(got._request_id) == 32  # Anthropic's request-id header
     assert (got.usage.input_tokens, got.usage.output_tokens) == (expected.usage.prompt_tokens,
                                                                  expected.usage.completion_tokens)
     with client.messages.stream(**kwargs) as stream:
@@ -179,6 +182,7 @@ def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
     with pytest.raises(anthropic.UnprocessableEntityError) as e:
         client.messages.create(**{**kwargs, "extra_body": {"temperature": 2}})
     assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.request_id == e.value.body["request_id"]
 
 
 ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],

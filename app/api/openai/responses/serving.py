@@ -56,7 +56,7 @@ class ResponseWriter:
             "metadata": self.body.metadata or {}, "previous_response_id": None, "reasoning": None,
             "user": self.body.user,
             "usage": None if fin is None else {
-                "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": prompt_tokens + generated},
         }
