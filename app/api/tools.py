@@ -148,7 +148,7 @@ class OffersTools(Protocol):
 
     tools: list[dict[str, Any]] | None
 
-    def functions(self) -> list[Function]: ...
+    def offered(self) -> list[Function]: ...
 
     def tool_plan(self) -> ToolPlan | str | None: ...
 
@@ -157,7 +157,7 @@ class OffersTools(Protocol):
 
 def template_tools(body: OffersTools) -> list[dict[str, Any]] | None:
     """The request's tools as the chat template reads them (chat completions' shape)."""
-    return [f.for_template() for f in body.functions()] if body.tools is not None else None
+    return [f.for_template() for f in body.offered()] if body.tools is not None else None
 
 
 async def output_plan(service: GenerationService, body: OffersTools) -> tuple[ToolPlan | None, Requested | None]:
@@ -165,6 +165,6 @@ async def output_plan(service: GenerationService, body: OffersTools) -> tuple[To
     the call's, or its structured-output field's (both at once is a 422)."""
     plan = body.tool_plan()
     if plan == AUTO:
-        await check_auto(service, body.functions(), "tool_choice")
+        await check_auto(service, body.offered(), "tool_choice")
     call = plan if isinstance(plan, ToolPlan) else None
     return call, one_of(call.requested if call else None, body.constraint())

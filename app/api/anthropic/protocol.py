@@ -37,6 +37,8 @@ class CountTokensRequest(StrictModel):
     thinking: dict[str, Any] | None = Field(None, description="accepted; Folio's models do not think aloud")
     output_config: dict[str, Any] | None = Field(None, description="{format: {type: json_schema, schema}}: the "
                                                  "answer's text follows the schema")
+    cache_control: dict[str, Any] | None = Field(None, description="accepted and ignored (prefixes are cached "
+                                                 "anyway)")
 
     def conversation(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it, in chat completions' shape: the system prompt a system
@@ -52,7 +54,7 @@ class CountTokensRequest(StrictModel):
             out.extend(_turns(role, message.get("content"), f"messages[{i}].content"))
         return out
 
-    def functions(self) -> list[Function]:
+    def offered(self) -> list[Function]:
         """The tools offered: custom tools {name, description, input_schema, strict}."""
         return read_flat_tools(self.tools, (None, "custom"), "input_schema", strict=False, schema_required=True)
 
@@ -64,7 +66,7 @@ class CountTokensRequest(StrictModel):
         if mode is None:
             raise ValidationError("tool_choice.type", f"must be one of {', '.join(TOOL_CHOICES)}, got "
                                   f"{preview(kind)}")
-        return tools.plan(self.functions(), mode, choice.get("name"), "tool_choice.name")
+        return tools.plan(self.offered(), mode, choice.get("name"), "tool_choice.name")
 
 
 def _text(content: object, where: str) -> str:
@@ -133,7 +135,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = Field(None, description="accepted and ignored (user_id)")
     # accepted and ignored: what the anthropic SDK may send that has no meaning for a local model
     service_tier: str | None = None
-    cache_control: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
     container: str | dict[str, Any] | None = None
     inference_geo: str | None = None
     speed: str | None = None

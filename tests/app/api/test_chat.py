@@ -89,6 +89,18 @@ def test_stream_sends_the_role_then_the_same_text_then_usage(client: TestClient)
     assert tokens == [len(c["logprobs"]["content"]) for c in whole["choices"]]
 
 
+# what the openai SDK's create may send that means nothing here, each as a client would fill it in (or null)
+SDK_EXTRAS = {"store": False, "metadata": {"run": "7"}, "service_tier": "auto", "reasoning_effort": "low",
+              "verbosity": "low", "prompt_cache_key": "k", "safety_identifier": "u", "modalities": ["text"],
+              "prediction": {"type": "content", "content": "x"}, "audio": None, "web_search_options": None,
+              "functions": None, "function_call": None, "parallel_tool_calls": True, "user": "u"}
+
+
+def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClient) -> None:
+    assert chat(client, max_tokens=12, temperature=0, **SDK_EXTRAS)["choices"] == chat(
+        client, max_tokens=12, temperature=0)["choices"]
+
+
 def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient) -> None:
     a = chat(client, max_completion_tokens=5, temperature=0, ignore_eos=True)
     b = chat(client, max_tokens=5, temperature=0, ignore_eos=True)
@@ -113,6 +125,11 @@ def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient)
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", "allowed: [1, inf]"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n", "16"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 5}, "n", "--max-sequences-per-request"),
+    ({"messages": [{"role": "user", "content": "hi"}], "store": True}, "store", "stores no completions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}, "modalities", "'audio'"),
+    ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}, "audio", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}, "web_search_options", "{}"),
 ])
 def test_bad_conversations_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/chat/completions", json=body)

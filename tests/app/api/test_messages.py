@@ -73,6 +73,16 @@ def test_count_tokens_counts_what_messages_sends(client: TestClient) -> None:
     assert counted == {"input_tokens": post(client, system="Be", max_tokens=1).json()["usage"]["input_tokens"]}
 
 
+def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClient) -> None:
+    """What the anthropic SDK's create and count_tokens may send that means nothing here."""
+    cache = {"cache_control": {"type": "ephemeral"}}
+    extras = {**cache, "diagnostics": {}, "service_tier": "auto", "metadata": {"user_id": "u"}, "speed": "standard"}
+    plain = post(client, max_tokens=8, temperature=0).json()
+    assert post(client, max_tokens=8, temperature=0, **extras).json()["content"] == plain["content"]
+    counted = post(client, "/v1/messages/count_tokens", **cache).json()
+    assert counted == {"input_tokens": plain["usage"]["input_tokens"]}
+
+
 @pytest.mark.parametrize(("body", "status", "kind", "needle"), [
     ({"messages": MESSAGES}, 422, "invalid_request_error", "max_tokens"),
     ({"messages": MESSAGES, "max_tokens": 0}, 422, "invalid_request_error", "max_tokens"),

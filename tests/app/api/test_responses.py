@@ -82,6 +82,19 @@ def test_text_format_json_schema_constrains_the_output(bpe_client: TestClient) -
         jsonschema.validate(json.loads(got["output"][0]["content"][0]["text"]), schema)
 
 
+SDK_EXTRAS = {"include": ["reasoning.encrypted_content"], "service_tier": "auto", "max_tool_calls": 2,
+              "prompt_cache_key": "k", "safety_identifier": "u", "stream_options": {"include_obfuscation": False},
+              "background": False, "conversation": None, "prompt": None, "top_logprobs": 0, "store": False,
+              "metadata": {"run": "7"}, "reasoning": {"effort": "low"}, "parallel_tool_calls": True}
+
+
+def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClient) -> None:
+    """What the openai SDK's create may send that means nothing here, each as a client would fill it in."""
+    plain = respond(client, input="Hi", max_output_tokens=8, temperature=0)["output"]
+    assert respond(client, input="Hi", max_output_tokens=8, temperature=0, **SDK_EXTRAS)["output"][0]["content"] \
+        == plain[0]["content"]
+
+
 @pytest.mark.parametrize(("body", "param", "needle"), [
     ({"input": "Hi", "store": True}, "store", "stateless"),
     ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "input"),
@@ -90,6 +103,10 @@ def test_text_format_json_schema_constrains_the_output(bpe_client: TestClient) -
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0].type", "input_image"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item_reference"),
+    ({"input": "Hi", "background": True}, "background", "in the request"),
+    ({"input": "Hi", "conversation": "conv_1"}, "conversation", "keeps nothing"),
+    ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt", "keeps nothing"),
+    ({"input": "Hi", "top_logprobs": 3}, "top_logprobs", "chat completions"),
     ({"input": "Hi", "max_output_tokens": 100_000}, "max_output_tokens", "[1, 256]"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "banana"}}}}, "text.format.schema",
      "banana"),

@@ -37,8 +37,25 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = Field(True, description="extension (vLLM): end the prompt with the assistant's "
                                                           "turn")
+    # what the openai SDK's create takes that means nothing for a local model: accepted and ignored
+    metadata: dict[str, str] | None = Field(None, description="accepted and ignored (it labels stored completions)")
+    service_tier: str | None = Field(None, description="accepted and ignored")
+    reasoning_effort: str | None = Field(None, description="accepted and ignored: Folio's models do not reason")
+    verbosity: str | None = Field(None, description="accepted and ignored")
+    prompt_cache_key: str | None = Field(None, description="accepted and ignored (prefixes are cached anyway)")
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    prediction: dict[str, Any] | None = Field(None, description="accepted and ignored (a hint for speed)")
+    # and what it takes that Folio cannot do: refused unless unset (or its one value Folio does)
+    store: bool | None = Field(None, description="must be false or unset: Folio stores no completions")
+    modalities: list[str] | None = Field(None, description="['text'] or unset: Folio's models answer in text")
+    audio: dict[str, Any] | None = Field(None, description="not supported (must be unset)")
+    web_search_options: dict[str, Any] | None = Field(None, description="not supported (must be unset)")
+    functions: list[Any] | None = Field(None, description="OpenAI's deprecated form of tools: not supported (use "
+                                        "tools)")
+    function_call: str | dict[str, Any] | None = Field(None, description="OpenAI's deprecated form of tool_choice: "
+                                                       "not supported (use tool_choice)")
 
-    def functions(self) -> list[Function]:
+    def offered(self) -> list[Function]:
         """The functions offered, each `{type: function, function: {name, description, parameters, strict}}`."""
         taken: set[str] = set()
         out = []
@@ -55,7 +72,7 @@ class ChatCompletionRequest(SamplingRequest):
     def tool_plan(self) -> ToolPlan | str | None:
         """What the tools ask of the output (app/api/tools.py): tool_choice none, auto (the default), required, or
         {type: function, function: {name}}."""
-        functions = self.functions()
+        functions = self.offered()
         if isinstance(self.tool_choice, dict):
             function = self.tool_choice.get("function")
             name = function.get("name") if isinstance(function, dict) else None
@@ -67,7 +84,17 @@ class ChatCompletionRequest(SamplingRequest):
         return self.n
 
     def check(self) -> None:
-        """What no single field says: logprobs for top_logprobs, two token budgets that agree."""
+        """What no single field says: logprobs for top_logprobs, two token budgets that agree; and the SDK's
+        fields Folio cannot do, refused unless unset."""
+        for name in ("audio", "web_search_options", "functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise ValidationError(name, f"is not supported by Folio (must be unset), got "
+                                      f"{preview(getattr(self, name))}")
+        if self.store:
+            raise ValidationError("store", "must be false or unset: Folio stores no completions, got true")
+        if self.modalities not in (None, ["text"]):
+            raise ValidationError("modalities", f"must be ['text'] or unset: Folio's models answer in text, got "
+                                  f"{preview(self.modalities)}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValidationError("top_logprobs", f"needs logprobs: true, got top_logprobs {self.top_logprobs}")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

@@ -47,6 +47,19 @@ class ResponsesRequest(StrictModel):
     parallel_tool_calls: bool | None = None
     truncation: str | None = Field(None, description="'disabled' (the default) only")
     reasoning: dict[str, Any] | None = Field(None, description="accepted and ignored")
+    # what the openai SDK's create takes that means nothing for a local model: accepted and ignored
+    include: list[str] | None = Field(None, max_length=16, description="accepted and ignored: there is nothing "
+                                      "more to include")
+    service_tier: str | None = Field(None, description="accepted and ignored")
+    max_tool_calls: int | None = Field(None, ge=1, description="accepted: Folio makes at most one call")
+    prompt_cache_key: str | None = Field(None, description="accepted and ignored (prefixes are cached anyway)")
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    stream_options: dict[str, Any] | None = Field(None, description="accepted and ignored")
+    # and what it takes that Folio cannot do: refused unless unset (or false)
+    background: bool | None = Field(None, description="must be false or unset: nothing runs in the background")
+    conversation: str | dict[str, Any] | None = Field(None, description="not supported: nothing is stored")
+    prompt: dict[str, Any] | None = Field(None, description="not supported: no prompt templates are stored")
+    top_logprobs: int | None = Field(None, ge=0, description="0 or unset: chat completions return logprobs")
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it, in chat completions' shape: instructions as the system
@@ -58,6 +71,15 @@ class ResponsesRequest(StrictModel):
         if self.previous_response_id is not None:
             raise ValidationError("previous_response_id", "cannot be followed: Folio keeps no responses; send the "
                                   "conversation in input")
+        for name in ("conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise ValidationError(name, f"is not supported: Folio keeps nothing (send the conversation in "
+                                      f"input), got {preview(getattr(self, name))}")
+        if self.background:
+            raise ValidationError("background", "must be false or unset: Folio answers in the request, got true")
+        if self.top_logprobs:
+            raise ValidationError("top_logprobs", f"must be 0 or unset: Folio's Responses carry no logprobs (chat "
+                                  f"completions do), got {self.top_logprobs}")
         if self.truncation not in (None, "disabled"):
             raise ValidationError("truncation", f"must be 'disabled', got {preview(self.truncation)}")
         out = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
@@ -86,7 +108,7 @@ class ResponsesRequest(StrictModel):
                                       f"supported), got {preview(kind)}")
         return out
 
-    def functions(self) -> list[Function]:
+    def offered(self) -> list[Function]:
         """The functions offered, each {type: function, name, description, parameters, strict (default true)}."""
         return read_flat_tools(self.tools, ("function",), "parameters", strict=True, schema_required=False)
 
@@ -97,11 +119,11 @@ class ResponsesRequest(StrictModel):
             if choice.get("type") != "function":
                 raise ValidationError("tool_choice.type", f"must be 'function' (or tool_choice one of none, auto, "
                                       f"required), got {preview(choice.get('type'))}")
-            return tools.plan(self.functions(), tools.NAMED, choice.get("name"), "tool_choice.name")
+            return tools.plan(self.offered(), tools.NAMED, choice.get("name"), "tool_choice.name")
         if choice not in (None, tools.NONE, tools.AUTO, tools.REQUIRED):
             raise ValidationError("tool_choice", f"must be one of none, auto, required or {{type: function, name}}, "
                                   f"got {preview(choice)}")
-        return tools.plan(self.functions(), choice or tools.AUTO)
+        return tools.plan(self.offered(), choice or tools.AUTO)
 
     def constraint(self) -> Requested | None:
         return structured.response_format((self.text or {}).get("format"), "text.format", nested=False)
