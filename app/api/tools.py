@@ -9,16 +9,19 @@ API reads its own shapes into `Function`s and its tool choice into a mode; from 
   the schema that allows exactly those (`anyOf` of each function's name and parameters);
 - a named function: one call of it, its arguments generated under its parameters' schema.
 
-A call is whole when its constraint is done; one cut short by the token budget is answered as text, with the
-budget's reason. Every API writes the call in its own shape (`tool_calls`, a `tool_use` block, a `function_call`
-item) from `ToolPlan.call`. Templates see the tools as chat completions sends them (`Function.for_template`), the
-shape Hugging Face's chat templates read."""
+A call is whole when its constraint is done; one cut short by the token budget is answered as what there is of it,
+with the budget's reason (as OpenAI and Anthropic answer one). Every API writes the call in its own shape
+(`tool_calls`, a `tool_use` block, a `function_call` item) from `ToolPlan.call`. Templates see the tools as chat
+completions sends them (`Function.for_template`), the shape Hugging Face's chat templates read."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+import pydantic_core
 
 from app.api.structured import Requested, one_of
 from model.engine import Finished
@@ -91,6 +94,31 @@ def read_flat_tools(tools: list[dict[str, Any]] | None, types: tuple[str | None,
 
 
 @dataclass(frozen=True)
+class Call:
+    """A tool call in an output: the function's name and its arguments (JSON text), `whole` or cut short (by the
+    token budget or a stop string: its arguments end where the output ended)."""
+
+    name: str
+    arguments: str
+    whole: bool
+
+    def input(self) -> dict[str, Any]:
+        """The arguments as an object: a cut call's as much of them as is whole (strings cut short kept as far as
+        they go, as the anthropic SDK reads a streamed tool input), {} before the first of them."""
+        if self.whole:
+            return json.loads(self.arguments)
+        try:
+            value = pydantic_core.from_json(self.arguments, allow_partial="trailing-strings")
+        except ValueError:
+            return {}
+        return value if isinstance(value, dict) else {}
+
+
+# a call of `tool_choice: required` cut short after its function's name: {"name": "...", "arguments": <cut>
+CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+
+
+@dataclass(frozen=True)
 class ToolPlan:
     """A request's output as one tool call: its constraint, and the function's name when it is fixed (a named
     function; None under `required`, where the output names it)."""
@@ -98,17 +126,18 @@ class ToolPlan:
     requested: Requested
     name: str | None
 
-    @staticmethod
-    def whole(fin: Finished) -> bool:
-        """Whether an output under the plan ended as a whole call (its constraint done, not cut by the budget)."""
-        return fin.finish_reason == CONSTRAINT_DONE
-
-    def call(self, text: str) -> tuple[str, str]:
-        """The function's name and its arguments (JSON text) from a whole constrained output."""
+    def call(self, text: str, fin: Finished) -> Call | None:
+        """The call in an output under the plan: whole when its constraint is done, else what the output holds of it
+        (as OpenAI and Anthropic answer a call that max_tokens cut: its arguments cut short), or None if it ended
+        before the function's name (under `required`, where the output names it)."""
+        whole = fin.finish_reason == CONSTRAINT_DONE
         if self.name is not None:
-            return self.name, text
-        call = json.loads(text)
-        return call["name"], json.dumps(call["arguments"])
+            return Call(self.name, text, whole)
+        if whole:
+            call = json.loads(text)
+            return Call(call["name"], json.dumps(call["arguments"]), True)
+        cut = CUT_CALL.fullmatch(text)
+        return Call(json.loads(cut[1]), cut[2], False) if cut else None
 
 
 def plan(functions: list[Function], mode: str, name: object = None, name_field: str = "") -> ToolPlan | str | None:

@@ -198,6 +198,13 @@ def test_sdks_call_tools_through_messages_and_responses(server: str) -> None:
         model="tiny-char", messages=[{"role": "user", "content": "Zone?"}], max_tokens=60, temperature=0,
         tools=[{"type": "function", "function": {"name": "time", "parameters": ZONE}}],
         tool_choice="required").choices[0].message.tool_calls[0].function
+    with chat.chat.completions.stream(
+            model="tiny-char", messages=[{"role": "user", "content": "Zone?"}], max_tokens=60, temperature=0,
+            tools=[{"type": "function", "function": {"name": "time", "parameters": ZONE}}],
+            tool_choice="required") as stream:
+        done = [e.arguments for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion().choices[0]
+    assert done == [expected.arguments] and final.message.content is None and final.finish_reason == "tool_calls"
     claude = anthropic.Anthropic(base_url=server, api_key="x", max_retries=0, timeout=30)
     kwargs = dict(model="tiny-char", messages=[{"role": "user", "content": "Zone?"}], max_tokens=60,
                   tools=[{"name": "time", "input_schema": ZONE}], tool_choice={"type": "any"},

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pydantic_core
 import pytest
 from fastapi.testclient import TestClient
 
 from app.api.anthropic.protocol import MessagesRequest
 from app.api.openai.responses.protocol import ResponsesRequest
-from app.testing import assert_anthropic_error, assert_openai_error, parse_sse_events
+from app.testing import assert_anthropic_error, assert_openai_error, parse_sse, parse_sse_events
 
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3},
                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -41,9 +42,13 @@ def ok(r: Any) -> dict[str, Any]:
     return r.json()
 
 
+def chat_answer(client: TestClient, choice: Any, **body: Any) -> dict[str, Any]:
+    return ok(client.post("/v1/chat/completions", json={"messages": USER, "tools": CHAT_TOOLS, "tool_choice": choice,
+                                                        "max_tokens": BUDGET, **GREEDY, **body}))
+
+
 def chat_call(client: TestClient, choice: Any, **body: Any) -> tuple[str, dict[str, Any]]:
-    answer = ok(client.post("/v1/chat/completions", json={"messages": USER, "tools": CHAT_TOOLS, "tool_choice": choice,
-                                                          "max_tokens": BUDGET, **GREEDY, **body}))
+    answer = chat_answer(client, choice, **body)
     [call] = answer["choices"][0]["message"]["tool_calls"]
     return call["function"]["name"], json.loads(call["function"]["arguments"])
 
@@ -119,26 +124,62 @@ def test_responses_streams_the_call_as_a_function_call_item(bpe_client: TestClie
     assert events[-1][1]["response"]["output"] == [done]
 
 
-def test_a_call_cut_short_is_text_with_the_budgets_reason(bpe_client: TestClient) -> None:
-    message = messages_call(bpe_client, {"type": "any"}, max_tokens=2)
-    assert message["stop_reason"] == "max_tokens" and message["content"][0]["type"] == "text", message
-    response = responses_call(bpe_client, "required", max_output_tokens=2)
-    assert response["status"] == "incomplete" and response["output"][0]["type"] == "message", response
-    events = parse_sse_events(bpe_client.post("/v1/responses", json={
-        "input": USER, "tools": RESPONSES_TOOLS, "tool_choice": "required", "max_output_tokens": 2, "stream": True,
-        **GREEDY}).text)
-    names = [name for name, _ in events]
-    assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
-    assert names[-1] == "response.incomplete"
-    streamed = "".join(d["delta"] for n, d in events if n == "response.output_text.delta")
-    assert streamed == response["output"][0]["content"][0]["text"]
+def test_a_call_cut_short_is_what_there_is_of_it_with_the_budgets_reason(bpe_client: TestClient) -> None:
+    """As OpenAI and Anthropic answer a call that max_tokens cut: the call with its arguments cut short (a prefix of
+    the whole call's, greedy), and the budget's reason, in each API's shape, whole and streamed."""
+    named = {"type": "function", "function": {"name": "weather"}}
+    whole = chat_answer(bpe_client, named)
+    arguments = whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    cut = whole["usage"]["completion_tokens"] - 2
+    choice = chat_answer(bpe_client, named, max_tokens=cut)["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    partial = call["function"]["arguments"]
+    assert call["function"]["name"] == "weather" and arguments.startswith(partial) and partial != arguments
+
+    chunks = [c for c in parse_sse(bpe_client.post("/v1/chat/completions", json={
+        "messages": USER, "tools": CHAT_TOOLS, "tool_choice": named, "max_tokens": cut, "stream": True,
+        **GREEDY}).text) if c != "[DONE]"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert chunks[-2]["choices"][0]["delta"]["tool_calls"][0]["function"] == call["function"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[-2:]] == [None, "length"]
+    assert chunks[-1]["choices"][0]["delta"] == {}
+
+    message = messages_call(bpe_client, {"type": "tool", "name": "weather"}, max_tokens=cut)
+    [block] = message["content"]
+    assert message["stop_reason"] == "max_tokens" and block["type"] == "tool_use" and block["name"] == "weather"
+    assert block["input"] == pydantic_core.from_json(partial, allow_partial="trailing-strings")
     events = parse_sse_events(bpe_client.post("/v1/messages", json={
-        "messages": USER, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "any"}, "max_tokens": 2, "stream": True,
-        **GREEDY}).text)
-    assert events[2][1]["content_block"] == {"type": "text", "text": ""}
+        "messages": USER, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "weather"},
+        "max_tokens": cut, "stream": True, **GREEDY}).text)
+    assert [d["delta"]["partial_json"] for n, d in events if n == "content_block_delta"] == [partial]
     assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
-    assert "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta") == message["content"][0][
-        "text"]
+
+    response = responses_call(bpe_client, {"type": "function", "name": "weather"}, max_output_tokens=cut)
+    [item] = response["output"]
+    assert response["status"] == "incomplete" and (item["type"], item["status"]) == ("function_call", "incomplete")
+    assert item["arguments"] == partial
+    events = parse_sse_events(bpe_client.post("/v1/responses", json={
+        "input": USER, "tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "weather"},
+        "max_output_tokens": cut, "stream": True, **GREEDY}).text)
+    assert events[-1][0] == "response.incomplete" and events[-1][1]["response"]["output"][0]["arguments"] == partial
+
+
+def test_a_required_call_cut_before_its_name_is_no_call(bpe_client: TestClient) -> None:
+    """tool_choice required generates {"name": ..., "arguments": ...}: cut before the name is whole, there is no
+    call to give (and that wrapper is never shown as text); cut after it, the call with its arguments cut short."""
+    choice = chat_answer(bpe_client, "required", max_tokens=2)["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": None} and choice["finish_reason"] == "length"
+    message = messages_call(bpe_client, {"type": "any"}, max_tokens=2)
+    assert message["content"] == [] and message["stop_reason"] == "max_tokens"
+    response = responses_call(bpe_client, "required", max_output_tokens=2)
+    assert response["output"] == [] and response["status"] == "incomplete"
+    whole = chat_answer(bpe_client, "required")
+    name = whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"]
+    cut = chat_answer(bpe_client, "required", max_tokens=whole["usage"]["completion_tokens"] - 2)
+    [call] = cut["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == name and call["function"]["arguments"].startswith("{")
+    assert "arguments" not in call["function"]["arguments"] and cut["choices"][0]["finish_reason"] == "length"
 
 
 def test_tool_choice_none_answers_in_text(bpe_client: TestClient) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from app.api.openai.chat.protocol import ChatCompletionRequest
 from app.api.openai.protocol import finish_reason, usage
-from app.api.tools import ToolPlan
+from app.api.tools import Call, ToolPlan
 from app.http.errors import exception_body
 from app.http.requestlog import RequestRecord
 from app.http.sse import sse
@@ -31,25 +31,26 @@ def token_logprobs(service: GenerationService, ev: TokenEvent, top: bool) -> dic
     return out
 
 
-def tool_call(text: str, tools: ToolPlan) -> dict[str, Any]:
-    """OpenAI's tool call from a whole constrained output."""
-    name, arguments = tools.call(text)
+def tool_call(call: Call) -> dict[str, Any]:
+    """OpenAI's tool call (its arguments cut short if the call was)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def called(result: Result, tools: ToolPlan | None) -> bool:
-    """Whether `result` is a whole tool call: its constraint done (not cut by max_tokens)."""
-    return tools is not None and tools.whole(result.finished)
+def tool_end(text: str, fin: Finished, tools: ToolPlan) -> tuple[dict[str, Any] | None, str]:
+    """The tool call of an output under `tools` (None if it ended before the function's name) and the choice's
+    finish_reason: `tool_calls` for a whole call, else why it was cut short."""
+    call = tools.call(text, fin)
+    finish = "tool_calls" if call is not None and call.whole else finish_reason(fin)
+    return (tool_call(call) if call is not None else None), finish
 
 
 def message(result: Result, tools: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """A choice's message and finish_reason: its text, or its tool call."""
-    if called(result, tools):
-        assert tools is not None
-        return {"role": "assistant", "content": None, "tool_calls": [tool_call(result.text, tools)]}, \
-            "tool_calls"
-    return {"role": "assistant", "content": result.text}, finish_reason(result.finished)
+    if tools is None:
+        return {"role": "assistant", "content": result.text}, finish_reason(result.finished)
+    call, finish = tool_end(result.text, result.finished, tools)
+    return {"role": "assistant", "content": None, **({"tool_calls": [call]} if call else {})}, finish
 
 
 async def complete(request: Any, service: GenerationService, body: ChatCompletionRequest, tools: ToolPlan | None,
@@ -97,13 +98,24 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
                         streams: list[GenerationStream], chunks: ChatChunks,
                         record: RequestRecord | None) -> AsyncIterator[bytes]:
     """Every choice's role, then its content as it comes, interleaved (each chunk names its `index`). A tool call
-    comes whole in one chunk once its arguments are complete (they are generated under their schema)."""
+    comes in one chunk once it ends (whole, or cut short), then its finish_reason in a chunk of its own."""
     top = body.top_logprobs is not None
     completion_tokens = 0
     held = [""] * len(streams)  # a tool call's text until it is whole
+
+    def tool_chunks(index: int, fin: Finished, lp: dict[str, Any] | None) -> bytes:
+        """A tool call's end: its call (whole, or cut short) with the last token's logprobs, then, as OpenAI ends a
+        choice, its finish_reason in a chunk of its own."""
+        assert tools is not None
+        call, finish = tool_end(held[index], fin, tools)
+        delta = {"tool_calls": [{"index": 0, **call}]} if call is not None else {}
+        return (chunks.chunk(index, delta, None, lp) if delta or lp else b"") + chunks.chunk(index, {}, finish)
+
     items = service.interleaved(streams, record)
     try:
-        yield b"".join(chunks.chunk(i, {"role": "assistant", "content": ""}, None) for i in range(len(streams)))
+        # OpenAI's first chunk: the role, and no content yet (null before a tool call)
+        first = {"role": "assistant", "content": "" if tools is None else None}
+        yield b"".join(chunks.chunk(i, first, None) for i in range(len(streams)))
         async for item in items:
             if isinstance(item, Exception):
                 yield sse(exception_body("/v1/chat/completions", item)[1])
@@ -112,21 +124,17 @@ async def stream_chunks(service: GenerationService, body: ChatCompletionRequest,
             out = []
             for ev in batch:
                 if isinstance(ev, Finished):
-                    out.append(chunks.chunk(index, {}, finish_reason(ev)))
+                    out.append(tool_chunks(index, ev, None) if tools is not None
+                               else chunks.chunk(index, {}, finish_reason(ev)))
                     break
                 completion_tokens += 1
                 lp = {"content": [token_logprobs(service, ev, top)]} if body.logprobs else None
                 if tools is not None:
                     held[index] += ev.text
-                    if ev.finished is None:
-                        if lp:
-                            out.append(chunks.chunk(index, {}, None, lp))
-                        continue
-                    if tools.whole(ev.finished):
-                        call = {"index": 0, **tool_call(held[index], tools)}
-                        out.append(chunks.chunk(index, {"tool_calls": [call]}, "tool_calls", lp))
-                    else:
-                        out.append(chunks.chunk(index, {"content": held[index]}, finish_reason(ev.finished), lp))
+                    if ev.finished is not None:
+                        out.append(tool_chunks(index, ev.finished, lp))
+                    elif lp:
+                        out.append(chunks.chunk(index, {}, None, lp))
                     continue
                 finish = finish_reason(ev.finished) if ev.finished else None
                 out.append(chunks.chunk(index, {"content": ev.text} if ev.text else {}, finish, lp))

@@ -1,13 +1,14 @@
-"""OpenAI Responses' answers: the engine's result as a `response` object (one output item: an assistant message with
-one `output_text` part, or a `function_call` when the request's tools asked for a call and it is whole; `status`
-completed, or incomplete with its reason when max_output_tokens cut it), and its events as the Responses stream:
+"""OpenAI Responses' answers: the engine's result as a `response` object (its output item: an assistant message with
+one `output_text` part, or a `function_call` when the request's tools asked for a call; `status` completed, or
+incomplete with its reason when max_output_tokens cut it), and its events as the Responses stream:
 `response.created`, `response.in_progress`, then the item's events, then `response.completed` (or
 `response.incomplete`), each with its `sequence_number`. A message's events are `response.output_item.added`,
 `response.content_part.added`, a `response.output_text.delta` per token's text, `response.output_text.done`,
-`response.content_part.done`, `response.output_item.done`; a call's, once it is whole, `response.output_item.added`,
+`response.content_part.done`, `response.output_item.done`; a call's, once it ends, `response.output_item.added`,
 its arguments in one `response.function_call_arguments.delta`, `response.function_call_arguments.done`,
-`response.output_item.done` (a call cut short comes as a message instead, as in the whole response). A failure
-mid-stream is an `error` event then `response.failed`."""
+`response.output_item.done` (a call that max_output_tokens cut is an `incomplete` item with its arguments cut short,
+as OpenAI's is; one cut before its name is no item). A failure mid-stream is an `error` event then
+`response.failed`."""
 
 from __future__ import annotations
 
@@ -35,14 +36,14 @@ class ResponseWriter:
     rid: str
     body: ResponsesRequest
     model: str
-    call: ToolPlan | None
+    plan: ToolPlan | None
     mid: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
 
     def response(self, status: str, text: str | None = None, fin: Finished | None = None,
                  prompt_tokens: int = 0) -> dict[str, Any]:
-        output = [] if text is None or fin is None else [self.output(text, fin)]
+        output = [] if text is None or fin is None else self.output(text, fin)
         generated = fin.generated_tokens if fin is not None else 0
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
@@ -61,13 +62,17 @@ class ResponseWriter:
                 "total_tokens": prompt_tokens + generated},
         }
 
-    def output(self, text: str, fin: Finished) -> dict[str, Any]:
-        """The response's output item: the whole call, else the message."""
-        if self.call is not None and self.call.whole(fin):
-            name, arguments = self.call.call(text)
-            return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
-                    "name": name, "arguments": arguments, "status": "completed"}
-        return self.item(text, status_of(fin))
+    def output(self, text: str, fin: Finished) -> list[dict[str, Any]]:
+        """The response's output items: its message; or under a tool plan its call, whole (`completed`) or cut
+        short (`incomplete`, its arguments cut, as OpenAI answers a call that max_output_tokens cut), none if cut
+        before the function's name."""
+        if self.plan is None:
+            return [self.item(text, status_of(fin))]
+        call = self.plan.call(text, fin)
+        if call is None:
+            return []
+        return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": f"call_{uuid.uuid4().hex[:24]}",
+                 "name": call.name, "arguments": call.arguments, "status": "completed" if call.whole else "incomplete"}]
 
     def item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "message", "id": self.mid, "status": status, "role": "assistant",
@@ -89,7 +94,7 @@ class ResponseWriter:
         return self.event("response.output_text.delta", **ids, delta=delta, logprobs=[])
 
     def item_done(self, item: dict[str, Any]) -> bytes:
-        """The events that end the output item (a message's, whose start was sent; a call's, whole)."""
+        """The events that end the output item (a message's, whose start was sent; a call's, all of them)."""
         if item["type"] == "function_call":
             ids = {"item_id": item["id"], "output_index": 0}
             return (self.event("response.output_item.added", output_index=0,
@@ -117,24 +122,22 @@ async def stream_events(service: GenerationService, stream: GenerationStream, wr
                         record: RequestRecord | None) -> AsyncIterator[bytes]:
     yield (writer.event("response.created", response=writer.response("in_progress"))
            + writer.event("response.in_progress", response=writer.response("in_progress"))
-           + (writer.message_start() if writer.call is None else b""))  # text as it comes; a call once it is whole
+           + (writer.message_start() if writer.plan is None else b""))  # text as it comes; a call once it ends
     text = ""
     try:
         async for batch in service.text_batches(stream, record):
             out = []
             for delta, fin in batch:
                 text += delta
-                if delta and writer.call is None:
+                if delta and writer.plan is None:
                     out.append(writer.text_delta(delta))
                 if fin is not None:
-                    item = writer.output(text, fin)
-                    if writer.call is not None and item["type"] == "message":  # a call cut short: its text
-                        out.append(writer.message_start() + (writer.text_delta(text) if text else b""))
+                    items = writer.output(text, fin)
                     status = status_of(fin)
-                    out.append(writer.item_done(item)
+                    out.append(b"".join(writer.item_done(item) for item in items)
                                + writer.event(f"response.{status}",
                                               response={**writer.response(status, text, fin, stream.prompt_tokens),
-                                                        "output": [item]}))
+                                                        "output": items}))
             if out:
                 yield b"".join(out)
     except EngineError as e:
