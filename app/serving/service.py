@@ -305,6 +305,9 @@ class GenerationService:
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
+
 
 def cancel_all(streams: list[GenerationStream]) -> None:
     """Cancel every stream of a request: a no-op for those finished, the others stop and free their slots."""

@@ -4,10 +4,11 @@ and streaming."""
 from __future__ import annotations
 
 import math
+import re
 
 from fastapi.testclient import TestClient
 
-from app.testing import assert_openai_error
+from app.testing import assert_openai_error, parse_sse
 from tests.app.api.calls import PROMPT, completion, completion_stream, generate
 
 
@@ -84,3 +85,27 @@ def test_max_tokens_absent_or_null_is_openais_default_of_16(client: TestClient) 
     for body in ({}, {"max_tokens": None}):
         got = completion(client, temperature=0, ignore_eos=True, **body)
         assert got["usage"]["completion_tokens"] == 16, body
+
+
+def test_logprobs_offsets_follow_the_text_where_tokens_split_characters(bpe_client: TestClient) -> None:
+    """Byte-level BPE writes a character of several bytes in several tokens: each of those is named as OpenAI names
+    it (`bytes:\\xf0\\x9f`), starts where its character does in `text`, and the stream says the same."""
+    body = {"prompt": "Café ☕ naïve 日本", "max_tokens": 24, "seed": 1, "temperature": 1.0, "logprobs": 2}
+    r = bpe_client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert any(not c.isascii() for c in text)  # the case at hand: characters of several bytes
+    split = [t for t in lp["tokens"] if t.startswith("bytes:")]
+    assert split and all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", t) for t in split)
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and max(lp["text_offset"]) < len(text)
+    for token, offset in zip(lp["tokens"], lp["text_offset"], strict=True):
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token
+    chunks = [c for c in parse_sse(bpe_client.post("/v1/completions", json={**body, "stream": True}).text)
+              if c != "[DONE]"]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    assert [t for s in streamed for t in s["top_logprobs"]] == lp["top_logprobs"]

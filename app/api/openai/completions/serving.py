@@ -5,6 +5,7 @@ it) submits."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,31 +29,45 @@ class Scored:
 
     id: int
     logprob: float | None
-    top: dict[str, float] | None
+    top: list[tuple[int, float]] | None  # the alternatives' ids and logprobs
 
     @classmethod
     def of(cls, t: TokenEvent | PromptToken) -> Scored:
-        top = t.top_tokens
         if isinstance(t, PromptToken) and t.logprob is None:
             return cls(t.id, None, None)
-        return cls(t.id, t.logprob, {a.text: a.logprob for a in top})
+        return cls(t.id, t.logprob, [(a.id, a.logprob) for a in t.top_tokens])
 
 
-def logprobs_block(tokens: Sequence[Scored], text_of: Callable[[int], str], offset: int) -> dict[str, Any]:
-    """`{tokens, token_logprobs, top_logprobs, text_offset}` with offsets counted from `offset` characters."""
-    texts = [text_of(t.id) for t in tokens]
-    offsets = []
-    for t in texts:
+def token_string(raw: bytes) -> str:
+    """A token as OpenAI's logprobs name it: its text, or where its bytes are no whole UTF-8 characters on their own
+    (a byte-level BPE token inside a character), `bytes:\\xe2\\x80` as OpenAI writes those."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def logprobs_block(tokens: Sequence[Scored], bytes_of: Callable[[int], bytes], offset: int) -> dict[str, Any]:
+    """`{tokens, token_logprobs, top_logprobs, text_offset}`; each token's offset is where its text starts in the
+    choice's text, from `offset` characters (a token inside a character starts where that character does, as the
+    stream's text has it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, texts = [], []
+    for t in tokens:
+        raw = bytes_of(t.id)
         offsets.append(offset)
-        offset += len(t)
+        texts.append(token_string(raw))
+        offset += len(decoder.decode(raw))
     return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [t.top for t in tokens], "text_offset": offsets}
+            "top_logprobs": [None if t.top is None else {token_string(bytes_of(i)): lp for i, lp in t.top}
+                             for t in tokens],
+            "text_offset": offsets}
 
 
-def choice_logprobs(result: Result, echoed: bool, text_of: Callable[[int], str]) -> dict[str, Any]:
+def choice_logprobs(result: Result, echoed: bool, bytes_of: Callable[[int], bytes]) -> dict[str, Any]:
     """A whole choice's logprobs: the prompt's tokens (if echoed), then the generated ones."""
     prompt = [Scored.of(t) for t in result.prompt_logprobs or ()] if echoed else []
-    return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], text_of, 0)
+    return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], bytes_of, 0)
 
 
 def best(results: list[Result], n: int) -> list[Result]:
@@ -70,7 +85,7 @@ async def complete(request: Request, service: GenerationService, body: Completio
         prompt_tokens += mine[0].finished.prompt_tokens
         completion_tokens += sum(r.finished.generated_tokens for r in mine)
         for result in best(mine, body.n):
-            lp = choice_logprobs(result, body.echo, service.token_text) if body.logprobs is not None else None
+            lp = choice_logprobs(result, body.echo, service.token_bytes) if body.logprobs is not None else None
             choices.append({"text": echo + result.text, "index": len(choices), "logprobs": lp,
                             "finish_reason": finish_reason(result.finished)})
     return {"id": cid, "object": "text_completion", "created": created, "model": service.model_id,
@@ -111,7 +126,8 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
-    offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]
+    offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]  # each choice's next token's text_offset
+    decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in flat]
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
     completion_tokens = 0
     echoed = [False] * len(flat)
@@ -127,7 +143,7 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
                 echoed[index] = True
                 if offsets[index]:
                     scored = _prompt_scores(batch[0]) if logprobs else None
-                    lp = logprobs_block(scored, service.token_text, 0) if scored is not None else None
+                    lp = logprobs_block(scored, service.token_bytes, 0) if scored is not None else None
                     out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
             for ev in batch:
                 if isinstance(ev, Finished):  # max_tokens 0: the echo was all, and the end is the only event
@@ -135,9 +151,10 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
                     break
                 finish = finish_reason(ev.finished) if ev.finished else None
                 if ev.text or finish or logprobs:
-                    lp = logprobs_block([Scored.of(ev)], service.token_text, offsets[index]) if logprobs else None
+                    lp = logprobs_block([Scored.of(ev)], service.token_bytes, offsets[index]) if logprobs else None
                     out.append(chunks.chunk(index, ev.text, finish, lp))
-                offsets[index] += len(ev.text)
+                if logprobs:  # where the next token starts: as `logprobs_block` counts (held-back text aside)
+                    offsets[index] += len(decoders[index].decode(service.token_bytes(ev.id)))
                 completion_tokens += 1
             if out:
                 yield b"".join(out)
