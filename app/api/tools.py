@@ -4,7 +4,7 @@ API reads its own shapes into `Function`s and its tool choice into a mode; from 
 
 - none (or no tools): text, as without tools;
 - auto: text; the model hears of the tools only through its chat template, so a template that never reads them is a
-  422 (`check_auto`): that model could never call one;
+  refused (`check_auto`): that model could never call one;
 - required (Anthropic's `any`): one call of any of the functions, generated as the object `{name, arguments}` under
   the schema that allows exactly those (`anyOf` of each function's name and parameters);
 - a named function: one call of it, its arguments generated under its parameters' schema.
@@ -160,8 +160,8 @@ def plan(functions: list[Function], mode: str, name: object = None, name_field: 
 
 async def check_auto(service: GenerationService, functions: list[Function], field: str) -> None:
     """tool choice auto: the model is told of the tools only through its chat template; one that never reads them
-    cannot call any, a 422 at `field` saying so. Each function's schema is still checked (compiled, cached): an
-    invalid one is a 422 naming it, as it would be when the call is required."""
+    cannot call any, refused at `field` saying so. Each function's schema is still checked (compiled, cached): an
+    invalid one is refused naming it, as it would be when the call is required."""
     template = service.registry.chat_template(service.checkpoint)
     if not template.reads_tools:
         raise ValidationError(field, f"'auto' needs a chat template that tells the model of its tools; this "
@@ -191,7 +191,7 @@ def template_tools(body: OffersTools) -> list[dict[str, Any]] | None:
 
 async def output_plan(service: GenerationService, body: OffersTools) -> tuple[ToolPlan | None, Requested | None]:
     """The call the output must be (None: text; auto checked by `check_auto`), and the request's one constraint:
-    the call's, or its structured-output field's (both at once is a 422)."""
+    the call's, or its structured-output field's (both at once is refused)."""
     plan = body.tool_plan()
     if plan == AUTO:
         await check_auto(service, body.offered(), "tool_choice")

@@ -2,7 +2,8 @@
 
 TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
 `{"error": {"message", "type", "param", "code"}}`; Anthropic's Messages routes (`/v1/messages*`) answer
-`{"type": "error", "error": {"type", "message"}}`, the type from the status as Anthropic names it. All carry
+`{"type": "error", "error": {"type", "message"}}`, the type from the status as Anthropic names it. An invalid
+request is TGI's 422 on TGI's routes and 400 on /v1/, as OpenAI, Anthropic and vLLM answer it. All carry
 the request's ID as `request_id` (app/http/requestlog.py; null for an answer of the HTTP layer,
 app/http/connection.py, to a request that never reached the app).
 """
@@ -40,7 +41,8 @@ class ClientGone(Exception):
     nobody reads: nginx's 'client closed request', for the logs and metrics)."""
 
 
-# exception type -> (HTTP status, TGI error_type, OpenAI error type)
+# exception type -> (HTTP status, TGI error_type, OpenAI error type); an invalid request's 422 is 400 on /v1/
+# (`family_status`)
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
     ValidationError: (422, "validation", "invalid_request_error"),
     InspectTooLarge: (413, "payload_too_large", "invalid_request_error"),  # before its base class, InspectError
@@ -70,6 +72,12 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 ANTHROPIC_PATHS = "/v1/messages"  # the prefix of Anthropic's routes
 
 
+def family_status(path: str, status: int) -> int:
+    """The status of an invalid request in the API family of `path`: 400 on /v1/ (OpenAI's, Anthropic's and vLLM's,
+    whose SDKs raise BadRequestError for it), TGI's 422 elsewhere."""
+    return 400 if status == 422 and path.startswith("/v1/") else status
+
+
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
     """The error body of the API family `path` belongs to (Anthropic's under /v1/messages, OpenAI's under the
     rest of /v1/, TGI's elsewhere)."""
@@ -88,6 +96,7 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
     if found is None:
         raise exc
     status, kind, oa_type = found
+    status = family_status(path, status)
     return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None))
 
 
@@ -199,8 +208,9 @@ def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[Iterable[str], s
         if len(errors) > MAX_ERRORS_SHOWN:
             message += f"; and {len(errors) - MAX_ERRORS_SHOWN} more error(s)"
         param = described[0][0] if described else None
-        body = error_body(request.url.path, 422, "validation", "invalid_request_error", message, param)
-        return StrictJSONResponse(body, status_code=422)
+        status = family_status(path, 422)
+        body = error_body(path, status, "validation", "invalid_request_error", message, param)
+        return StrictJSONResponse(body, status_code=status)
 
     app.add_exception_handler(RequestValidationError, validation)
 
@@ -208,10 +218,11 @@ def install_error_handlers(app: FastAPI, ranged: Iterable[tuple[Iterable[str], s
         if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
             # FastAPI answers 400 "There was an error parsing the body" when json.loads fails other than with a
             # JSONDecodeError: bytes that are not UTF-8, an integer over Python's 4300-digit limit, nesting
-            # deeper than the recursion limit. That is malformed JSON like any other: 422, saying why.
+            # deeper than the recursion limit. That is malformed JSON like any other: 422 (400 on /v1/), saying why.
             message = f"body is not valid JSON: {_unparseable(exc.__cause__)}"
-            return StrictJSONResponse(error_body(request.url.path, 422, "validation", "invalid_request_error", message,
-                                           "body"), status_code=422)
+            status = family_status(request.url.path, 422)
+            return StrictJSONResponse(error_body(request.url.path, status, "validation", "invalid_request_error",
+                                                 message, "body"), status_code=status)
         kind = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http")
         body = error_body(request.url.path, exc.status_code, kind, "invalid_request_error", str(exc.detail), None)
         return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))

@@ -1,6 +1,6 @@
 """LoRA adapters over HTTP (app/serving/models.py, app/api/models/router.py): `--lora-modules` names them as models,
 OpenAI's and Anthropic's `model` field and the X-Folio-Model header pick one, and its answers equal the merged model
-served alone; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` behind the API key, a mismatch a 422 naming
+served alone; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` behind the API key, a mismatch a 400 naming
 what differs while the server keeps serving, `--max-loras`, and a request running through an adapter that is
 unloaded meanwhile finishing as it would have."""
 
@@ -99,7 +99,7 @@ def test_load_and_unload_over_http(dirs, merged) -> None:
         load = {"lora_name": "one", "lora_path": str(dirs["one"])}
         assert c.post("/v1/load_lora_adapter", json=load).status_code == 401
         r = c.post("/v1/load_lora_adapter", json={**load, "lora_path": str(dirs["wide"])}, headers=KEY)
-        assert r.status_code == 422
+        assert r.status_code == 400
         assert r.json()["error"]["param"] == "lora_path"
         assert "lora_A (4, 64) and lora_B (192, 4); a base of n_embd 32 needs lora_A (4, 32) and lora_B (96, 4)" \
             in r.text
@@ -110,9 +110,9 @@ def test_load_and_unload_over_http(dirs, merged) -> None:
                                                                   "mlp.c_proj"]
         assert text(c, "one") == merged["merged-one"]
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "two", "lora_path": str(dirs["two"])}, headers=KEY)
-        assert r.status_code == 422 and "the most --max-loras allows (1)" in r.text
+        assert r.status_code == 400 and "the most --max-loras allows (1)" in r.text
         r = c.post("/v1/load_lora_adapter", json={**load, "lora_path": str(dirs["two"])}, headers=KEY)
-        assert r.status_code == 422 and "served already" in r.text
+        assert r.status_code == 400 and "served already" in r.text
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "one"}, headers=KEY).status_code == 200
         assert "one" not in {m["id"] for m in c.get("/v1/models").json()["data"]}
         r = c.post("/v1/completions", json={"model": "one", "prompt": "Hi", "max_tokens": 2}, headers=KEY)
@@ -123,13 +123,13 @@ def test_load_and_unload_over_http(dirs, merged) -> None:
         assert r.status_code == 200 and text(c, "two") == merged["merged-two"]
 
 
-def test_a_path_that_cannot_be_an_adapter_is_a_short_422(dirs, merged, tmp_path) -> None:
-    """A path no file system takes (a name over 255 bytes) and a long one that does not exist: 422s naming
+def test_a_path_that_cannot_be_an_adapter_is_a_short_400(dirs, merged, tmp_path) -> None:
+    """A path no file system takes (a name over 255 bytes) and a long one that does not exist: 400s naming
     lora_path, the path cut short in the message; the server goes on serving."""
     with client(checkpoint=dirs["base"], enable_lora=True) as c:
         for path in ("/" + "a" * 300, "/".join(["b" * 200] * 20), str(tmp_path / "nothing")):
             r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
-            assert r.status_code == 422 and r.json()["error"]["param"] == "lora_path", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
             assert len(r.text) < 600 and "cannot serve it over the model" in r.text, r.text
         assert text(c) == merged["base"]  # still serving
 
@@ -137,7 +137,7 @@ def test_a_path_that_cannot_be_an_adapter_is_a_short_422(dirs, merged, tmp_path)
 def test_adapters_off_refuse_a_load(dirs) -> None:
     with client(checkpoint=dirs["base"]) as c:
         r = c.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(dirs["one"])})
-        assert r.status_code == 422 and "--enable-lora" in r.text
+        assert r.status_code == 400 and "--enable-lora" in r.text
 
 
 def test_a_request_running_through_an_unloaded_adapter_finishes(dirs, merged) -> None:

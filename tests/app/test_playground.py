@@ -389,8 +389,8 @@ def test_chat_shows_a_bad_request_takes_the_turn_back_and_clears(server: str, pa
     page.fill("#temperature", "3")  # the completion mode's range (TGI's) allows it, OpenAI's [0, 2] does not
     status = send(page, "Yo")
     error = httpx.post(server + CHAT_ROUTE, json=bodies[1], timeout=30)
-    assert error.status_code == 422 and error.json()["error"]["param"] == "temperature"
-    assert status == f"422: {error.json()['error']['message']}"
+    assert error.status_code == 400 and error.json()["error"]["param"] == "temperature"
+    assert status == f"400: {error.json()['error']['message']}"
     assert page.get_attribute("#status", "class") == "error"
     assert field_note(page, "temperature") == status  # under the field, by the completion tab's code
     assert page.evaluate("document.activeElement.id") == "temperature"

@@ -106,7 +106,7 @@ def test_error_bodies_carry_the_id_of_their_access_line(json_server: tuple[str, 
         missing = client.get("/no/such/route")
     assert_tgi_error(unauthorized, 401, "authentication")
     assert_tgi_error(bad, 422, "validation", "parameters.temperature")
-    assert_openai_error(openai_bad, 422, "invalid_request_error", "max_tokens")
+    assert_openai_error(openai_bad, 400, "invalid_request_error", "max_tokens")
     assert bad.json()["request_id"] == "bad-temperature"
     for r, route in ((unauthorized, "/generate"), (bad, "/generate"), (openai_bad, "/v1/completions"),
                      (missing, "unmatched")):

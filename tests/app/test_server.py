@@ -82,7 +82,7 @@ def test_openai_sdk_matches_generate(server: str) -> None:
     assert greedy.choices[0].text == post_generate(server, max_new_tokens=12)["generated_text"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
-    with pytest.raises(openai.UnprocessableEntityError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature"
 
@@ -102,7 +102,7 @@ def test_openai_sdk_chat_equals_a_completion_of_the_rendered_conversation(server
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     counted = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=30).json()
     assert counted["count"] == whole.usage.prompt_tokens
-    with pytest.raises(openai.UnprocessableEntityError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-char", messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role"
 
@@ -179,7 +179,7 @@ def test_anthropic_sdk_messages_equal_chat_completions(server: str) -> None:
     assert counted.input_tokens == got.usage.input_tokens
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(**{**kwargs, "model": "claude-opus-4"})
-    with pytest.raises(anthropic.UnprocessableEntityError) as e:
+    with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(**{**kwargs, "extra_body": {"temperature": 2}})
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert e.value.request_id == e.value.body["request_id"]

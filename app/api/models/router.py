@@ -87,7 +87,7 @@ class UnloadLoraAdapterRequest(BaseModel):
 @router.post("/v1/load_lora_adapter", responses=OPENAI_ERRORS)
 async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> dict[str, Any]:
     """Serve a LoRA adapter (vLLM's route) as a model of its own over its base model: checked against the base
-    first (a 422 naming what differs, and nothing changes), at most --max-loras. Behind the API key."""
+    first (a 400 naming what differs, and nothing changes), at most --max-loras. Behind the API key."""
     models = served_models(request)
     if not request.app.state.settings.lora_enabled:
         raise ValidationError("lora_name", "LoRA adapters are off on this server; start it with --enable-lora or "

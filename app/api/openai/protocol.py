@@ -122,4 +122,4 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-ERRORS = {code: {"model": OpenAIError} for code in (401, 404, 413, 422, 424, 429, 503)}  # the routes' OpenAPI docs
+ERRORS = {code: {"model": OpenAIError} for code in (400, 401, 404, 413, 424, 429, 503)}  # the routes' OpenAPI docs

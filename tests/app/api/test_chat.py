@@ -133,7 +133,7 @@ def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient)
 ])
 def test_bad_conversations_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/chat/completions", json=body)
-    assert_openai_error(r, 422, "invalid_request_error", param, needle)
+    assert_openai_error(r, 400, "invalid_request_error", param, needle)
 
 
 def test_a_template_that_fails_is_a_422_naming_the_template(make_client: Callable[..., TestClient],
@@ -143,7 +143,7 @@ def test_a_template_that_fails_is_a_422_naming_the_template(make_client: Callabl
                     "{% endif %}{{ m.content }}\n{% endfor %}")
     c = make_client(chat_template=str(path))
     r = c.post("/v1/chat/completions", json={"messages": CONVERSATION})
-    assert_openai_error(r, 422, "invalid_request_error", "messages", "no system turns")
+    assert_openai_error(r, 400, "invalid_request_error", "messages", "no system turns")
     assert "--chat-template" in r.json()["error"]["message"] and "strict.jinja" in r.json()["error"]["message"]
     r = c.post("/v1/chat/completions", json={"messages": CONVERSATION[1:], "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len("Hi\nyo\n")

@@ -57,7 +57,7 @@ def test_text_the_tokenizer_cannot_encode_names_the_apis_prompt_field(client: Te
     """The char tokenizer has no 'é': each API's prompt field is named (tokenised by `GenerationService.encode`)."""
     r = client.post(route, json=body)
     if route.startswith("/v1/"):
-        message = assert_openai_error(r, 422, "invalid_request_error", field)
+        message = assert_openai_error(r, 400, "invalid_request_error", field)
     else:
         message = assert_tgi_error(r, 422, "validation")
     assert message.startswith(f"{field}: ") and "'\u00e9'" in message, message

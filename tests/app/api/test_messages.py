@@ -84,18 +84,18 @@ def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClien
 
 
 @pytest.mark.parametrize(("body", "status", "kind", "needle"), [
-    ({"messages": MESSAGES}, 422, "invalid_request_error", "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 0}, 422, "invalid_request_error", "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 5, "temperature": 1.5}, 422, "invalid_request_error", "[0, 1]"),
-    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, 422, "invalid_request_error",
+    ({"messages": MESSAGES}, 400, "invalid_request_error", "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 5, "temperature": 1.5}, 400, "invalid_request_error", "[0, 1]"),
+    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}, 400, "invalid_request_error",
      "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, 422,
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, 400,
      "invalid_request_error", "messages[0].content[0].type"),
-    ({"messages": [], "max_tokens": 5}, 422, "invalid_request_error", "messages"),
-    ({"messages": MESSAGES, "max_tokens": 5, "tools": [{"name": "f"}]}, 422, "invalid_request_error", "tools"),
+    ({"messages": [], "max_tokens": 5}, 400, "invalid_request_error", "messages"),
+    ({"messages": MESSAGES, "max_tokens": 5, "tools": [{"name": "f"}]}, 400, "invalid_request_error", "tools"),
     ({"messages": MESSAGES, "max_tokens": 5, "model": "claude-opus"}, 404, "not_found_error", "claude-opus"),
-    ({"messages": MESSAGES, "max_tokens": 100_000}, 422, "invalid_request_error", "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 5, "output_config": {"format": "json"}}, 422, "invalid_request_error",
+    ({"messages": MESSAGES, "max_tokens": 100_000}, 400, "invalid_request_error", "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 5, "output_config": {"format": "json"}}, 400, "invalid_request_error",
      "output_config.format: must be an object"),
 ])
 def test_bad_requests_get_anthropics_error_body(client: TestClient, body: dict, status: int, kind: str,

@@ -115,4 +115,4 @@ def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClien
 ])
 def test_bad_requests_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/responses", json=body)
-    assert_openai_error(r, 422, "invalid_request_error", param, *([needle] if needle else []))
+    assert_openai_error(r, 400, "invalid_request_error", param, *([needle] if needle else []))

@@ -100,4 +100,4 @@ def test_the_limits_bound_a_token_and_a_request(bundled_client: TestClient, monk
         **body["parameters"], "max_new_tokens": 200}}), 422, "validation", "is 25600 weights", "more than 20000")
     assert len(stream(bundled_client, PROMPT, max_new_tokens=10, attention={"layers": [0]})) == 10
     r = bundled_client.post("/v1/completions", json={"prompt": "A", "attention": {}})
-    assert r.status_code == 422 and "attention: unknown field" in r.text  # an extension of TGI's routes only
+    assert r.status_code == 400 and "attention: unknown field" in r.text  # an extension of TGI's routes only

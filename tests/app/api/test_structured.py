@@ -165,7 +165,7 @@ HUGE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
 def test_bad_constraints_are_422_naming_their_field(bpe_client: TestClient, body: dict, param: str,
                                                     needle: str) -> None:
     r = bpe_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
-    assert_openai_error(r, 422, "invalid_request_error", param, *([needle] if needle else []))
+    assert_openai_error(r, 400, "invalid_request_error", param, *([needle] if needle else []))
     assert len(r.text) < 2000  # a short preview, never the schema echoed back
 
 
@@ -175,7 +175,7 @@ def test_a_schema_of_10000_properties_is_refused_before_compiling(make_client: C
     big = make_client(bpe_checkpoint, max_body_bytes=2**20)
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": HUGE}}
     r = big.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, "response_format": fmt})
-    assert_openai_error(r, 422, "invalid_request_error", "response_format.json_schema.schema", "5000")
+    assert_openai_error(r, 400, "invalid_request_error", "response_format.json_schema.schema", "5000")
     assert len(r.text) < 2000
     assert big.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}).status_code == 200
 
@@ -187,12 +187,12 @@ def test_a_schema_the_vocabulary_cannot_produce_is_refused_before_generating(
     client = make_client(repo / "weights" / "shakespeare-char")
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
     r = client.post("/v1/chat/completions", json={"messages": USER, "response_format": fmt})
-    assert_openai_error(r, 422, "invalid_request_error", "response_format.json_schema.schema", "vocabulary")
+    assert_openai_error(r, 400, "invalid_request_error", "response_format.json_schema.schema", "vocabulary")
     r = client.post("/generate", json={"inputs": "a", "parameters": {"grammar": {"type": "json", "value": PERSON}}})
     assert_tgi_error(r, 422, "validation", "parameters.grammar.value", "vocabulary")
     r = client.post("/v1/messages", json={"messages": USER, "max_tokens": 4, "output_config": {
         "format": {"type": "json_schema", "schema": PERSON}}})
-    assert_anthropic_error(r, 422, "invalid_request_error", "output_config.format", "vocabulary")
+    assert_anthropic_error(r, 400, "invalid_request_error", "output_config.format", "vocabulary")
     assert client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
@@ -221,7 +221,7 @@ def test_a_compile_that_hangs_stalls_nobody_and_ends_as_a_422(bpe_client: TestCl
             assert not release.is_set() and events[-1]["details"]["generated_tokens"] == 30
             assert len(events) == 30
             r = held.result(timeout=120)
-        assert_openai_error(r, 422, "invalid_request_error", "response_format.json_schema.schema", "longer than")
+        assert_openai_error(r, 400, "invalid_request_error", "response_format.json_schema.schema", "longer than")
     finally:
         release.set()
 

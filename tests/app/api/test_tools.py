@@ -259,9 +259,9 @@ def test_a_history_with_calls_prompts_the_same_through_every_api(tool_client: Te
 
 def test_auto_needs_a_template_that_reads_the_tools(bpe_client: TestClient) -> None:
     r = bpe_client.post("/v1/messages", json={"messages": USER, "tools": ANTHROPIC_TOOLS, "max_tokens": 5})
-    assert_anthropic_error(r, 422, "invalid_request_error", "tool_choice", "chat template")
+    assert_anthropic_error(r, 400, "invalid_request_error", "tool_choice", "chat template")
     r = bpe_client.post("/v1/responses", json={"input": USER, "tools": RESPONSES_TOOLS})
-    assert_openai_error(r, 422, "invalid_request_error", "tool_choice", "chat template")
+    assert_openai_error(r, 400, "invalid_request_error", "tool_choice", "chat template")
 
 
 ANY = {"type": "any"}
@@ -294,7 +294,7 @@ ANY = {"type": "any"}
 ])
 def test_bad_messages_tools_are_422_naming_the_field(bpe_client: TestClient, body: dict, needles: tuple) -> None:
     r = bpe_client.post("/v1/messages", json={"messages": USER, "max_tokens": 5, **body})
-    assert_anthropic_error(r, 422, "invalid_request_error", *needles)
+    assert_anthropic_error(r, 400, "invalid_request_error", *needles)
 
 
 @pytest.mark.parametrize(("body", "param", "needle"), [
@@ -314,4 +314,4 @@ def test_bad_messages_tools_are_422_naming_the_field(bpe_client: TestClient, bod
 def test_bad_responses_tools_are_422_naming_the_field(bpe_client: TestClient, body: dict, param: str,
                                                       needle: str) -> None:
     r = bpe_client.post("/v1/responses", json={"input": USER, **body})
-    assert_openai_error(r, 422, "invalid_request_error", param, needle)
+    assert_openai_error(r, 400, "invalid_request_error", param, needle)

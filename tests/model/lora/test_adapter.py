@@ -157,7 +157,7 @@ def test_peft_settings_folio_does_not_implement_are_refused(tmp_path: Path, chan
 
 
 def test_an_adapter_config_nested_too_deeply_or_unreadable_is_refused(tmp_path: Path) -> None:
-    """What json or the file system raise besides a decoding error is an AdapterError too (a 422 over HTTP)."""
+    """What json or the file system raise besides a decoding error is an AdapterError too (a 400 over HTTP)."""
     (tmp_path / ADAPTER_WEIGHTS_FILE).write_bytes(b"")
     (tmp_path / ADAPTER_CONFIG_FILE).write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(AdapterError, match="nests too deeply"):
