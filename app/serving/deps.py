@@ -37,7 +37,8 @@ async def request_service(request: Request, model: str | None = None) -> Generat
     service = models.shared(name).pinned(engine, checkpoint, slot)
     if served:
         adapter = engine.adapters.get(asked) or await run_in_threadpool(models.adapter_on, asked, engine)
-        service = service.through(asked, adapter)
+        files = models.adapter_files(asked)
+        service = service.through(asked, adapter, files[2] if files is not None else "")
     return service
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -72,6 +73,7 @@ class GenerationService:
         self.lifecycle = lifecycle
         self.slot: Reservation | None = None  # a request's copy: the engine slot its first submission takes
         self.adapter: LoraAdapter | None = None  # a request's copy: the LoRA adapter it runs through (`through`)
+        self.adapter_digest: str | None = None  # and a digest of that adapter's files as they were read
 
     def pinned(self, engine: Engine, checkpoint: Checkpoint, slot: Reservation | None = None) -> GenerationService:
         """A copy for one request that serves it with `engine` and `checkpoint` (those the registry gave it), and
@@ -80,11 +82,11 @@ class GenerationService:
         view._engine, view._checkpoint, view.slot = engine, checkpoint, slot
         return view
 
-    def through(self, name: str, adapter: LoraAdapter) -> GenerationService:
-        """This request's copy running through LoRA adapter `adapter` (loaded in its engine), its answers naming
-        model `name`."""
+    def through(self, name: str, adapter: LoraAdapter | None, digest: str) -> GenerationService:
+        """This request's copy running through LoRA adapter `adapter` (loaded in its engine; None for a copy that
+        only describes it), `digest` of its files, its answers naming model `name`."""
         view = copy.copy(self)
-        view.model_id, view.adapter = name, adapter
+        view.model_id, view.adapter, view.adapter_digest = name, adapter, digest
         return view
 
     def take_slot(self) -> Reservation | None:
@@ -127,8 +129,13 @@ class GenerationService:
 
     @property
     def fingerprint(self) -> str:
-        """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`)."""
-        return (self.checkpoint.meta.get("weights_sha256") or "")[:16]
+        """The served weights' sha256, shortened: answers name it (`system_fingerprint`, `X-Folio-Checkpoint`).
+        Through a LoRA adapter, a digest of those and the adapter's: another adapter, or the adapter written again
+        by its training run, answers with another."""
+        base = (self.checkpoint.meta.get("weights_sha256") or "")[:16]
+        if self.adapter_digest is None:
+            return base
+        return hashlib.sha256(f"{base}:{self.adapter_digest}".encode()).hexdigest()[:16]
 
     @property
     def quantization(self) -> str:

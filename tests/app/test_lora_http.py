@@ -93,6 +93,16 @@ def test_adapters_are_models_whose_answers_equal_the_merged_model(dirs, merged) 
                                          "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200 and r.json()["model"] == "two"
 
+        # each adapter's answers carry a fingerprint of their own, which /info (its base's, with the adapter) names
+        prints = {m: completion(c, m)["system_fingerprint"] for m in ("base", "one", "two")}
+        assert len(set(prints.values())) == 3 and prints["base"] == c.get("/info").json()["model_sha"][:16]
+        r = c.post("/generate", headers={"X-Folio-Model": "one"}, json={"inputs": "Hi", "parameters": {}})
+        assert r.headers["X-Folio-Checkpoint"] == prints["one"]
+        info = c.get("/info", headers={"X-Folio-Model": "one"}).json()
+        assert info["model_id"] == "one" and info["model_sha"] == c.get("/info").json()["model_sha"]
+        assert info["adapter"] == {"base_model": "base", "directory": "one", "fingerprint": prints["one"]}
+        assert c.get("/info").json()["adapter"] is None
+
 
 def test_load_and_unload_over_http(dirs, merged) -> None:
     with client(checkpoint=dirs["base"], enable_lora=True, max_loras=1, api_key="secret") as c:

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from app.http.admission import MODEL_HEADER
 from app.http.responses import StrictJSONResponse
 from app.serving.deps import described_service
 from app.serving.models import without_paths
@@ -108,17 +109,24 @@ async def info(request: Request) -> dict[str, Any]:
     """The model, the engine's limits and the training provenance. No absolute paths: the checkpoint is named by
     its directory, and a path in the provenance (the training data, the output directory) by its last part.
     With several models (the `X-Folio-Model` header picks one), a model not loaded is not loaded for this: its
-    name, state and the list of models only."""
-    name, service = await described_service(request)
+    name, state and the list of models only. A LoRA adapter's name describes its base model, with `adapter`: the
+    base, the adapter's directory, and the fingerprint its answers carry."""
+    asked = request.headers.get(MODEL_HEADER)
+    adapter = request.app.state.models.adapter_files(asked) if asked else None
+    name, service = await described_service(request, adapter[0] if adapter else None)  # an adapter: its base's
     if service is None:
         models = request.app.state.models.describe()
         return {"model_id": name, "state": next(m["state"] for m in models if m["name"] == name), "models": models,
                 "version": VERSION, "router": "folio"}
+    if adapter is not None:
+        service = service.through(asked, None, adapter[2])  # its name and fingerprint (describing runs nothing)
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     runner, limits = engine.runner, engine.config
     tok = ck.tokenizer
     return without_paths({
         "model_id": service.model_id,
+        "adapter": None if adapter is None else {"base_model": adapter[0], "directory": adapter[1].name,
+                                                 "fingerprint": service.fingerprint},
         "model_sha": ck.meta.get("weights_sha256"),
         "checkpoint": ck.path.name if ck.path else None,
         "checkpoint_sha256": ck.meta.get("weights_sha256"),
