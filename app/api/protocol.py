@@ -157,3 +157,10 @@ class ErrorBody(BaseModel):
 def error_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """A route's `responses=` for its OpenAPI docs: each of `statuses` answered with an `ErrorBody`."""
     return {status: {"model": ErrorBody} for status in statuses}
+
+
+def string_at(value: object, where: str) -> str:
+    """`value` if it is a string, else a ValidationError naming `where` (a field inside an untyped part of a body)."""
+    if not isinstance(value, str):
+        raise ValidationError(where, f"must be a string, got {preview(value)}")
+    return value

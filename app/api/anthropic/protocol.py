@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from app.api import structured, tools
 from app.api.openai.chat.protocol import MAX_MESSAGES, MAX_TOOLS
-from app.api.protocol import STOP_DOC, Api, ServerDefaults, StrictModel
+from app.api.protocol import STOP_DOC, Api, ServerDefaults, StrictModel, string_at
 from app.api.structured import Requested
 from app.api.tools import Function, ToolPlan, read_flat_tools
 from model.sampling_params import SamplingParams, ValidationError, preview
@@ -80,14 +80,8 @@ def _text(content: object, where: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text":
             raise ValidationError(f"{where}[{j}].type", f"must be 'text', got {preview(kind)}")
-        texts.append(_string(block.get("text"), f"{where}[{j}].text"))
+        texts.append(string_at(block.get("text"), f"{where}[{j}].text"))
     return "\n".join(texts)
-
-
-def _string(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise ValidationError(where, f"must be a string, got {preview(value)}")
-    return value
 
 
 def _turns(role: str, content: object, where: str) -> list[dict[str, Any]]:
@@ -105,16 +99,16 @@ def _turns(role: str, content: object, where: str) -> list[dict[str, Any]]:
             raise ValidationError(f"{at}.type", f"must be one of {', '.join(allowed)} in a {role} message (only "
                                   f"these are supported), got {preview(kind)}")
         if kind == "text":
-            texts.append(_string(block.get("text"), f"{at}.text"))
+            texts.append(string_at(block.get("text"), f"{at}.text"))
         elif kind == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise ValidationError(f"{at}.input", f"must be an object, got {preview(block.get('input'))}")
-            calls.append({"id": _string(block.get("id"), f"{at}.id"), "type": "function",
-                          "function": {"name": _string(block.get("name"), f"{at}.name"),
+            calls.append({"id": string_at(block.get("id"), f"{at}.id"), "type": "function",
+                          "function": {"name": string_at(block.get("name"), f"{at}.name"),
                                        "arguments": json.dumps(block["input"])}})
         else:  # a tool_result: a string, text blocks, or nothing
             result = block.get("content")
-            results.append({"role": "tool", "tool_call_id": _string(block.get("tool_use_id"), f"{at}.tool_use_id"),
+            results.append({"role": "tool", "tool_call_id": string_at(block.get("tool_use_id"), f"{at}.tool_use_id"),
                             "content": "" if result is None else _text(result, f"{at}.content")})
     turns = results
     if texts or calls or not results:

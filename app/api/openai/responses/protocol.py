@@ -11,7 +11,7 @@ from pydantic import Field
 
 from app.api import structured, tools
 from app.api.openai.chat.protocol import MAX_TOOLS
-from app.api.protocol import Api, ServerDefaults, StrictModel
+from app.api.protocol import Api, ServerDefaults, StrictModel, string_at
 from app.api.structured import Requested
 from app.api.tools import Function, ToolPlan, read_flat_tools
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
@@ -92,16 +92,16 @@ class ResponsesRequest(StrictModel):
             if kind == "message":
                 out.append(_message(item, f"input[{i}]"))
             elif kind == "function_call":
-                call = {"id": _string(item.get("call_id"), f"input[{i}].call_id"), "type": "function",
-                        "function": {"name": _string(item.get("name"), f"input[{i}].name"),
-                                     "arguments": _string(item.get("arguments"), f"input[{i}].arguments")}}
+                call = {"id": string_at(item.get("call_id"), f"input[{i}].call_id"), "type": "function",
+                        "function": {"name": string_at(item.get("name"), f"input[{i}].name"),
+                                     "arguments": string_at(item.get("arguments"), f"input[{i}].arguments")}}
                 if out and out[-1]["role"] == "assistant":  # the calls of one answer: one assistant turn
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             elif kind == "function_call_output":
                 output = item.get("output")
-                out.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"input[{i}].call_id"),
+                out.append({"role": "tool", "tool_call_id": string_at(item.get("call_id"), f"input[{i}].call_id"),
                             "content": output if isinstance(output, str) else _parts(output, f"input[{i}].output")})
             else:
                 raise ValidationError(f"input[{i}].type", f"must be one of {', '.join(ITEMS)} (only these are "
@@ -154,9 +154,3 @@ def _parts(parts: object, where: str) -> list[dict[str, Any]]:
             raise ValidationError(f"{where}[{j}].type", f"must be one of {', '.join(TEXT_PARTS)} (only text is "
                                   f"supported), got {preview(part.get('type') if isinstance(part, dict) else part)}")
     return [{"type": "text", "text": part.get("text")} for part in parts]
-
-
-def _string(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise ValidationError(where, f"must be a string, got {preview(value)}")
-    return value

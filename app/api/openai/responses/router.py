@@ -38,4 +38,4 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     [result] = await service.results(request, [stream])
     fin = result.finished
-    return StrictJSONResponse(writer.response(status_of(fin), result.text, fin, fin.prompt_tokens))
+    return StrictJSONResponse(writer.response(status_of(fin), writer.output(result.text, fin), fin, fin.prompt_tokens))

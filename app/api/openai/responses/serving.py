@@ -41,14 +41,14 @@ class ResponseWriter:
     created: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
 
-    def response(self, status: str, text: str | None = None, fin: Finished | None = None,
+    def response(self, status: str, output: list[dict[str, Any]] | None = None, fin: Finished | None = None,
                  prompt_tokens: int = 0) -> dict[str, Any]:
-        output = [] if text is None or fin is None else self.output(text, fin)
+        """The response object: `output` its items (`output`), `fin` its end and usage (None while it runs)."""
         generated = fin.generated_tokens if fin is not None else 0
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {
             "id": self.rid, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "error": None, "incomplete_details": incomplete,
+            "model": self.model, "output": output or [], "error": None, "incomplete_details": incomplete,
             "instructions": self.body.instructions, "max_output_tokens": self.body.max_output_tokens,
             "temperature": self.body.temperature, "top_p": self.body.top_p, "store": False,
             "text": self.body.text or {"format": {"type": "text"}}, "tools": self.body.tools or [],
@@ -136,8 +136,7 @@ async def stream_events(service: GenerationService, stream: GenerationStream, wr
                     status = status_of(fin)
                     out.append(b"".join(writer.item_done(item) for item in items)
                                + writer.event(f"response.{status}",
-                                              response={**writer.response(status, text, fin, stream.prompt_tokens),
-                                                        "output": items}))
+                                              response=writer.response(status, items, fin, stream.prompt_tokens)))
             if out:
                 yield b"".join(out)
     except EngineError as e:
