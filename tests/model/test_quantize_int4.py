@@ -84,12 +84,13 @@ def test_int4_linear_keeps_its_types_and_state_dict_names() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 31, 64, 65, 200])
-@pytest.mark.parametrize("width", [96, 128, 160, 544, 1056])
+@pytest.mark.parametrize("width", [96, 128, 160, 416, 544, 736, 1056])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int4_products_equal_the_reference(kernel_variant: build.Variant, rows: int, width: int, bias: bool) -> None:
-    """In every kernel variant this CPU runs (8 lanes: a group a vector; 16: two, with an odd group at the end of
-    widths 96, 160, 544 and 1056; the AVX-512 dot products' runs of 8 blocks sharing one conversion of their scales
-    from 512 on), rows in tiles of 3 or 4 and pieces of MAX_ROWS; 42 outputs (tasks of 4 and a remainder of 2):
+    """In every kernel variant this CPU runs: the dot products' blocks of 2 groups (8 lanes) or 4 (16), in runs of 8
+    groups sharing one conversion of their scales, and what is left at a row's end (widths of 3, 4, 5, 13, 17, 23
+    and 33 groups: part of a run, whole blocks and a part of one); rows in tiles of 3 or 4 and pieces of
+    MAX_ROWS; 42 outputs (tasks of 4 and a remainder of 2):
     within the fp32 bound of the float64 reference. Without the kernels, the product with the dequantized
     weight."""
     torch.manual_seed(rows * width)

@@ -7,9 +7,9 @@
 // (q + 8, unsigned) times those bytes summed in int32 lanes (AVX512-VNNI's vpdpbusd, AVX-VNNI's in avx2vnni; else
 // vpmaddubsw then vpmaddwd, exact: at most 2 * 15 * 127 per pair), the +8 taken off by starting each lane at -8 times
 // its bytes' sum, and each group's lanes added into fp32 times the group's two scales. Two ways, by the rows:
-// - dot products (a few rows, AVX-512 builds: fewer than INT4_GEMM_MIN_ROWS): lanes over columns, 8 lanes a group
-//   (AVX2), 16 two (AVX-512; x's bytes laid out to match the nibbles' order, a group's half of a pair empty at an
-//   odd end), tiles of 4 weight rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool;
+// - dot products (a few rows, AVX-512 builds: fewer than INT4_GEMM_MIN_ROWS): lanes over columns, a vector of a
+//   weight row's bytes a block (4 groups; 2 with AVX2) whose low and high nibbles meet x's bytes laid out to match,
+//   tiles of 4 weight rows x 4 (AVX-512) or 3 (AVX2) x rows, the weight rows split over the pool;
 // - a GEMM (batched steps and prompts; in the AVX2 builds every product): registers of outputs x 4 columns, as
 //   vnni_gemm.cpp's int8 GEMM, from a copy of the weight's bytes regrouped once so that a load and a mask or shift
 //   give a register of them, the sums scaled per group into fp32 accumulators; docs/quantization.md.
@@ -33,10 +33,16 @@ using IVec = __m512i;
 #else
 using IVec = __m256i;
 #endif
-// the weights one integer vector takes: 4 a lane, one group (8 lanes) or two (16)
-static constexpr int64_t BLOCK = 4 * LANES;
-static constexpr int64_t PAIR = BLOCK / INT4_GROUP;  // groups a block: 1 or 2
-static_assert(INT4_GROUP == 32 && (PAIR == 1 || PAIR == 2), "int4.cpp: groups of 32, blocks of one or two");
+// A block of the dot products: one integer vector of a weight row's bytes, 4 * LANES bytes, which are GROUPS groups
+// (4 with AVX-512, 2 with AVX2): its low nibbles are one vector of weights (each group's 0-15, 16 bytes a group), its
+// high nibbles another (each group's 16-31), so that a load, a shift and two masks give both, each 4 lanes a group
+static constexpr int64_t GROUPS = LANES / 4;
+static constexpr int64_t BLOCK = GROUPS * INT4_GROUP;  // weights a block
+static constexpr int64_t BLOCK_BYTES = BLOCK / 2;  // a weight row's bytes of a block: one vector
+static constexpr int64_t RUN_GROUPS = 8;  // groups whose fp16 scales one 128-bit load holds, converted at once
+static constexpr int64_t RUN = RUN_GROUPS / GROUPS;  // their blocks: 2 with AVX-512, 4 with AVX2
+static constexpr int64_t AHEAD_BYTES = 8192;  // how far ahead of the rows it multiplies a batch-1 product fetches
+static_assert(INT4_GROUP == 32 && BLOCK_BYTES == 4 * LANES, "int4.cpp: groups of 32, a vector of bytes a block");
 
 void check_int4(const Weight& w) {
   TORCH_CHECK(w.I % INT4_GROUP == 0, "linear: an int4 weight's rows hold whole groups of 32 (I = ", w.I, ")");
@@ -54,77 +60,6 @@ static float round_group(const float* xg, int8_t* q) {
   float scale;
   QuantizedRows<int8_t>::quantize_row(xg, INT4_GROUP, 127.f, 0, q, scale);
   return scale;
-}
-
-// x (M, I) rounded to int8 per group for the integer products: per row and block, BLOCK bytes of x in the order the
-// nibbles unpack to (unpack below), LANES int32 of -8 times the sum of each lane's 4 bytes (the accumulators' start),
-// and LANES fp32 of each lane's group's scale (0 in the empty half of an odd end's block; NaN for a group holding
-// a NaN or an infinity, so its row comes out NaN)
-struct Int4Rows {
-  Int4Rows(const float* x, int64_t M, int64_t I)
-      : blocks((I + BLOCK - 1) / BLOCK), stride(3 * BLOCK * blocks), groups(I / INT4_GROUP), data(M * stride, 0),
-        scales(M * groups) {
-    pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; m++) row(x + m * I, I, data.data() + m * stride, scales.data() + m * groups);
-    });
-  }
-  // where weight j (< 32) of a block's group h (< PAIR) sits among the block's bytes: 16-byte pieces, the low
-  // nibbles' (weights 0-15) of each group, then the high ones' (16-31)
-  static int64_t position(int64_t h, int64_t j) { return (j / 16 * PAIR + h) * 16 + j % 16; }
-  void row(const float* x, int64_t I, uint8_t* out, float* group_scales) const {
-    for (int64_t g = 0; g < I / INT4_GROUP; g++) {
-      uint8_t* blk = out + (g / PAIR) * 3 * BLOCK;
-      const int64_t h = g % PAIR;
-      int8_t q[INT4_GROUP];
-      const float scale = group_scales[g] = round_group(x + g * INT4_GROUP, q);
-      for (int64_t j = 0; j < INT4_GROUP; j++) blk[position(h, j)] = uint8_t(q[j]);
-      float* scales = reinterpret_cast<float*>(blk + 2 * BLOCK);
-      for (int64_t piece = 0; piece < 2; piece++)  // lanes of (piece, h): 4 a piece of 16 bytes
-        for (int64_t k = 0; k < 4; k++) scales[(piece * PAIR + h) * 4 + k] = scale;
-    }
-    for (int64_t b = 0; b < blocks; b++) {  // each lane's start: -8 times its 4 bytes' sum
-      const int8_t* q = reinterpret_cast<const int8_t*>(out + b * 3 * BLOCK);
-      int32_t* start = reinterpret_cast<int32_t*>(out + b * 3 * BLOCK + BLOCK);
-      for (int64_t lane = 0; lane < LANES; lane++)
-        start[lane] = -8 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
-    }
-  }
-  const uint8_t* block(int64_t m, int64_t b) const { return data.data() + m * stride + b * 3 * BLOCK; }
-  // row m's scales of groups g.. (one each; `block` has them by lane)
-  const float* group_scales(int64_t m, int64_t g) const { return scales.data() + m * groups + g; }
-  int64_t blocks, stride, groups;
-  std::vector<uint8_t> data;
-  std::vector<float> scales;
-};
-
-// a block's nibbles (q + 8) as bytes, in Int4Rows' order; `half`: the block's second group is past the row's end
-// (its bytes read as zeros)
-static inline IVec unpack(const uint8_t* p, bool half) {
-#ifdef FOLIO_VEC512
-  // the 32 bytes in both halves, the upper half's 16-bit lanes shifted by 4 (a byte's high nibble to its low one), a
-  // mask of the low nibbles: three instructions
-  const __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xFFFF, p) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m512i both = _mm512_broadcast_i64x4(bytes);
-  return _mm512_and_si512(_mm512_mask_srli_epi16(both, __mmask32(0xFFFF0000u), both, 4), _mm512_set1_epi8(0x0F));
-#else
-  (void)half;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
-#endif
-}
-
-// a block's weight scales (fp16, from s) in its lanes' order: with two groups a, b, (a a a a b b b b) twice
-static inline Vec block_scales(const uint16_t* s, bool half) {
-#ifdef FOLIO_VEC512
-  if (half) return _mm512_set1_ps(_cvtsh_ss(s[0]));
-  int32_t two;
-  std::memcpy(&two, s, sizeof two);
-  const __m512 alternating = _mm512_cvtph_ps(_mm256_set1_epi32(two));  // a b a b ...
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1), alternating);
-#else
-  (void)half;
-  return _mm256_set1_ps(_cvtsh_ss(s[0]));
-#endif
 }
 
 // Without vpdpbusd (the avx2 and avx512 builds), a GEMM tile keeps each group's products as vpmaddubsw's pairs in
@@ -220,64 +155,172 @@ static inline Vec to_floats(IVec v) {
 #endif
 }
 
-// acc[r][m] += block b of weight row r against block b of x row m, for R weight rows and MB x rows
-template <int R, int MB>
-static inline void block_products(const uint8_t* w, const uint16_t* s, int64_t row_bytes, int64_t groups,
-                                  const Int4Rows& x, int64_t m0, int64_t b, bool half, Vec (&acc)[R][MB]) {
+// x (M, I) rounded to int8 per group for the integer products: per row and block, the x bytes that meet the block's
+// low nibbles (each group's values 0-15, 16 bytes a group) and then those that meet its high ones (16-31), 4 * LANES
+// bytes each; LANES int32 of -8 times the sum of the 8 bytes each lane meets (the accumulators' start); and LANES
+// fp32 of each lane's group's scale (0 past the row's last group; NaN for a group holding a NaN or an infinity, so
+// its row comes out NaN). And each group's scale, in order (`group_scales`).
+struct Int4Rows {
+  static constexpr int64_t BLOCK_STRIDE = 4 * BLOCK_BYTES;  // bytes a block: low, high, starts, scales
+  Int4Rows(const float* x, int64_t M, int64_t I)
+      : blocks((I / INT4_GROUP + GROUPS - 1) / GROUPS), stride(BLOCK_STRIDE * blocks), groups(I / INT4_GROUP),
+        data(M * stride, 0), scales(M * groups) {
+    pool().run(M, std::max<int64_t>(1, 8192 / I), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; m++) row(x + m * I, I, data.data() + m * stride, scales.data() + m * groups);
+    });
+  }
+  void row(const float* x, int64_t I, uint8_t* out, float* group_scales) const {
+    for (int64_t g = 0; g < I / INT4_GROUP; g++) {
+      uint8_t* blk = out + (g / GROUPS) * BLOCK_STRIDE;
+      const int64_t h = g % GROUPS;
+      int8_t q[INT4_GROUP];
+      const float scale = group_scales[g] = round_group(x + g * INT4_GROUP, q);
+      for (int64_t j = 0; j < INT4_GROUP; j++) blk[(j / 16) * BLOCK_BYTES + h * 16 + j % 16] = uint8_t(q[j]);
+      float* lane_scales = reinterpret_cast<float*>(blk + 3 * BLOCK_BYTES);
+      for (int64_t k = 0; k < 4; k++) lane_scales[h * 4 + k] = scale;
+    }
+    for (int64_t b = 0; b < blocks; b++) {  // each lane's start: -8 times the sum of its 4 low and 4 high bytes
+      const int8_t* q = reinterpret_cast<const int8_t*>(out + b * BLOCK_STRIDE);
+      int32_t* start = reinterpret_cast<int32_t*>(out + b * BLOCK_STRIDE + 2 * BLOCK_BYTES);
+      for (int64_t lane = 0; lane < LANES; lane++) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < 4; k++) sum += q[4 * lane + k] + q[BLOCK_BYTES + 4 * lane + k];
+        start[lane] = -8 * sum;
+      }
+    }
+  }
+  const uint8_t* block(int64_t m, int64_t b) const { return data.data() + m * stride + b * BLOCK_STRIDE; }
+  // row m's scales of groups g.. (one each; `block` has them by lane)
+  const float* group_scales(int64_t m, int64_t g) const { return scales.data() + m * groups + g; }
+  int64_t blocks, stride, groups;
+  std::vector<uint8_t> data;
+  std::vector<float> scales;
+};
+
+// a weight row's bytes of a block (`groups` of its GROUPS there: fewer at the row's end, the rest read as zero),
+// as its low nibbles and its high nibbles (q + 8, unsigned), each a vector of bytes in Int4Rows' order
+static inline void unpack(const uint8_t* p, int64_t groups, IVec& low, IVec& high) {
+#ifdef FOLIO_VEC512
+  const IVec bytes = groups == GROUPS ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << (16 * groups)) - 1, p);
+  const IVec nibble = _mm512_set1_epi8(0x0F);
+  low = _mm512_and_si512(bytes, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+#else
+  const IVec bytes = groups == GROUPS ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                      : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const IVec nibble = _mm256_set1_epi8(0x0F);
+  low = _mm256_and_si256(bytes, nibble);
+  high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+#endif
+}
+
+// lane l of a block: the (l / 4)-th of its groups; `pick(k)` the index of that group's scale among a run's
+static inline IVec pick(int64_t k) {
+#ifdef FOLIO_VEC512
+  return _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                          _mm512_set1_epi32(int32_t(GROUPS * k)));
+#else
+  return _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(int32_t(GROUPS * k)));
+#endif
+}
+
+static inline Vec permute(IVec index, Vec v) {
+#ifdef FOLIO_VEC512
+  return _mm512_permutexvar_ps(index, v);
+#else
+  return _mm256_permutevar8x32_ps(v, index);
+#endif
+}
+
+// RUN_GROUPS fp32 from p in a vector's first lanes (`n` of them, the rest 0: what follows p may be another row's)
+static inline Vec run_floats(const float* p, int64_t n = RUN_GROUPS) {
+  float f[RUN_GROUPS] = {};
+  if (n < RUN_GROUPS) {
+    std::memcpy(f, p, n * sizeof(float));
+    p = f;
+  }
+#ifdef FOLIO_VEC512
+  return _mm512_castps256_ps512(_mm256_loadu_ps(p));
+#else
+  return _mm256_loadu_ps(p);
+#endif
+}
+
+// RUN_GROUPS fp16 scales from s as fp32 in a vector's first lanes (`n` of them, the rest 0)
+static inline Vec run_scales(const uint16_t* s, int64_t n = RUN_GROUPS) {
+  uint16_t h[RUN_GROUPS] = {};
+  if (n < RUN_GROUPS) {
+    std::memcpy(h, s, n * sizeof(uint16_t));
+    s = h;
+  }
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#ifdef FOLIO_VEC512
+  return _mm512_castps256_ps512(f);
+#else
+  return f;
+#endif
+}
+
+// acc[r][m] += weight rows r < R (from w, row_bytes apart) against x rows m0 + m < MB, over the run of blocks from
+// b: RUN whole blocks (WHOLE), else the row's last ones, `groups` groups from b's first (its last block may hold
+// fewer than GROUPS):
+// each row's RUN_GROUPS group scales of the run converted once (times x's at one x row), a block's lanes picked from
+// them by one permute; a block's two vectors of products summed into one int32 accumulator, converted and scaled
+// once. `ahead`: the bytes of the next weight rows, fetched into the cache meanwhile (batch 1: the weights stream).
+template <int R, int MB, bool WHOLE>
+static inline void run_products(const uint8_t* w, const uint16_t* s, int64_t row_bytes, int64_t scale_stride,
+                                const Int4Rows& x, int64_t m0, int64_t b, int64_t groups, const uint8_t* ahead,
+                                Vec (&acc)[R][MB]) {
+  // WHOLE: a run of RUN whole blocks (the loops unrolled, no masks)
+  const int64_t in_run = WHOLE ? RUN_GROUPS : std::min<int64_t>(groups, RUN_GROUPS);
+  Vec scales[R];
   for (int r = 0; r < R; r++) {
-    const IVec wv = unpack(w + r * row_bytes + b * BLOCK / 2, half);
-    const Vec sv = block_scales(s + r * groups + b * PAIR, half);
-    for (int m = 0; m < MB; m++) {
-      const uint8_t* xb = x.block(m0 + m, b);
-      const IVec sums = dot(wv, iload(xb), iload(xb + BLOCK));
-      acc[r][m] = vfma(to_floats(sums), vmul(sv, vload(reinterpret_cast<const float*>(xb + 2 * BLOCK))), acc[r][m]);
+    scales[r] = WHOLE ? run_scales(s + r * scale_stride + b * GROUPS)
+                      : run_scales(s + r * scale_stride + b * GROUPS, in_run);
+    if constexpr (MB == 1)  // x's, once for all
+      scales[r] = vmul(scales[r], WHOLE ? run_floats(x.group_scales(m0, b * GROUPS))
+                                        : run_floats(x.group_scales(m0, b * GROUPS), in_run));
+  }
+  const int64_t blocks = WHOLE ? RUN : (in_run + GROUPS - 1) / GROUPS;
+  for (int64_t k = 0; k < blocks; k++) {
+    const IVec index = pick(k);
+    const int64_t in_block = WHOLE ? GROUPS : std::min<int64_t>(in_run - k * GROUPS, GROUPS);
+    for (int r = 0; r < R; r++) {
+      const uint8_t* p = w + r * row_bytes + (b + k) * BLOCK_BYTES;
+      if (ahead != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead + r * row_bytes + (b + k) * BLOCK_BYTES),
+                                         _MM_HINT_T0);
+      IVec low, high;
+      unpack(p, in_block, low, high);
+      const Vec sv = permute(index, scales[r]);
+      for (int m = 0; m < MB; m++) {
+        const uint8_t* xb = x.block(m0 + m, b + k);
+        const IVec sums = dot(high, iload(xb + BLOCK_BYTES), dot(low, iload(xb), iload(xb + 2 * BLOCK_BYTES)));
+        if constexpr (MB == 1) acc[r][m] = vfma(to_floats(sums), sv, acc[r][m]);
+        else acc[r][m] = vfma(to_floats(sums), vmul(sv, vload(reinterpret_cast<const float*>(xb + 3 * BLOCK_BYTES))),
+                              acc[r][m]);
+      }
     }
   }
 }
 
-#ifdef FOLIO_VEC512
-static constexpr int64_t SCALE_RUN = 8;  // blocks whose 16 fp16 group scales one 256-bit load holds
-#endif
-
-// y[m, o + r] for R weight rows from o and MB x rows from m0 (y's row stride O)
+// y[m, o + r] for R weight rows from o and MB x rows from m0 (y's row stride O); at batch 1 the rows some
+// AHEAD_BYTES further on are fetched into the cache while these are multiplied
 template <int R, int MB>
 static inline void int4_tile(const Weight& w, const Int4Rows& x, int64_t m0, int64_t o, float* y) {
-  const int64_t row_bytes = w.I / 2, groups = w.I / INT4_GROUP, whole = groups / PAIR;
+  const int64_t row_bytes = w.I / 2, groups = w.I / INT4_GROUP;
   const uint8_t* wp = w.w.data_ptr<uint8_t>() + o * row_bytes;
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(w.scale->data_ptr<at::Half>()) + o * groups;
+  // rows this far ahead (a multiple of R, some AHEAD_BYTES of them) are fetched into the cache meanwhile
+  const int64_t rows_ahead = (AHEAD_BYTES / row_bytes + R) / R * R;
+  const uint8_t* ahead = MB == 1 && o + rows_ahead + R <= w.O ? wp + rows_ahead * row_bytes : nullptr;
   Vec acc[R][MB];
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) acc[r][m] = vzero();
   int64_t b = 0;
-#ifdef FOLIO_VEC512
-  // SCALE_RUN blocks at a time: each weight row's 16 group scales of them converted once, a block's lanes picked
-  // from them by one permute (block_scales' load, broadcast, conversion and permute per block and row took as many
-  // instructions as the products: a batch-1 step ran at half the memory bandwidth int8's does)
-  for (; b + SCALE_RUN <= whole; b += SCALE_RUN) {
-    Vec scales[R];
-    for (int r = 0; r < R; r++) {
-      scales[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + r * groups + b * PAIR)));
-      if constexpr (MB == 1) scales[r] = vmul(scales[r], vload(x.group_scales(m0, b * PAIR)));  // x's, once for all
-    }
-    for (int k = 0; k < SCALE_RUN; k++) {
-      // lane l of block k: the scale of its group 2k + (l / 4) % 2 (lanes a a a a b b b b, twice: block_scales')
-      const __m512i pick = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1),
-                                            _mm512_set1_epi32(2 * k));
-      for (int r = 0; r < R; r++) {
-        const IVec wv = unpack(wp + r * row_bytes + (b + k) * BLOCK / 2, false);
-        const Vec sv = _mm512_permutexvar_ps(pick, scales[r]);
-        for (int m = 0; m < MB; m++) {
-          const uint8_t* xb = x.block(m0 + m, b + k);
-          const Vec sums = to_floats(dot(wv, iload(xb), iload(xb + BLOCK)));
-          if constexpr (MB == 1) acc[r][m] = vfma(sums, sv, acc[r][m]);
-          else acc[r][m] = vfma(sums, vmul(sv, vload(reinterpret_cast<const float*>(xb + 2 * BLOCK))), acc[r][m]);
-        }
-      }
-    }
-  }
-#endif
-  for (; b < whole; b++) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, b, false, acc);
-  if (whole < x.blocks) block_products<R, MB>(wp, sp, row_bytes, groups, x, m0, whole, true, acc);
+  for (; (b + RUN) * GROUPS <= groups; b += RUN)
+    run_products<R, MB, true>(wp, sp, row_bytes, groups, x, m0, b, 0, ahead, acc);
+  if (b * GROUPS < groups)
+    run_products<R, MB, false>(wp, sp, row_bytes, groups, x, m0, b, groups - b * GROUPS, ahead, acc);
   const float* bias = w.bias ? w.bias->data_ptr<float>() + o : nullptr;
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) y[(m0 + m) * w.O + o + r] = vsum(acc[r][m]) + (bias ? bias[r] : 0.f);
