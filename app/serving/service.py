@@ -8,7 +8,7 @@ import asyncio
 import copy
 import hashlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -148,14 +148,21 @@ class GenerationService:
                               self.settings.sequences_per_request)
 
     # -- submitting -----------------------------------------------------------------------------------
-    async def encode(self, text: str, api: Api) -> list[int]:
+    async def encode(self, text: str, api: Api, parts: Sequence[tuple[str, str]] = ()) -> list[int]:
         """Tokenise: a long prompt off the event loop (a megabyte takes a while), a short one on it (well under a
-        millisecond, less than the hand-off to a worker thread and back costs). Errors name `api`'s prompt field."""
+        millisecond, less than the hand-off to a worker thread and back costs). Errors name `api`'s prompt field,
+        or the first of `parts` (a field of the request and its text within the prompt: a system prompt) that the
+        vocabulary cannot take either, with what that field holds."""
         try:
             if len(text) <= INLINE_ENCODE_CHARS:
                 return self.tokenizer.encode(text)
             return await run_in_threadpool(self.tokenizer.encode, text)
         except ValueError as e:
+            for field, part in parts:  # the prompt failed: its parts are tried only now
+                try:
+                    await run_in_threadpool(self.tokenizer.encode, part)
+                except ValueError as in_part:
+                    raise ValidationError(field, str(in_part)) from None
             raise ValidationError(api.field("prompt"), str(e)) from None
 
     async def compile(self, requested: Requested) -> Constraint:
@@ -185,21 +192,21 @@ class GenerationService:
                 messages, add_generation_prompt=add_generation_prompt, tools=tools, **tokens))
 
     async def start(self, text: str | list[int], params: SamplingParams, truncate: int | None,
-                    api: Api) -> GenerationStream:
+                    api: Api, parts: Sequence[tuple[str, str]] = ()) -> GenerationStream:
         """Tokenise (or take token ids as they are), then submit into the request's slot (`take_slot`): the engine
         checks the prompt against the model (its context, its vocabulary) and the parameters as it takes it.
-        Errors name `api`'s fields."""
-        return (await self.start_many(text, [params], truncate, api))[0]
+        Errors name `api`'s fields (or one of `parts`: `encode`)."""
+        return (await self.start_many(text, [params], truncate, api, parts))[0]
 
     async def start_many(self, text: str | list[int], params: list[SamplingParams], truncate: int | None,
-                         api: Api) -> list[GenerationStream]:
+                         api: Api, parts: Sequence[tuple[str, str]] = ()) -> list[GenerationStream]:
         """`start` for several samples of one prompt (`n`): tokenised once; submitted together, so that they
         share the prompt's prefill (the prefix cache). If one cannot be submitted (429, or 422 from the engine's
         checks of the prompt and the parameters), none runs."""
         engine = self.engine  # one engine for the whole request, whatever a reload swaps in meanwhile
         if self.adapter is not None:
             params = [replace(p, adapter=self.adapter) for p in params]
-        prompt = await self.encode(text, api) if isinstance(text, str) else text
+        prompt = await self.encode(text, api, parts) if isinstance(text, str) else text
         reservation = self.take_slot()
         try:
             with api.naming_fields():  # the engine validates (and truncates) as it takes the request: once

@@ -31,8 +31,10 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     service = await request_service(request, body.model)
     call, requested = await tools.output_plan(service, body)
     params = await service.constrained(body.to_sampling_params(service.defaults), requested)
-    prompt = await service.render_chat(body.conversation(), tools.template_tools(body), True, MESSAGES)
-    stream = await service.start(prompt, params, None, MESSAGES)
+    conversation = body.conversation()
+    prompt = await service.render_chat(conversation, tools.template_tools(body), True, MESSAGES)
+    system = [("system", conversation[0]["content"])] if body.system is not None else []
+    stream = await service.start(prompt, params, None, MESSAGES, system)
     mid = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return StreamingResponse(stream_events(service, stream, mid, call, request_record(request)),

@@ -97,6 +97,11 @@ def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClien
     ({"messages": MESSAGES, "max_tokens": 100_000}, 400, "invalid_request_error", "max_tokens"),
     ({"messages": MESSAGES, "max_tokens": 5, "output_config": {"format": "json"}}, 400, "invalid_request_error",
      "output_config.format: must be an object"),
+    # a character the model does not know: named where the client wrote it, the system prompt or the messages
+    ({"messages": MESSAGES, "max_tokens": 5, "system": "Bé"}, 400, "invalid_request_error",
+     "system: text has 1 character(s) outside this model's vocabulary: 'é'"),
+    ({"messages": [{"role": "user", "content": "ü"}], "max_tokens": 5, "system": "Be"}, 400,
+     "invalid_request_error", "messages: text has 1 character(s) outside this model's vocabulary: 'ü'"),
 ])
 def test_bad_requests_get_anthropics_error_body(client: TestClient, body: dict, status: int, kind: str,
                                                 needle: str) -> None:

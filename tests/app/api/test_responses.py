@@ -107,6 +107,8 @@ def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClien
     ({"input": "Hi", "conversation": "conv_1"}, "conversation", "keeps nothing"),
     ({"input": "Hi", "prompt": {"id": "pmpt_1"}}, "prompt", "keeps nothing"),
     ({"input": "Hi", "top_logprobs": 3}, "top_logprobs", "chat completions"),
+    ({"input": "Hi", "instructions": "Bé"}, "instructions", "outside this model's vocabulary: 'é'"),
+    ({"input": "Hü", "instructions": "Be"}, "input", "outside this model's vocabulary: 'ü'"),
     ({"input": "Hi", "max_output_tokens": 100_000}, "max_output_tokens", "[1, 256]"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "schema": {"type": "banana"}}}}, "text.format.schema",
      "banana"),

@@ -31,7 +31,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     call, requested = await tools.output_plan(service, body)
     params = await service.constrained(body.to_sampling_params(service.defaults), requested)
     prompt = await service.render_chat(messages, tools.template_tools(body), True, RESPONSES)
-    stream = await service.start(prompt, params, None, RESPONSES)
+    instructions = [("instructions", body.instructions)] if body.instructions is not None else []
+    stream = await service.start(prompt, params, None, RESPONSES, instructions)
     writer = ResponseWriter(f"resp_{uuid.uuid4().hex}", body, service.model_id, call)
     if body.stream:
         return StreamingResponse(stream_events(service, stream, writer, request_record(request)),
