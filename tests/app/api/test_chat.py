@@ -131,12 +131,12 @@ def test_max_completion_tokens_and_max_tokens_are_one_budget(client: TestClient)
     ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}, "web_search_options", "{}"),
 ])
-def test_bad_conversations_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
+def test_bad_conversations_are_400_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/chat/completions", json=body)
     assert_openai_error(r, 400, "invalid_request_error", param, needle)
 
 
-def test_a_template_that_fails_is_a_422_naming_the_template(make_client: Callable[..., TestClient],
+def test_a_template_that_fails_is_a_400_naming_the_template(make_client: Callable[..., TestClient],
                                                              tmp_path: Path) -> None:
     path = tmp_path / "strict.jinja"
     path.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"

@@ -115,6 +115,6 @@ def test_the_sdks_other_fields_are_accepted_and_change_nothing(client: TestClien
     ({"input": "Hi", "text": {"format": "json"}}, "text.format", "must be an object"),
     ({"input": "Hi", "text": {"format": [1]}}, "text.format", "got [1]"),
 ])
-def test_bad_requests_are_422_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
+def test_bad_requests_are_400_naming_the_field(client: TestClient, body: dict, param: str, needle: str) -> None:
     r = client.post("/v1/responses", json=body)
     assert_openai_error(r, 400, "invalid_request_error", param, *([needle] if needle else []))

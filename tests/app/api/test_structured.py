@@ -1,7 +1,8 @@
 """Structured output over HTTP: OpenAI's response_format and vLLM's structured_outputs (chat and completions), TGI's
 parameters.grammar, Anthropic's output_config.format, and tool calls under their functions' schemas. Sampled at
 temperature 1 from random weights (GPT-2's vocabulary), every answer parses and validates with `jsonschema`; every
-bad constraint is a 422 in the route's error shape naming the field it came from, before anything is generated."""
+bad constraint is a 400 (TGI: 422) in the route's error shape naming the field it came from, before anything is
+generated."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ HUGE = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in r
     ({"response_format": {"type": "json_object", "value": [1]}}, "response_format.value", "[1]"),
     ({"response_format": {"type": ["json_object"]}}, "response_format.type", "['json_object']"),
 ])
-def test_bad_constraints_are_422_naming_their_field(bpe_client: TestClient, body: dict, param: str,
+def test_bad_constraints_are_400_naming_their_field(bpe_client: TestClient, body: dict, param: str,
                                                     needle: str) -> None:
     r = bpe_client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
     assert_openai_error(r, 400, "invalid_request_error", param, *([needle] if needle else []))
@@ -196,11 +197,11 @@ def test_a_schema_the_vocabulary_cannot_produce_is_refused_before_generating(
     assert client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
-def test_a_compile_that_hangs_stalls_nobody_and_ends_as_a_422(bpe_client: TestClient,
+def test_a_compile_that_hangs_stalls_nobody_and_ends_as_a_400(bpe_client: TestClient,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A schema whose compile never ends (held here) holds neither the event loop nor the engine thread: a stream
     submitted meanwhile runs to its last token while the compile is still held, and the constrained request gets
-    its 422 when the compile's time bound passes."""
+    its 400 when the compile's time bound passes."""
     release = threading.Event()
     real_build = compiler_module.build
 

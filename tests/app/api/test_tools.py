@@ -292,7 +292,7 @@ ANY = {"type": "any"}
     ({"system": [{"type": "text", "text": 5}]}, ("system[0].text", "5")),
     ({"messages": [{"role": "user", "content": 5}]}, ("messages[0].content", "5")),
 ])
-def test_bad_messages_tools_are_422_naming_the_field(bpe_client: TestClient, body: dict, needles: tuple) -> None:
+def test_bad_messages_tools_are_400_naming_the_field(bpe_client: TestClient, body: dict, needles: tuple) -> None:
     r = bpe_client.post("/v1/messages", json={"messages": USER, "max_tokens": 5, **body})
     assert_anthropic_error(r, 400, "invalid_request_error", *needles)
 
@@ -311,7 +311,7 @@ def test_bad_messages_tools_are_422_naming_the_field(bpe_client: TestClient, bod
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
      "input[0].output[0].type", "input_image"),
 ])
-def test_bad_responses_tools_are_422_naming_the_field(bpe_client: TestClient, body: dict, param: str,
+def test_bad_responses_tools_are_400_naming_the_field(bpe_client: TestClient, body: dict, param: str,
                                                       needle: str) -> None:
     r = bpe_client.post("/v1/responses", json={"input": USER, **body})
     assert_openai_error(r, 400, "invalid_request_error", param, needle)
