@@ -105,10 +105,10 @@ def test_a_request_being_validated_holds_its_slot(make_client: Callable[..., Tes
     tokenising, gate = threading.Event(), threading.Event()
     encode = service.encode
 
-    async def slow_encode(text: str, field: str = "inputs") -> list[int]:
+    async def slow_encode(text: str, *args: Any) -> list[int]:
         tokenising.set()
         await asyncio.get_running_loop().run_in_executor(None, gate.wait, 10)
-        return await encode(text, field)
+        return await encode(text, *args)
 
     service.encode = slow_encode
     try:
