@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from app.api.protocol import MAX_N, STOP_DOC, Api, ServerDefaults, StrictModel
 from app.api.structured import Requested, tgi_grammar
@@ -114,6 +114,14 @@ class PrefillToken(BaseModel):
     id: int
     text: str
     logprob: float | None = None
+
+    @model_serializer(mode="wrap")
+    def _logprob_always(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The first prompt token's logprob (it has no context) is written `null`, as TGI writes it: the routes
+        drop every other null (`exclude_none`)."""
+        out = handler(self)
+        out.setdefault("logprob", self.logprob)
+        return out
 
 
 class TokenAttention(BaseModel):
