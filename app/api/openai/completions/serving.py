@@ -47,27 +47,34 @@ def token_string(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def logprobs_block(tokens: Sequence[Scored], bytes_of: Callable[[int], bytes], offset: int) -> dict[str, Any]:
-    """`{tokens, token_logprobs, top_logprobs, text_offset}`; each token's offset is where its text starts in the
-    choice's text, from `offset` characters (a token inside a character starts where that character does, as the
-    stream's text has it)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, texts = [], []
-    for t in tokens:
-        raw = bytes_of(t.id)
-        offsets.append(offset)
-        texts.append(token_string(raw))
-        offset += len(decoder.decode(raw))
-    return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
+class TextOffsets:
+    """Where each of a choice's tokens starts in its text (`text_offset`), token after token, from `start`
+    characters: a token inside a character starts where that character does, as the stream's text has it."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def next(self, raw: bytes) -> int:
+        """The offset of the token of bytes `raw`, the one after the last."""
+        start = self.offset
+        self.offset += len(self._decoder.decode(raw))
+        return start
+
+
+def logprobs_block(tokens: Sequence[Scored], bytes_of: Callable[[int], bytes], offsets: TextOffsets) -> dict[str, Any]:
+    """`{tokens, token_logprobs, top_logprobs, text_offset}`, the offsets counted on by `offsets`."""
+    raws = [bytes_of(t.id) for t in tokens]
+    return {"tokens": [token_string(raw) for raw in raws], "token_logprobs": [t.logprob for t in tokens],
             "top_logprobs": [None if t.top is None else {token_string(bytes_of(i)): lp for i, lp in t.top}
                              for t in tokens],
-            "text_offset": offsets}
+            "text_offset": [offsets.next(raw) for raw in raws]}
 
 
 def choice_logprobs(result: Result, echoed: bool, bytes_of: Callable[[int], bytes]) -> dict[str, Any]:
     """A whole choice's logprobs: the prompt's tokens (if echoed), then the generated ones."""
     prompt = [Scored.of(t) for t in result.prompt_logprobs or ()] if echoed else []
-    return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], bytes_of, 0)
+    return logprobs_block(prompt + [Scored.of(t) for t in result.tokens], bytes_of, TextOffsets())
 
 
 def best(results: list[Result], n: int) -> list[Result]:
@@ -126,8 +133,7 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
     """Every choice's tokens as they come, interleaved (each chunk names its `index`), then the usage if asked."""
     flat = [s for group in streams for s in group]
     per_prompt = len(streams[0])
-    offsets = [len(echoes[i // per_prompt]) for i in range(len(flat))]  # each choice's next token's text_offset
-    decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in flat]
+    offsets = [TextOffsets(len(echoes[i // per_prompt])) for i in range(len(flat))]  # each choice's, after its echo
     prompt_tokens = sum(group[0].prompt_tokens for group in streams)
     completion_tokens = 0
     echoed = [False] * len(flat)
@@ -141,9 +147,9 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
             out = []
             if not echoed[index]:  # the echo goes first, with the prompt's logprobs (they come with the first event)
                 echoed[index] = True
-                if offsets[index]:
+                if echoes[index // per_prompt]:
                     scored = _prompt_scores(batch[0]) if logprobs else None
-                    lp = logprobs_block(scored, service.token_bytes, 0) if scored is not None else None
+                    lp = logprobs_block(scored, service.token_bytes, TextOffsets()) if scored is not None else None
                     out.append(chunks.chunk(index, echoes[index // per_prompt], None, lp))
             for ev in batch:
                 if isinstance(ev, Finished):  # max_tokens 0: the echo was all, and the end is the only event
@@ -153,8 +159,6 @@ async def stream_choices(service: GenerationService, streams: list[list[Generati
                 if ev.text or finish or logprobs:
                     lp = logprobs_block([Scored.of(ev)], service.token_bytes, offsets[index]) if logprobs else None
                     out.append(chunks.chunk(index, ev.text, finish, lp))
-                if logprobs:  # where the next token starts: as `logprobs_block` counts (held-back text aside)
-                    offsets[index] += len(decoders[index].decode(service.token_bytes(ev.id)))
                 completion_tokens += 1
             if out:
                 yield b"".join(out)
