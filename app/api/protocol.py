@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -164,3 +164,12 @@ def string_at(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise ValidationError(where, f"must be a string, got {preview(value)}")
     return value
+
+
+def refuse_set(request: BaseModel, names: Iterable[str], why: str) -> None:
+    """A ValidationError naming the first of `request`'s fields `names` that is set (not None): `why` it may not be,
+    and its value."""
+    for name in names:
+        value = getattr(request, name)
+        if value is not None:
+            raise ValidationError(name, f"{why}, got {preview(value)}")

@@ -3,8 +3,8 @@ parameters}}), Anthropic Messages' ({name, input_schema}) and Responses' ({type:
 API reads its own shapes into `Function`s and its tool choice into a mode; from there one plan decides the output:
 
 - none (or no tools): text, as without tools;
-- auto: text; the model hears of the tools only through its chat template, so a template that never reads them is a
-  refused (`check_auto`): that model could never call one;
+- auto: text; the model hears of the tools only through its chat template, so where the template never reads them
+  the request is refused (`check_auto`): that model could never call one;
 - required (Anthropic's `any`): one call of any of the functions, generated as the object `{name, arguments}` under
   the schema that allows exactly those (`anyOf` of each function's name and parameters);
 - a named function: one call of it, its arguments generated under its parameters' schema.

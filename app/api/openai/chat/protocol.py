@@ -10,7 +10,7 @@ from pydantic import Field
 
 from app.api import tools
 from app.api.openai.protocol import SamplingRequest
-from app.api.protocol import MAX_LOGPROBS, Api, ServerDefaults
+from app.api.protocol import MAX_LOGPROBS, Api, ServerDefaults, refuse_set
 from app.api.tools import Function, ToolPlan, read_function
 from model.sampling_params import SamplingParams, ValidationError, preview
 
@@ -86,10 +86,8 @@ class ChatCompletionRequest(SamplingRequest):
     def check(self) -> None:
         """What no single field says: logprobs for top_logprobs, two token budgets that agree; and the SDK's
         fields Folio cannot do, refused unless unset."""
-        for name in ("audio", "web_search_options", "functions", "function_call"):
-            if getattr(self, name) is not None:
-                raise ValidationError(name, f"is not supported by Folio (must be unset), got "
-                                      f"{preview(getattr(self, name))}")
+        refuse_set(self, ("audio", "web_search_options", "functions", "function_call"),
+                   "is not supported by Folio (must be unset)")
         if self.store:
             raise ValidationError("store", "must be false or unset: Folio stores no completions, got true")
         if self.modalities not in (None, ["text"]):

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from app.api import structured, tools
 from app.api.openai.chat.protocol import MAX_TOOLS
-from app.api.protocol import Api, ServerDefaults, StrictModel, string_at
+from app.api.protocol import Api, ServerDefaults, StrictModel, refuse_set, string_at
 from app.api.structured import Requested
 from app.api.tools import Function, ToolPlan, read_flat_tools
 from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
@@ -71,10 +71,8 @@ class ResponsesRequest(StrictModel):
         if self.previous_response_id is not None:
             raise ValidationError("previous_response_id", "cannot be followed: Folio keeps no responses; send the "
                                   "conversation in input")
-        for name in ("conversation", "prompt"):
-            if getattr(self, name) is not None:
-                raise ValidationError(name, f"is not supported: Folio keeps nothing (send the conversation in "
-                                      f"input), got {preview(getattr(self, name))}")
+        refuse_set(self, ("conversation", "prompt"),
+                   "is not supported: Folio keeps nothing (send the conversation in input)")
         if self.background:
             raise ValidationError("background", "must be false or unset: Folio answers in the request, got true")
         if self.top_logprobs:

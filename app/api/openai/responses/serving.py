@@ -83,15 +83,18 @@ class ResponseWriter:
         self.sequence += 1
         return out
 
+    @property
+    def text_ids(self) -> dict[str, Any]:
+        """Where the message's text events point: its item, its one part."""
+        return {"item_id": self.mid, "output_index": 0, "content_index": 0}
+
     def message_start(self) -> bytes:
-        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
         return (self.event("response.output_item.added", output_index=0, item={**self.item("", "in_progress"),
                                                                                "content": []})
-                + self.event("response.content_part.added", **ids, part=part("")))
+                + self.event("response.content_part.added", **self.text_ids, part=part("")))
 
     def text_delta(self, delta: str) -> bytes:
-        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
-        return self.event("response.output_text.delta", **ids, delta=delta, logprobs=[])
+        return self.event("response.output_text.delta", **self.text_ids, delta=delta, logprobs=[])
 
     def item_done(self, item: dict[str, Any]) -> bytes:
         """The events that end the output item (a message's, whose start was sent; a call's, all of them)."""
@@ -103,9 +106,8 @@ class ResponseWriter:
                     + self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"])
                     + self.event("response.output_item.done", output_index=0, item=item))
         text = item["content"][0]["text"]
-        ids = {"item_id": self.mid, "output_index": 0, "content_index": 0}
-        return (self.event("response.output_text.done", **ids, text=text, logprobs=[])
-                + self.event("response.content_part.done", **ids, part=part(text))
+        return (self.event("response.output_text.done", **self.text_ids, text=text, logprobs=[])
+                + self.event("response.content_part.done", **self.text_ids, part=part(text))
                 + self.event("response.output_item.done", output_index=0, item=item))
 
 
