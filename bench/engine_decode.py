@@ -366,8 +366,11 @@ def plot(report: dict[str, Any], png: Path) -> None:
         ax.set_ylabel("tokens/s")
         ax.set_yscale("log")
         ax.set_title(f"{name} ({e['params'] / 1e6:.1f}M params)")
-        ax.legend(fontsize=8)
-    save_figure(fig, png)
+    machine = report["machine"]
+    fig.suptitle(f"decode on {machine.get('gpu') or machine.get('cpu')}, {report['new_tokens']} new tokens")
+    # one legend under the panels: inside one, it hid the bars
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    save_figure(fig, png, rect=(0, 0.1, 1, 1))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,12 @@ network), so the run is prepared ahead, on this machine:
 
 There, with `.gpu` carried:
 
-    python -m bench.gpu run --out $OUT --stages tests,profile,sampling,decode,server  # one command (10 minutes)
-    python -m bench.gpu run --out $OUT --stages train                  # the next
+    python -m bench.gpu run --out $OUT --stages train,tests --budget-s 420 --tests-cap-s 100   # about 7 minutes
+    python -m bench.gpu run --out $OUT --stages decode,server --budget-s 330   # the next, at once (5 to 6 minutes)
+
+(a 15-minute loan, as an H200 spent it on 2026-11-28: the machine's start about 36 s, nanoGPT's 5,000 iterations
+172 s and ours 130 s, the GPU tests 72 to 81 s, decode 117 s, server 184 s; `profile` and `sampling` need a third
+command)
 
 runs, in order, each stage timed (and killed when the budget is spent) and its output kept in bench/results/<gpu>/
 (with --out, also archived there as gpu_results.tar.gz after every stage: unpack it into bench/results/ here):
@@ -23,10 +27,12 @@ runs, in order, each stage timed (and killed when the budget is spent) and its o
   the host's, for both models at 1, 8 and 32 requests, and the kernels an eager step launches;
 - `sampling`: `bench.sampling --device cuda` (a step's choice of 1 to 64 rows' tokens, GPT-2's vocabulary, against
   transformers' warpers and `torch.multinomial`);
-- `decode`: `bench.engine_decode --device cuda --engine-compile` (batch 1, the engine with and without `--compile`,
-  against transformers eager and compiled with its static cache; 8 and 32 concurrent against its static batch, and
-  32 sampled; the bundled model and GPT-2 124M);
-- `server`: `bench.server_load --device cuda` (HTTP at 1/8/32/64 streams and its ratio to the engine alone);
+- `decode`: `bench.engine_decode --device cuda --concurrency 32` (batch 1 against transformers eager and compiled
+  with its static cache; 32 concurrent against its static batch, and 32 sampled; async scheduling off at batch 1
+  and 32; the bundled model and GPT-2 124M); `--decode-args` replaces the `--concurrency 32` (`--engine-compile`
+  adds the engine's compiled step, a minute or more);
+- `server`: `bench.server_load --device cuda --requests-per-client 4` (HTTP at 1/8/32/64 streams and its ratio to
+  the engine alone); `--server-args` replaces the `--requests-per-client 4`;
 - `train`: nanoGPT's shakespeare-char run (6 layers, 384 wide, block 256, batch 64, 5,000 iterations, compiled)
   with its own `train.py`, then ours on the same configuration (`--preset shakespeare-char --compile`), one after
   the other: wall time, the last and best validation loss of each, and model FLOPs utilisation from the measured
@@ -40,6 +46,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -254,9 +261,11 @@ def plot_training(report: dict[str, Any], png: Path) -> None:
 
 
 def run(stages: list[str], out: Path | None, train_iters: int, budget: float, train_device: str = "cuda",
-        tests_cap: float = 180) -> int:
+        tests_cap: float = 180, extra: dict[str, list[str]] | None = None) -> int:
     """The stages in order inside `budget` seconds, each given what is left (the tests at most `tests_cap`); after
-    each, the results so far archived into `out`, so that a run cut short still brings back what it measured."""
+    each, the results so far archived into `out`, so that a run cut short still brings back what it measured.
+    `extra`: further arguments by stage name (the decode and server benchmarks' own), to fit a shorter loan."""
+    extra = extra or {}
     env = install_wheels()
     gpu = gpu_name()
     results = RESULTS / slug(gpu)
@@ -281,12 +290,12 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
                                             results / "sampling.log", left())
         elif name == "decode":
             summary["stages"][name] = stage(name, [py, "-m", "bench.engine_decode", "--device", "cuda",
-                                                   "--engine-compile", "--out-dir", str(results)], env,
-                                            results / "engine_decode.log", left())
+                                                   "--out-dir", str(results), *extra.get(name, [])],
+                                            env, results / "engine_decode.log", left())
         elif name == "server":
             summary["stages"][name] = stage(name, [py, "-m", "bench.server_load", "--device", "cuda", "--bpe-dir",
                                                    str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results),
-                                                   "--baseline-requests-per-client", "1"],
+                                                   "--baseline-requests-per-client", "1", *extra.get(name, [])],
                                             env, results / "server_load.log", left())
         elif name == "train":
             summary["stages"][name] = train_stage(env, results, train_iters, left, gpu, train_device)
@@ -312,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--budget-s", type=float, default=560, help="seconds for all stages; a stage gets what is left")
     go.add_argument("--train-device", default="cuda", help="cpu: a dry run of the train stage's plumbing")
     go.add_argument("--tests-cap-s", type=float, default=180, help="seconds at most for the tests stage")
+    go.add_argument("--decode-args", default="--concurrency 32",
+                    help="bench.engine_decode's further arguments (--engine-compile: the compiled step too)")
+    go.add_argument("--server-args", default="--requests-per-client 4", help="bench.server_load's further arguments")
     rep = sub.add_parser("report", help="here: train_vs_nanogpt.json and .png again from a run's saved records")
     rep.add_argument("results", type=Path, help="a GPU's results folder, bench/results/<gpu>/")
     args = p.parse_args(argv)
@@ -328,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(stages) - set(STAGES)
     if unknown:
         p.error(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
-    return run(stages, args.out, args.train_iters, args.budget_s, args.train_device, args.tests_cap_s)
+    extra = {"decode": shlex.split(args.decode_args), "server": shlex.split(args.server_args)}
+    return run(stages, args.out, args.train_iters, args.budget_s, args.train_device, args.tests_cap_s, extra)
 
 
 if __name__ == "__main__":

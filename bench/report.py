@@ -34,9 +34,10 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, png: Path) -> None:
-    """Lay out, write at 110 dpi and close `fig`."""
-    fig.tight_layout()
+def save_figure(fig: Any, png: Path, rect: tuple[float, float, float, float] | None = None) -> None:
+    """Lay out (inside `rect` of the figure, where a figure-wide legend takes the rest), write at 110 dpi and close
+    `fig`."""
+    fig.tight_layout(rect=rect)
     fig.savefig(png, dpi=110)
     pyplot().close(fig)
 
