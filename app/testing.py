@@ -221,14 +221,16 @@ def assert_anthropic_error(response: Any, status: int, error_type: str, *needles
     return body["error"]["message"]
 
 
-def assert_openai_error(response: Any, status: int, error_type: str, param: str | None, *needles: str) -> str:
-    """OpenAI's error body `{"error": {"message", "type", "param", "code"}, "request_id"}`."""
+def assert_openai_error(response: Any, status: int, error_type: str, param: str | None, *needles: str,
+                        code: str | None = None) -> str:
+    """OpenAI's error body `{"error": {"message", "type", "param", "code"}, "request_id"}`, its `code` OpenAI's
+    string or null."""
     assert response.status_code == status, (response.status_code, response.text)
     body = response.json()
     assert set(body) == {"error", "request_id"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert_request_id(response, body)
     err = body["error"]
-    assert (err["type"], err["param"], err["code"]) == (error_type, param, status), err
+    assert (err["type"], err["param"], err["code"]) == (error_type, param, code), err
     for needle in needles:
         assert needle in err["message"], (needle, err["message"])
     return err["message"]

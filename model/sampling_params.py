@@ -28,6 +28,10 @@ class ValidationError(ValueError):
         self.message = message
 
 
+class ContextTooLong(ValidationError):
+    """A prompt longer than the model's context (OpenAI's `context_length_exceeded`, which clients look for)."""
+
+
 def check_stop_strings(stop: object) -> None:
     """Stop strings: a list of at most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_CHARS characters."""
     if not isinstance(stop, tuple | list) or any(not isinstance(s, str) for s in stop):

@@ -1,7 +1,8 @@
 """Domain errors to HTTP: one table, one body shape per API family.
 
 TGI routes answer `{"error": message, "error_type": kind}`; OpenAI routes (`/v1/*`) answer
-`{"error": {"message", "type", "param", "code"}}`; Anthropic's Messages routes (`/v1/messages*`) answer
+`{"error": {"message", "type", "param", "code"}}` (`code` OpenAI's string where it has one for the error, such as
+`context_length_exceeded` or `model_not_found`, else null); Anthropic's Messages routes (`/v1/messages*`) answer
 `{"type": "error", "error": {"type", "message"}}`, the type from the status as Anthropic names it. An invalid
 request is TGI's 422 on TGI's routes and 400 on /v1/, as OpenAI, Anthropic and vLLM answer it. All carry
 the request's ID as `request_id` (app/http/requestlog.py; null for an answer of the HTTP layer,
@@ -24,7 +25,7 @@ from app.http.responses import StrictJSONResponse
 from model.engine import EngineError, EngineStopped, GenerationError, Overloaded
 from model.inspection import InspectError, InspectTooLarge
 from model.registry import ModelFailed, ModelLoading, ModelNotFound
-from model.sampling_params import ValidationError, preview
+from model.sampling_params import ContextTooLong, ValidationError, preview
 from model.tokenizer import TokenizerError
 
 
@@ -59,6 +60,16 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
 }
 
 
+# exception type -> OpenAI's error code, the string clients test (LangChain and LiteLLM spot a prompt over the
+# context by `context_length_exceeded`); null for the others, as OpenAI's own invalid requests mostly are
+OPENAI_CODES: dict[type[Exception], str] = {
+    ContextTooLong: "context_length_exceeded",
+    ModelNotFound: "model_not_found",
+    Unauthorized: "invalid_api_key",
+    Overloaded: "rate_limit_exceeded",
+}
+
+
 def error_kind(exc: Exception) -> tuple[int, str, str] | None:
     """(HTTP status, TGI error_type, OpenAI error type) of a domain error; None for any other exception."""
     return next((v for cls, v in ERROR_TABLE.items() if isinstance(exc, cls)), None)
@@ -78,14 +89,15 @@ def family_status(path: str, status: int) -> int:
     return 400 if status == 422 and path.startswith("/v1/") else status
 
 
-def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None) -> dict[str, Any]:
+def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None,
+               code: str | None = None) -> dict[str, Any]:
     """The error body of the API family `path` belongs to (Anthropic's under /v1/messages, OpenAI's under the
-    rest of /v1/, TGI's elsewhere)."""
+    rest of /v1/, with `code`, TGI's elsewhere)."""
     if path.startswith(ANTHROPIC_PATHS):
         error = {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}
         return {"type": "error", "error": error, "request_id": current_request_id()}
     if path.startswith("/v1/"):
-        error = {"message": message, "type": oa_type, "param": param, "code": status}
+        error = {"message": message, "type": oa_type, "param": param, "code": code}
         return {"error": error, "request_id": current_request_id()}
     return {"error": message, "error_type": kind, "request_id": current_request_id()}
 
@@ -97,7 +109,8 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
         raise exc
     status, kind, oa_type = found
     status = family_status(path, status)
-    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None))
+    code = next((c for cls, c in OPENAI_CODES.items() if isinstance(exc, cls)), None)
+    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None), code)
 
 
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:

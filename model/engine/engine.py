@@ -32,7 +32,7 @@ from model.engine.runner import ModelRunner
 from model.engine.scheduler import Scheduler
 from model.engine.stream import EventQueue, GenerationStream, Mailbox, Reservation
 from model.lora import batched as lora
-from model.sampling_params import MAX_SEED, SamplingParams, ValidationError, preview
+from model.sampling_params import MAX_SEED, ContextTooLong, SamplingParams, ValidationError, preview
 from model.speculative import DraftModelProposer, NgramProposer, Proposer, check_same_tokenizer, measure_token_cost
 
 # seeds drawn for requests that set none stay below 2^53, so that a JavaScript client (the playground) reads
@@ -243,7 +243,7 @@ decoding with `speculative_model` a checkpoint directory); the configuration as 
         if not prompt:
             raise ValidationError("prompt", "the prompt must hold at least one token, got 0")
         if len(prompt) > self.block_size:
-            raise ValidationError(
+            raise ContextTooLong(
                 "prompt",
                 f"the prompt is {len(prompt)} tokens, more than the model's context of {self.block_size}; "
                 f"shorten it or truncate it to at most {self.block_size} tokens",

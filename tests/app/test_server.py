@@ -20,6 +20,7 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 from langchain_openai import ChatOpenAI
+from openai.types import ErrorObject
 from pydantic import BaseModel
 
 from app.testing import REFUSED, metric, parse_sse, probe, serving, spawn
@@ -80,11 +81,16 @@ def test_openai_sdk_matches_generate(server: str) -> None:
     assert chunks[-1].usage.total_tokens == len(PROMPT) + 12
     greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     assert greedy.choices[0].text == post_generate(server, max_new_tokens=12)["generated_text"]
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert missing.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
-    assert e.value.body["param"] == "temperature"
+    assert (e.value.body["param"], e.value.code) == ("temperature", None)
+    with pytest.raises(openai.BadRequestError) as e:  # the code that clients' context-overflow handling reads
+        client.completions.create(model=model, prompt=PROMPT * 40, max_tokens=2)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    assert ErrorObject.model_validate(e.value.body).code == "context_length_exceeded"  # the SDK's own type
 
 
 def test_openai_sdk_chat_equals_a_completion_of_the_rendered_conversation(server: str) -> None:

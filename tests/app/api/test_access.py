@@ -20,7 +20,7 @@ def test_api_key_guards_generation_routes_and_tokenize(make_client: Callable[...
             assert_tgi_error(r, 401, "authentication", "Bearer <key>")
             assert r.headers["www-authenticate"] == "Bearer"
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
-        assert_openai_error(r, 401, "authentication_error", None, "API key")
+        assert_openai_error(r, 401, "authentication_error", None, "API key", code="invalid_api_key")
         r = client.post("/v1/messages", json=anthropic, headers=headers)
         assert_anthropic_error(r, 401, "authentication_error", "x-api-key")
     # Anthropic's clients send the key as x-api-key: accepted on every guarded route, as a bearer token is

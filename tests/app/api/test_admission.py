@@ -75,7 +75,7 @@ def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., Tes
             r = client.post(route, json=body)
             assert r.headers["retry-after"] == "3"
             if route.startswith("/v1"):
-                assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+                assert_openai_error(r, 429, "rate_limit_error", None, "at capacity", code="rate_limit_exceeded")
             else:
                 assert_tgi_error(r, 429, "overloaded", "at capacity (1 running, 0 waiting)")
         assert metric(client.get("/metrics").text, "folio_rejected_requests_total") == 3
@@ -89,7 +89,7 @@ def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callab
     with engine_held_full(client):
         assert_tgi_error(client.post("/generate", json=malformed), 429, "overloaded", "at capacity")
         r = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-        assert_openai_error(r, 429, "rate_limit_error", None, "at capacity")
+        assert_openai_error(r, 429, "rate_limit_error", None, "at capacity", code="rate_limit_exceeded")
         text = client.get("/metrics").text
         assert metric(text, "folio_requests_total", route="/generate", status="429") == 1
         assert metric(text, "folio_requests_total", route="/v1/completions", status="429") == 1

@@ -13,17 +13,17 @@ from app.api.protocol import Api
 from app.api.tgi.protocol import TGI
 from app.testing import assert_openai_error, assert_tgi_error
 from model.inspection import InspectError, InspectTooLarge
-from model.sampling_params import ValidationError
+from model.sampling_params import ContextTooLong, ValidationError
 
 CONTEXT = "the prompt is 300 tokens, more than the model's context of 128"
 
 
 @pytest.mark.parametrize(("api", "error", "field", "message"), [
-    (TGI, ValidationError("prompt", CONTEXT), "inputs", CONTEXT + " (parameters.truncate)"),
+    (TGI, ContextTooLong("prompt", CONTEXT), "inputs", CONTEXT + " (parameters.truncate)"),
     (TGI, ValidationError("prompt", "token ids must be in [0, 64]"), "inputs", "token ids must be in [0, 64]"),
     (TGI, ValidationError("max_new_tokens", "must be an integer in [1, 256]"), "parameters.max_new_tokens",
      "must be an integer in [1, 256]"),
-    (OPENAI, ValidationError("prompt", CONTEXT), "prompt", CONTEXT),
+    (OPENAI, ContextTooLong("prompt", CONTEXT), "prompt", CONTEXT),
     (OPENAI, ValidationError("top_n_tokens", "at most 4"), "logprobs", "at most 4"),
     (OPENAI, ValidationError("seed", "at most 9"), "seed", "at most 9"),
     (INSPECT, InspectError("text", "must be 1 to 128 tokens (the model's context), got 300"), "inputs",
@@ -36,7 +36,8 @@ def test_an_api_renames_the_field_and_keeps_the_error_type(api: Api, error: Exce
     with pytest.raises(type(error)) as caught:
         with api.naming_fields():
             raise error
-    assert type(caught.value) is type(error)  # InspectTooLarge stays a 413, InspectError a 422
+    # InspectTooLarge stays a 413, InspectError a 422, ContextTooLong OpenAI's context_length_exceeded
+    assert type(caught.value) is type(error)
     assert (caught.value.field, caught.value.message) == (field, message)
     assert str(caught.value) == f"{field}: {message}"
 
@@ -67,6 +68,22 @@ def test_another_model_on_a_one_model_server_is_the_tables_404(client: TestClien
     """/v1/completions naming a model this server does not serve: `ModelNotFound`, answered through the error
     table like the model registry's (no Retry-After: trying again will not help)."""
     r = client.post("/v1/completions", json={"prompt": "hi", "model": "m" * 200})
-    message = assert_openai_error(r, 404, "invalid_request_error", "model", "is not served here")
+    message = assert_openai_error(r, 404, "invalid_request_error", "model", "is not served here",
+                                  code="model_not_found")
     assert "(200 characters)" in message and len(message) < 300
     assert "retry-after" not in r.headers
+
+
+@pytest.mark.parametrize(("route", "body", "field"), [
+    ("/v1/completions", {"prompt": "hi " * 100}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 100}]}, "messages"),
+])
+def test_a_prompt_over_the_context_is_openais_context_length_exceeded(client: TestClient, route: str, body: dict,
+                                                                      field: str) -> None:
+    """The code clients look for (LangChain, LiteLLM) on a prompt over the context; another invalid field's code is
+    null, as OpenAI's mostly are."""
+    message = assert_openai_error(client.post(route, json=body), 400, "invalid_request_error", field,
+                                  "more than the model's context", code="context_length_exceeded")
+    assert message.startswith(f"{field}: the prompt is ")
+    assert_openai_error(client.post(route, json={**body, "temperature": 5}), 400, "invalid_request_error",
+                        "temperature", code=None)

@@ -76,7 +76,7 @@ def test_completion_stream_include_usage_ends_with_a_usage_chunk(client: TestCli
 
 def test_completion_for_another_model_is_404(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "gpt-4"})
-    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4'", "'tiny-char'")
+    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4'", "'tiny-char'", code="model_not_found")
 
 
 def test_max_tokens_absent_or_null_is_openais_default_of_16(client: TestClient) -> None:

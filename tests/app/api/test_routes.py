@@ -155,7 +155,7 @@ def test_a_model_is_retrieved_by_id_created_when_its_weights_were_written(client
     assert r.status_code == 200 and r.json() == listed
     assert listed["created"] == int((char_checkpoint / WEIGHTS_FILE).stat().st_mtime)
     r = client.get("/v1/models/gpt-4o")
-    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4o'", "tiny-char")
+    assert_openai_error(r, 404, "invalid_request_error", "model", "'gpt-4o'", "tiny-char", code="model_not_found")
 
 
 def test_tokenize_gives_ids_texts_and_character_offsets(client: TestClient) -> None:
