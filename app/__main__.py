@@ -35,6 +35,7 @@ from app.http.connection import protocol_class
 from app.http.requestlog import configure_logging
 from app.main import create_app
 from app.settings import Settings, check_environment, env_name
+from model import heap
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.cli import ArgumentParser
 from model.devices import resolve_device
@@ -179,10 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format)
+    heap.pauses.watch()  # /metrics shows the garbage collector's pauses, frozen heap or not (model/heap.py)
     try:
         # the default checkpoint is loaded here (a broken one: one line, exit 2); its engine is built in the
         # lifespan, while the port is open (`BackgroundLifespan`), the other models' on first use
-        app = create_app(settings, checkpoint=load_checkpoint(settings.checkpoint))
+        app = create_app(settings, checkpoint=load_checkpoint(settings.checkpoint),
+                         freeze_heap=settings.gc_freeze)
     except (CheckpointError, OSError, RuntimeError, ValueError) as e:  # OSError: a file it may not read
         print(f"error: cannot serve {settings.checkpoint}: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from app.http.requestlog import RequestLogMiddleware
 from app.http.responses import StrictJSONResponse
 from app.serving.models import CurrentEngine, ServedModels
 from app.settings import Settings
+from model import heap
 from model.checkpoint import Checkpoint
 from model.engine import Engine
 from model.quantize import quantize
@@ -70,8 +71,10 @@ def build_engine(settings: Settings, checkpoint: Checkpoint) -> Engine:
 
 
 def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | None = None,
-               engine: Engine | None = None) -> FastAPI:
-    """The service. Pass a loaded `checkpoint` (or a ready `engine`) to skip loading in the lifespan."""
+               engine: Engine | None = None, freeze_heap: bool = False) -> FastAPI:
+    """The service. Pass a loaded `checkpoint` (or a ready `engine`) to skip loading in the lifespan. `freeze_heap`:
+    the process is this server's own (`python -m app`), whose heap is frozen once the default model serves
+    (model/heap.py); not a test's or an embedding program's, which build and drop apps."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -101,6 +104,7 @@ def create_app(settings: Settings | None = None, *, checkpoint: Checkpoint | Non
     app.state.models = models
     app.state.service = models.default  # the default model's service: ready once the lifespan has loaded it
     app.state.startup_error = None  # why the lifespan could not start serving, if it could not
+    app.state.freeze_heap = freeze_heap
     install_error_handlers(app, RANGED)
     _install_routes(app)
     _install_middleware(app, settings)
@@ -140,6 +144,9 @@ async def _serve(app: FastAPI) -> AsyncIterator[None]:
     metrics.bind(current)  # type: ignore[arg-type]
     metrics.vllm.bind(current, service.model_id)  # type: ignore[arg-type]
     _log_serving(models)
+    if app.state.freeze_heap:  # collections skip what start-up made (model/heap.py)
+        frozen = await run_in_threadpool(heap.freeze)
+        log.info("froze the %d objects of start-up: the garbage collector walks only what requests allocate", frozen)
     try:
         yield
     finally:

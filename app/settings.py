@@ -141,6 +141,10 @@ class Settings(BaseSettings):
         "step's chosen tokens before the host has looked at them, so that the host's work on a step (stops, text, "
         "events) overlaps the device's work on the next; the tokens are the same either way. auto: on CUDA, off "
         "on a CPU, where the forward is computed as it is launched (model/engine/ahead.py)")
+    gc_freeze: bool = Field(True, description="freeze the heap for Python's garbage collector once the default model "
+                            "serves (gc.freeze, as vLLM does after its start-up): collections skip start-up's "
+                            "objects, so none walks them all while the event loop and the engine wait, ~0.2 s "
+                            "(model/heap.py); --no-gc-freeze leaves the collector as Python has it")
     compile: bool = Field(False, description="on CUDA, compile the decode step before its CUDA graphs are captured "
                           "(torch.compile: fewer, fused kernels a step), at the cost of a minute or more at start-up; "
                           "nothing without the graphs (--enforce-eager, or the CPU)")

@@ -35,6 +35,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from model import heap
 from model.chat_template import ChatTemplate, resolve_chat_template
 from model.checkpoint import CONFIG_FILE, NEXT_CONFIG_FILE, WEIGHTS_FILE, Checkpoint
 from model.config import si
@@ -250,6 +251,7 @@ class ModelRegistry:
             with slot.lock:
                 slot.checkpoint, slot.engine, slot.failed = checkpoint, engine, None
             self._loaded(slot.info, checkpoint, digest)
+            heap.refreeze()  # a server's heap stays frozen with the new model in it (model/heap.py)
         except Exception as e:  # this model alone fails; the others serve
             log.error("model %s could not be loaded from %s: %s", name, slot.info.path, e)
             slot.info.state, slot.info.error, slot.failed = FAILED, str(e), stamp
@@ -319,11 +321,12 @@ class ModelRegistry:
 
         def retire(held: list[Engine]) -> None:
             held.pop().drain()  # no deadline: what runs on the old weights finishes on them
-            for _ in range(RETIRE_COLLECTIONS):
-                gc.collect()
-                if gone() is None:
-                    return
-                time.sleep(0.5)
+            with heap.thawed():  # a frozen engine is never collected
+                for _ in range(RETIRE_COLLECTIONS):
+                    gc.collect()
+                    if gone() is None:
+                        return
+                    time.sleep(0.5)
             log.warning("a retired engine is still referenced; its memory is freed when the reference goes")
 
         threading.Thread(target=retire, args=([engine],), name="folio-retire", daemon=True).start()

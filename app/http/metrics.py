@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.vllm_metrics import VllmMetrics
+from model import heap
 from model.engine import Engine
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -30,10 +31,30 @@ class Metrics:
             "folio_connections_closed", "connections answered and closed by a limit of the HTTP layer "
             "(app/http/connection.py): header_timeout, body_timeout, head_too_large", ["reason"], registry=r)
         self.vllm = VllmMetrics(r)  # the same figures under vLLM's and TGI's names (app/http/vllm_metrics.py)
+        r.register(GcCollector())
 
     def bind(self, engine: Engine) -> None:
         """Engine figures are read from the engine itself at scrape time."""
         self.registry.register(EngineCollector(engine))
+
+
+class GcCollector(Collector):
+    """The garbage collector's pauses by generation (model/heap.py's, recorded where the server watches them: zero
+    in a process that does not) and the objects frozen out of its reach."""
+
+    def collect(self):  # noqa: ANN201 (prometheus_client's protocol)
+        family = HistogramMetricFamily("folio_gc_pause_seconds", "each garbage collection's duration, by "
+                                       "generation: the event loop and the engine thread stand still meanwhile",
+                                       labels=["generation"])
+        for generation, g in enumerate(heap.pauses.snapshot()):
+            cumulative, buckets = 0, []
+            for le, n in zip([*map(str, heap.PAUSE_BUCKETS), "+Inf"], g.buckets, strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            family.add_metric([str(generation)], buckets, g.seconds)
+        yield family
+        yield GaugeMetricFamily("folio_gc_frozen_objects", "objects frozen out of the collector's reach (--gc-freeze)",
+                                value=heap.frozen_count())
 
 
 class EngineCollector(Collector):

@@ -152,7 +152,8 @@ def test_memory_stays_level_across_reloads_under_load(tmp_path: Path) -> None:
     Figures printed."""
     live = make_char_checkpoint(tmp_path / "live", seed=0, n_layer=4, n_embd=512)
     weights_mb = (live / "model.safetensors").stat().st_size / 2**20
-    with serving(live, tmp_path / "server.log", "--watch", "0.2") as (base, proc), httpx.Client(timeout=60) as http:
+    with serving(live, tmp_path / "server.log", "--watch", "0.2", "--log-level", "info") as (base, proc), \
+            httpx.Client(timeout=60) as http:
         load = StreamingClients(base, http, 3)
         try:
             wait_for(lambda: load.served >= 3, "the first answers")
@@ -174,6 +175,8 @@ def test_memory_stays_level_across_reloads_under_load(tmp_path: Path) -> None:
     assert load.failed.count == 0, list(load.failed)
     assert len(load.checkpoints) >= 2 and last in load.checkpoints
     assert after - before < 4 * weights_mb
+    # the server had frozen its heap (model/heap.py): the retired engines were freed through the registry's thaw
+    assert "froze the" in (tmp_path / "server.log").read_text()
 
 
 def cp(*files: Path) -> None:

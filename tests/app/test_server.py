@@ -315,6 +315,19 @@ def test_slow_clients_hold_no_slot_and_are_cut_at_their_deadlines(server: str) -
     assert httpx.post(f"{server}/generate", json={"inputs": PROMPT}, timeout=30).status_code == 200
 
 
+def test_the_server_freezes_its_heap_and_shows_the_collectors_pauses(server: str, char_checkpoint: Path,
+                                                                    tmp_path: Path) -> None:
+    """--gc-freeze (the default) leaves start-up's objects out of the collector's reach; /metrics shows that and
+    each generation's pauses (model/heap.py); --no-gc-freeze leaves the heap as Python has it."""
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    assert metric(text, "folio_gc_frozen_objects") > 10_000
+    assert metric(text, "folio_gc_pause_seconds_count", generation="0") > 0  # the server watches its pauses
+    with serving(char_checkpoint, tmp_path / "server.log", "--no-gc-freeze") as (base, _):
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        assert metric(text, "folio_gc_frozen_objects") == 0
+        assert metric(text, "folio_gc_pause_seconds_count", generation="0") > 0
+
+
 def test_connections_beyond_the_limit_get_the_apis_json_503(char_checkpoint: Path, tmp_path: Path) -> None:
     """--max-connections open connections that send nothing: every request on another gets 503 in its API's
     error shape with Retry-After (before: uvicorn's plain-text "Service Unavailable", without Retry-After)."""
