@@ -17,8 +17,8 @@ There, with `.gpu` carried:
     python -m bench.gpu run --out $OUT --stages decode,server --budget-s 330   # the next, at once (5 to 6 minutes)
 
 (a 15-minute loan, as an H200 spent it on 2026-11-28: the machine's start about 36 s, nanoGPT's 5,000 iterations
-172 s and ours 130 s, the GPU tests 72 to 81 s, decode 117 s, server 184 s; `profile` and `sampling` need a third
-command)
+172 s and ours 130 s, the GPU tests 72 to 81 s, decode 117 s, server 184 s; `profile`, `sampling` and `gc` need
+a third command)
 
 runs, in order, each stage timed (and killed when the budget is spent) and its output kept in bench/results/<gpu>/
 (with --out, also archived there as gpu_results.tar.gz after every stage: unpack it into bench/results/ here):
@@ -33,6 +33,8 @@ runs, in order, each stage timed (and killed when the budget is spent) and its o
   adds the engine's compiled step, a minute or more);
 - `server`: `bench.server_load --device cuda --requests-per-client 4` (HTTP at 1/8/32/64 streams and its ratio to
   the engine alone); `--server-args` replaces the `--requests-per-client 4`;
+- `gc`: `bench.gc_pauses --rounds 4` (the server on CUDA with its heap frozen for the garbage collector and
+  without: the longest gap between two tokens and the collections' pauses, under 32 streaming clients);
 - `train`: nanoGPT's shakespeare-char run (6 layers, 384 wide, block 256, batch 64, 5,000 iterations, compiled)
   with its own `train.py`, then ours on the same configuration (`--preset shakespeare-char --compile`), one after
   the other: wall time, the last and best validation loss of each, and model FLOPs utilisation from the measured
@@ -61,7 +63,7 @@ from bench import REPO, RESULTS, SHARED_DATA
 from bench.report import pyplot, save_figure, write_json
 
 PREPARED = REPO / ".gpu"
-STAGES = ("tests", "profile", "sampling", "decode", "server", "train")
+STAGES = ("tests", "profile", "sampling", "decode", "server", "gc", "train")
 # the test files with GPU tests (the suite's other files need packages that machine lacks)
 GPU_TESTS = ("tests/engine/test_cuda.py", "tests/app/test_cuda_server.py", "tests/engine/test_lora.py")
 # the server's needs that the GPU machine's image lacks (docs of the device tool list what it holds)
@@ -297,6 +299,9 @@ def run(stages: list[str], out: Path | None, train_iters: int, budget: float, tr
                                                    str(PREPARED / "data" / "gpt2-bpe"), "--out-dir", str(results),
                                                    "--baseline-requests-per-client", "1", *extra.get(name, [])],
                                             env, results / "server_load.log", left())
+        elif name == "gc":
+            summary["stages"][name] = stage(name, [py, "-m", "bench.gc_pauses", "--rounds", "4", "--out-dir",
+                                                   str(results)], env, results / "gc_pauses.log", left())
         elif name == "train":
             summary["stages"][name] = train_stage(env, results, train_iters, left, gpu, train_device)
         summary["seconds"] = time.perf_counter() - start
