@@ -85,7 +85,7 @@ class _Fuzzer:
         # 424 is documented, but with no fault injected it is a generation that failed (a stream says so in
         # its final event)
         if response.status_code == 424 or (response.status_code == 200 and (
-                b'"error_type":"generation"' in response.content or b'"code":424' in response.content)):
+                b'"error_type":"generation"' in response.content or b'"type":"server_error"' in response.content)):
             self.failures[f"{op.label}: 424"] += 1
             self.problems.add(f"{op.label} ({mode.value}): generation failed for {str(case.body)[:300]}: "
                               f"{response.content[:300]!r}")

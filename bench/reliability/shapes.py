@@ -14,6 +14,7 @@ from app.api.openai.protocol import OpenAIError
 from app.api.protocol import ErrorBody
 from app.api.tgi.protocol import GenerateResponse, StreamResponse
 from app.api.tokenizer.router import DetokenizeResponse, SimpleToken, TokenizeResponse
+from app.http.errors import ERROR_TABLE, OPENAI_CODES, family_status
 from app.testing import parse_sse, parse_sse_events
 
 ANTHROPIC = "/v1/messages"  # the prefix of Anthropic's routes
@@ -29,9 +30,23 @@ def _fits(model: Any, obj: Any) -> bool:
     return isinstance(obj, dict) and set(obj) <= set(model.model_fields)
 
 
+def _codes_by_status() -> dict[int, set[str | None]]:
+    """Status -> the `code`s an OpenAI error body may carry with it: OpenAI's string for the errors that have one
+    (app/http/errors.py's OPENAI_CODES), null for every error."""
+    out: dict[int, set[str | None]] = {}
+    for cls, code in OPENAI_CODES.items():
+        status = next(v[0] for k, v in ERROR_TABLE.items() if issubclass(cls, k))
+        out.setdefault(family_status("/v1/", status), {None}).add(code)
+    return out
+
+
+OPENAI_CODES_BY_STATUS = _codes_by_status()
+
+
 def _openai_error(obj: Any, status: int | None = None) -> bool:
     return (_fits(OpenAIError, obj) and set(obj["error"]) == {"message", "type", "param", "code"}
-            and (status is None or obj["error"]["code"] == status))
+            and obj["error"]["code"] in (OPENAI_CODES_BY_STATUS.get(status, {None}) if status is not None
+                                         else {None, *OPENAI_CODES.values()}))
 
 
 def _anthropic_error(obj: Any) -> bool:

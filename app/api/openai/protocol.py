@@ -25,7 +25,8 @@ class OpenAIErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None
-    code: int | str | None
+    code: str | None = Field(description="OpenAI's code where it has one for the error (context_length_exceeded, "
+                             "model_not_found, invalid_api_key, rate_limit_exceeded), else null")
 
 
 class OpenAIError(BaseModel):
