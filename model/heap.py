@@ -28,23 +28,44 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 _lock = threading.Lock()  # one freeze or thaw at a time: a retirement must not be frozen again halfway
+# the objects frozen, counted when frozen: `gc.get_freeze_count` walks the permanent generation's list, ~35 ms for
+# 340,000 objects, which made every /metrics scrape that long
+_frozen_count = 0
+
+
+def _freeze() -> None:
+    global _frozen_count
+    gc.collect()
+    gc.freeze()
+    _frozen_count = gc.get_freeze_count()
+
+
+def _unfreeze() -> None:
+    global _frozen_count
+    gc.unfreeze()
+    _frozen_count = 0
 
 
 def freeze() -> int:
     """Collect, then freeze every object alive: the number frozen."""
     with _lock:
-        gc.collect()
-        gc.freeze()
-        return frozen_count()
+        _freeze()
+        return _frozen_count
+
+
+def unfreeze() -> None:
+    """Give every frozen object back to the collector (the oldest generation)."""
+    with _lock:
+        _unfreeze()
 
 
 def frozen_count() -> int:
-    """Objects in the permanent generation, out of the collector's reach."""
-    return gc.get_freeze_count()
+    """Objects in the permanent generation, out of the collector's reach (as of the last freeze)."""
+    return _frozen_count
 
 
 def frozen() -> bool:
-    return frozen_count() > 0
+    return _frozen_count > 0
 
 
 def refreeze() -> None:
@@ -60,13 +81,12 @@ def thawed() -> Iterator[None]:
     with _lock:
         was_frozen = frozen()
         if was_frozen:
-            gc.unfreeze()
+            _unfreeze()
         try:
             yield
         finally:
             if was_frozen:
-                gc.collect()
-                gc.freeze()
+                _freeze()
 
 
 # -- pauses ---------------------------------------------------------------------------------------------------
