@@ -4,11 +4,13 @@ seeded GPT."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from model import heap
 from model.config import GPTConfig
 from model.gpt import GPT
 from model.testing import random_gpt
@@ -109,3 +111,14 @@ def make_peft_adapter(directory: Path, hf_model: torch.nn.Module | None = None, 
                 p.copy_(0.2 * torch.randn(p.shape, generator=generator))
     model.save_pretrained(directory)
     return directory, model
+
+
+@pytest.fixture
+def frozen_heap() -> Iterator[None]:
+    """The heap frozen for the garbage collector as a server's is (model/heap.py), given back after the test: the
+    rest of the suite runs on a heap like any test process's."""
+    heap.freeze()
+    try:
+        yield
+    finally:
+        heap.unfreeze()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -11,15 +10,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from app.http.metrics import GcCollector
 from app.testing import metric
 from model import heap
-
-
-@pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    heap.freeze()
-    try:
-        yield
-    finally:
-        heap.unfreeze()
 
 
 def test_a_scrape_reads_the_frozen_count_without_walking_the_frozen_heap(frozen_heap: None,

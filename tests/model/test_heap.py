@@ -6,9 +6,6 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Iterator
-
-import pytest
 
 from model import heap
 from model.registry import ModelRegistry
@@ -26,15 +23,6 @@ def cycle() -> Node:
     a, b = Node(), Node()
     a.other, b.other = b, a
     return a
-
-
-@pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    heap.freeze()
-    try:
-        yield
-    finally:
-        heap.unfreeze()  # the rest of the suite runs on a heap like any test process's
 
 
 def test_a_frozen_cycle_is_collected_only_while_thawed(frozen_heap: None) -> None:
