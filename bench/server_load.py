@@ -36,7 +36,7 @@ from bench import REPO, RESULTS, SHARED_DATA
 from bench.load_client import PROMPTS
 from bench.load_client import clients as run_clients
 from bench.models import gpt2_124m
-from bench.report import pct, pyplot, save_figure, write_json
+from bench.report import cpu_name, pct, pyplot, save_figure, write_json
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.engine import Engine
 from model.sampling_params import SamplingParams
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(RESULTS))
     args = p.parse_args(argv)
     report: dict = {"new_tokens": args.new_tokens, "requests_per_client": args.requests_per_client,
-                    "cpu_count": os.cpu_count(), "client_processes": args.client_processes,
+                    "cpu": cpu_name(), "cpu_count": os.cpu_count(), "client_processes": args.client_processes,
                     "torch": torch.__version__, "device": args.device,
                     "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
