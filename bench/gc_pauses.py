@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 
+from app.http.metrics import PAUSE_LE
 from app.testing import free_port, launch, metric, stop, wait_healthy
 from bench import REPO, RESULTS
 from bench.load_client import clients as run_clients
 from bench.report import cpu_name, pct, pyplot, save_figure, write_json
-from model.heap import PAUSE_BUCKETS
 
 SIDES = {"frozen": "--gc-freeze", "unfrozen": "--no-gc-freeze"}
 
@@ -39,7 +39,7 @@ def gc_record(base: str) -> dict[str, dict[str, Any]]:
     return {g: {"count": metric(text, f"{name}_count", generation=g),
                 "seconds": metric(text, f"{name}_sum", generation=g),
                 "buckets": {le: metric(text, f"{name}_bucket", generation=g, le=le)
-                            for le in [*map(str, PAUSE_BUCKETS), "+Inf"]}}
+                            for le in PAUSE_LE}}
             for g in "012"}
 
 

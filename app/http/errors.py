@@ -12,7 +12,7 @@ app/http/connection.py, to a request that never reached the app).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import annotated_types as at
 from fastapi import FastAPI, Request, Response
@@ -42,6 +42,8 @@ class ClientGone(Exception):
     nobody reads: nginx's 'client closed request', for the logs and metrics)."""
 
 
+T = TypeVar("T")
+
 # exception type -> (HTTP status, TGI error_type, OpenAI error type); an invalid request's 422 is 400 on /v1/
 # (`family_status`)
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str]] = {
@@ -70,9 +72,20 @@ OPENAI_CODES: dict[type[Exception], str] = {
 }
 
 
-def error_kind(exc: Exception) -> tuple[int, str, str] | None:
+def _by_type(table: dict[type[Exception], T], exc: Exception | type[Exception]) -> T | None:
+    """The entry of the first of `table`'s exception types that `exc` (an exception, or an exception type) is."""
+    cls = exc if isinstance(exc, type) else type(exc)
+    return next((v for k, v in table.items() if issubclass(cls, k)), None)
+
+
+def error_kind(exc: Exception | type[Exception]) -> tuple[int, str, str] | None:
     """(HTTP status, TGI error_type, OpenAI error type) of a domain error; None for any other exception."""
-    return next((v for cls, v in ERROR_TABLE.items() if isinstance(exc, cls)), None)
+    return _by_type(ERROR_TABLE, exc)
+
+
+def openai_code(exc: Exception | type[Exception]) -> str | None:
+    """OpenAI's `code` for an error (OPENAI_CODES); None (null) for the others."""
+    return _by_type(OPENAI_CODES, exc)
 
 
 # HTTP status -> Anthropic's error type (its API's errors page); any other status is an api_error
@@ -109,8 +122,7 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
         raise exc
     status, kind, oa_type = found
     status = family_status(path, status)
-    code = next((c for cls, c in OPENAI_CODES.items() if isinstance(exc, cls)), None)
-    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None), code)
+    return status, error_body(path, status, kind, oa_type, str(exc), getattr(exc, "field", None), openai_code(exc))
 
 
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:

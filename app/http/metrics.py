@@ -15,6 +15,7 @@ from model import heap
 from model.engine import Engine
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+PAUSE_LE = [*map(str, heap.PAUSE_BUCKETS), "+Inf"]  # folio_gc_pause_seconds' `le` labels, bucket by bucket
 
 
 class Metrics:
@@ -48,7 +49,7 @@ class GcCollector(Collector):
                                        labels=["generation"])
         for generation, g in enumerate(heap.pauses.snapshot()):
             cumulative, buckets = 0, []
-            for le, n in zip([*map(str, heap.PAUSE_BUCKETS), "+Inf"], g.buckets, strict=True):
+            for le, n in zip(PAUSE_LE, g.buckets, strict=True):
                 cumulative += n
                 buckets.append((le, cumulative))
             family.add_metric([str(generation)], buckets, g.seconds)

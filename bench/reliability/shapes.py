@@ -14,7 +14,7 @@ from app.api.openai.protocol import OpenAIError
 from app.api.protocol import ErrorBody
 from app.api.tgi.protocol import GenerateResponse, StreamResponse
 from app.api.tokenizer.router import DetokenizeResponse, SimpleToken, TokenizeResponse
-from app.http.errors import ERROR_TABLE, OPENAI_CODES, family_status
+from app.http.errors import OPENAI_CODES, error_kind, family_status
 from app.testing import parse_sse, parse_sse_events
 
 ANTHROPIC = "/v1/messages"  # the prefix of Anthropic's routes
@@ -35,8 +35,9 @@ def _codes_by_status() -> dict[int, set[str | None]]:
     (app/http/errors.py's OPENAI_CODES), null for every error."""
     out: dict[int, set[str | None]] = {}
     for cls, code in OPENAI_CODES.items():
-        status = next(v[0] for k, v in ERROR_TABLE.items() if issubclass(cls, k))
-        out.setdefault(family_status("/v1/", status), {None}).add(code)
+        kind = error_kind(cls)
+        assert kind is not None, cls  # every coded error is in the error table
+        out.setdefault(family_status("/v1/", kind[0]), {None}).add(code)
     return out
 
 
