@@ -38,7 +38,7 @@ async def request_service(request: Request, model: str | None = None) -> Generat
     if served:
         adapter = engine.adapters.get(asked) or await run_in_threadpool(models.adapter_on, asked, engine)
         files = models.adapter_files(asked)
-        service = service.through(asked, adapter, files[2] if files is not None else "")
+        service = service.through(asked, adapter, files.digest if files is not None else "")
     return service
 
 

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path, PureWindowsPath
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from prometheus_client.core import CounterMetricFamily
@@ -103,6 +103,14 @@ def checkpoint_dirs(directory: Path, served: dict[str, Path]) -> list[Path]:
     """The checkpoint directories (with a config.json) under `directory` that are not among `served`."""
     known = {p.resolve() for p in served.values()}
     return [p for p in sorted(directory.iterdir()) if (p / CONFIG_FILE).is_file() and p.resolve() not in known]
+
+
+class AdapterFiles(NamedTuple):
+    """A served adapter's base model, directory, and a short digest of its files as last read."""
+
+    base: str
+    directory: Path
+    digest: str
 
 
 class ServedModels:
@@ -200,7 +208,7 @@ class ServedModels:
                 except (ValueError, KeyError) as e:
                     log.warning("LoRA adapter %s changed but cannot be reloaded (the old one serves on): %s", name, e)
 
-    def adapter_files(self, name: str) -> tuple[str, Path, str] | None:
+    def adapter_files(self, name: str) -> AdapterFiles | None:
         """Adapter `name`'s base model, directory, and a short digest of its files as last read (it changes when a
         training run writes the adapter again); None if no adapter of that name is served."""
         with self._adapters_lock:
@@ -208,7 +216,7 @@ class ServedModels:
                 return None
             base, path = self.adapters[name]
             stamp = self._adapter_stamps.get(name, ())
-        return base, path, hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
+        return AdapterFiles(base, path, hashlib.sha256(repr(stamp).encode()).hexdigest()[:16])
 
     def describe_adapters(self) -> list[dict[str, Any]]:
         """The adapters as /v1/models lists them (vLLM's `parent`, the base model; `root`, the directory's name)."""

@@ -42,7 +42,7 @@ def model_cards(request: Request) -> list[dict[str, Any]]:
         cards.append({"id": m["name"], "object": "model", "created": created, "owned_by": "folio", **m})
     for adapter in models.describe_adapters():
         files = models.adapter_files(adapter["name"])
-        created = written(files[1] / ADAPTER_WEIGHTS_FILE) if files is not None else 0
+        created = written(files.directory / ADAPTER_WEIGHTS_FILE) if files is not None else 0
         cards.append({"id": adapter["name"], "object": "model", "created": created, "owned_by": "folio", **adapter})
     return cards
 

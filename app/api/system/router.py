@@ -113,19 +113,19 @@ async def info(request: Request) -> dict[str, Any]:
     base, the adapter's directory, and the fingerprint its answers carry."""
     asked = request.headers.get(MODEL_HEADER)
     adapter = request.app.state.models.adapter_files(asked) if asked else None
-    name, service = await described_service(request, adapter[0] if adapter else None)  # an adapter: its base's
+    name, service = await described_service(request, adapter.base if adapter else None)  # an adapter: its base's
     if service is None:
         models = request.app.state.models.describe()
         return {"model_id": name, "state": next(m["state"] for m in models if m["name"] == name), "models": models,
                 "version": VERSION, "router": "folio"}
     if adapter is not None:
-        service = service.through(asked, None, adapter[2])  # its name and fingerprint (describing runs nothing)
+        service = service.through(asked, None, adapter.digest)  # its name and fingerprint (describing runs nothing)
     ck, engine, cfg = service.checkpoint, service.engine, service.checkpoint.config
     runner, limits = engine.runner, engine.config
     tok = ck.tokenizer
     return without_paths({
         "model_id": service.model_id,
-        "adapter": None if adapter is None else {"base_model": adapter[0], "directory": adapter[1].name,
+        "adapter": None if adapter is None else {"base_model": adapter.base, "directory": adapter.directory.name,
                                                  "fingerprint": service.fingerprint},
         "model_sha": ck.meta.get("weights_sha256"),
         "checkpoint": ck.path.name if ck.path else None,
