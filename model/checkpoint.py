@@ -54,6 +54,7 @@ class Checkpoint:
     tokenizer: CharTokenizer | BPETokenizer
     model: GPT
     meta: dict[str, Any] = field(default_factory=dict)  # the whole config.json
+    config_sha256: str | None = None  # of the config.json bytes `meta` was parsed from (what a reload compares)
 
     @property
     def training(self) -> dict[str, Any]:
@@ -122,27 +123,34 @@ def save_checkpoint(
 def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse and check `config.json` (or `config.next.json`, where a save was cut short between renaming its
     weights and its config into place); raises `CheckpointError` saying what is wrong."""
-    directory = Path(directory)
+    return _read_config(Path(directory))[0]
+
+
+def _read_config(directory: Path) -> tuple[dict[str, Any], str]:
+    """`read_config`, with the sha256 of the bytes it parsed: a file being rewritten in place (a plain `cp` over
+    config.json) is hashed as it was read, not as it is a moment later."""
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
     path, pending, weights = directory / CONFIG_FILE, directory / NEXT_CONFIG_FILE, directory / WEIGHTS_FILE
-    meta = _parse_config(path) if path.is_file() else None
+    current = _parse_config(path) if path.is_file() else None
     if pending.is_file() and weights.is_file():
         try:
-            next_meta = _parse_config(pending)
+            following = _parse_config(pending)
         except CheckpointError:
-            next_meta = None
+            following = None
         got = sha256_file(weights)
-        if next_meta and next_meta.get("weights_sha256") == got and (meta or {}).get("weights_sha256") != got:
-            return next_meta
-    if meta is None:
+        current_weights = current[0].get("weights_sha256") if current else None
+        if following and following[0].get("weights_sha256") == got and current_weights != got:
+            return following
+    if current is None:
         raise CheckpointError(f"{path} is missing: a Folio checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    return meta
+    return current
 
 
-def _parse_config(path: Path) -> dict[str, Any]:
+def _parse_config(path: Path) -> tuple[dict[str, Any], str]:
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        meta = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
     except OSError as e:
@@ -156,7 +164,7 @@ def _parse_config(path: Path) -> dict[str, Any]:
     for key in ("model", "tokenizer"):
         if key not in meta:
             raise CheckpointError(f"{path} has no '{key}' section")
-    return meta
+    return meta, hashlib.sha256(raw).hexdigest()
 
 
 def load_checkpoint(
@@ -167,7 +175,7 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load and validate a checkpoint; the model comes back in eval mode on `device`."""
     directory = Path(directory)
-    meta = read_config(directory)
+    meta, config_sha256 = _read_config(directory)
     try:
         config = GPTConfig.from_dict(meta["model"])
     except (ValueError, TypeError) as e:
@@ -193,7 +201,8 @@ def load_checkpoint(
     if dtype is not None:
         model.to(dtype=dtype)
     model.eval()
-    return Checkpoint(path=directory, config=config, tokenizer=tokenizer, model=model, meta=meta)
+    return Checkpoint(path=directory, config=config, tokenizer=tokenizer, model=model, meta=meta,
+                      config_sha256=config_sha256)
 
 
 def _empty_model(config: GPTConfig, quantization: str) -> GPT:

@@ -261,7 +261,10 @@ class ModelRegistry:
     @staticmethod
     def _loaded(info: ModelInfo, checkpoint: Checkpoint, digest: str | None) -> None:
         info.state, info.error, info.loaded_at = LOADED, None, time.time()
-        info.config_sha256, info.weights_sha256 = digest, checkpoint.meta.get("weights_sha256")
+        # the digest of the config.json the load parsed: one looked at before the load may have been caught
+        # mid-write (a plain `cp` over it), and would make the next look reload the same files again
+        info.config_sha256 = checkpoint.config_sha256 or digest
+        info.weights_sha256 = checkpoint.meta.get("weights_sha256")
 
     # -- the places (max_loaded) ------------------------------------------------------------------------
     def _take_place(self, name: str) -> None:

@@ -76,14 +76,14 @@ def test_malformed_json(saved: Path) -> None:
 
 
 def test_unreadable_config(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    read_text = Path.read_text
+    read_bytes = Path.read_bytes
 
-    def denied(self: Path, *args: object, **kwargs: object) -> str:  # what a file of another user gives
+    def denied(self: Path) -> bytes:  # what a file of another user gives
         if self.name == "config.json":
             raise PermissionError(13, "Permission denied", str(self))
-        return read_text(self, *args, **kwargs)
+        return read_bytes(self)
 
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(Path, "read_bytes", denied)
     with pytest.raises(CheckpointError, match="config.json could not be read: Permission denied"):
         load_checkpoint(saved)
 

@@ -6,6 +6,7 @@ its files change) or one there is no memory for, and sends requests that find th
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -334,6 +335,33 @@ def test_a_torn_copy_is_refused_then_loaded_once_its_files_are_complete(models, 
         assert reg.reload("a") is True
         _, engine, _ = run(reg.acquire("a"))
         assert greedy(engine) == greedy(loader()(new)[1]) != before and reg.info()[0].error is None
+    finally:
+        reg.stop()
+
+
+def test_a_config_caught_mid_write_is_reloaded_once(models, tmp_path) -> None:
+    """`cp` truncates config.json, then writes it: a look in between hashes an empty file, and the load that
+    follows reads the whole new one. The reload records what the load read, so the next look finds nothing new
+    (it had counted a second reload of the same files: CI saw 3 reloads for 2 replacements)."""
+    new = write_model(tmp_path / "new", 3)
+    load, copying = loader(), threading.Event()
+
+    def load_as_cp_finishes(path: Path):
+        if copying.is_set():
+            (path / "config.json").write_bytes((new / "config.json").read_bytes())
+        return load(path)
+
+    reg = ModelRegistry(models, load_as_cp_finishes)
+    try:
+        run(reg.acquire("a"))
+        copying.set()
+        (models["a"] / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
+        (models["a"] / "config.json").write_bytes(b"")  # what the look sees
+        assert reg.reload("a") is True
+        info = reg.info()[0]
+        assert info.reloads == 1 and info.config_sha256 == hashlib.sha256((new / "config.json").read_bytes()
+                                                                          ).hexdigest()
+        assert reg.reload("a") is False and reg.info()[0].reloads == 1
     finally:
         reg.stop()
 
