@@ -92,14 +92,20 @@ def openai_code(exc: Exception | type[Exception]) -> str | None:
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
                    413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-                   503: "overloaded_error"}
+                   503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_OVERLOADED = 529  # Anthropic's status for a server too busy for anyone (its 429 is an account's rate limit)
 ANTHROPIC_PATHS = "/v1/messages"  # the prefix of Anthropic's routes
 
 
 def family_status(path: str, status: int) -> int:
-    """The status of an invalid request in the API family of `path`: 400 on /v1/ (OpenAI's, Anthropic's and vLLM's,
-    whose SDKs raise BadRequestError for it), TGI's 422 elsewhere."""
-    return 400 if status == 422 and path.startswith("/v1/") else status
+    """`status` as the API family of `path` says it: an invalid request is 400 on /v1/ (OpenAI's, Anthropic's and
+    vLLM's, whose SDKs raise BadRequestError for it), TGI's 422 elsewhere; a full server (429) is 529 on Anthropic's
+    routes, which its SDK raises as OverloadedError (a 429 there is RateLimitError: an account over its limits)."""
+    if status == 422 and path.startswith("/v1/"):
+        return 400
+    if status == 429 and path.startswith(ANTHROPIC_PATHS):
+        return ANTHROPIC_OVERLOADED
+    return status
 
 
 def error_body(path: str, status: int, kind: str, oa_type: str, message: str, param: str | None,
@@ -128,7 +134,7 @@ def exception_body(path: str, exc: Exception) -> tuple[int, dict[str, Any]]:
 def error_response(request: Request, exc: Exception, retry_after: int = 1) -> StrictJSONResponse:
     status, body = exception_body(request.url.path, exc)
     retry_after = getattr(exc, "retry_after", retry_after)  # a model still loading says how long it may take
-    headers = {"Retry-After": str(retry_after)} if status in (429, 503) else None
+    headers = {"Retry-After": str(retry_after)} if status in (429, 503, ANTHROPIC_OVERLOADED) else None
     if status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return StrictJSONResponse(body, status_code=status, headers=headers)

@@ -72,7 +72,8 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("folio_generated_tokens", "tokens generated", value=s.generated_tokens_total)
         yield CounterMetricFamily("folio_cancelled_requests", "requests cancelled (client gone)",
                                   value=s.cancelled_total)
-        yield CounterMetricFamily("folio_rejected_requests", "requests refused as overloaded (429)",
+        yield CounterMetricFamily("folio_rejected_requests",
+                                  "requests refused as overloaded (429; 529 on Anthropic's routes)",
                                   value=s.rejected_total)
         yield CounterMetricFamily("folio_failed_requests", "requests that failed in generation",
                                   value=s.failed_total)

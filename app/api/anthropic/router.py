@@ -19,7 +19,7 @@ from app.http.sse import SSE_HEADERS, SSE_OR_JSON_DOC
 from app.serving.deps import request_service
 
 router = APIRouter(prefix="/v1", tags=["Anthropic"], route_class=ThreadedBodyRoute)
-ERRORS = {code: {"model": AnthropicError} for code in (400, 401, 404, 413, 424, 429, 503)}
+ERRORS = {code: {"model": AnthropicError} for code in (400, 401, 404, 413, 424, 503, 529)}
 
 
 @router.post("/messages", responses={**ERRORS, 200: SSE_OR_JSON_DOC})

@@ -14,11 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
 from app.serving.service import Lifecycle
-from app.testing import assert_openai_error, assert_tgi_error, metric
+from app.testing import assert_anthropic_error, assert_openai_error, assert_tgi_error, metric
 from model.engine import Engine
 from model.registry import ModelRegistry
 from model.testing import CHARS
@@ -79,6 +80,23 @@ def test_full_engine_answers_429_with_retry_after(make_client: Callable[..., Tes
             else:
                 assert_tgi_error(r, 429, "overloaded", "at capacity (1 running, 0 waiting)")
         assert metric(client.get("/metrics").text, "folio_rejected_requests_total") == 3
+
+
+def test_a_full_engine_is_anthropics_529_overloaded_on_its_routes(make_client: Callable[..., TestClient]) -> None:
+    """Anthropic answers a server too busy for anyone with 529 overloaded_error (its 429 is an account's rate limit):
+    its SDK raises OverloadedError, which client code tells apart from RateLimitError."""
+    client = make_client(max_batch_size=1, max_waiting=0, retry_after=3)
+    claude = anthropic.Anthropic(base_url=str(client.base_url), api_key="x", http_client=client, max_retries=0)
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    with engine_held_full(client):
+        for route in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(route, json=body)
+            assert_anthropic_error(r, 529, "overloaded_error", "at capacity")
+            assert r.headers["retry-after"] == "3"
+        with pytest.raises(anthropic.OverloadedError) as e:
+            claude.messages.create(model="folio", **body)
+        assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"
+        assert metric(client.get("/metrics").text, "folio_requests_total", route="/v1/messages", status="529") == 2
 
 
 def test_a_full_engine_refuses_before_looking_at_the_request(make_client: Callable[..., TestClient]) -> None:
