@@ -54,7 +54,7 @@ class Checkpoint:
     tokenizer: CharTokenizer | BPETokenizer
     model: GPT
     meta: dict[str, Any] = field(default_factory=dict)  # the whole config.json
-    config_sha256: str | None = None  # of the config.json bytes `meta` was parsed from (what a reload compares)
+    config_sha256: str | None = None  # of the config.json bytes the load read (what a hot reload compares)
 
     @property
     def training(self) -> dict[str, Any]:
@@ -126,25 +126,28 @@ def read_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return _read_config(Path(directory))[0]
 
 
-def _read_config(directory: Path) -> tuple[dict[str, Any], str]:
-    """`read_config`, with the sha256 of the bytes it parsed: a file being rewritten in place (a plain `cp` over
-    config.json) is hashed as it was read, not as it is a moment later."""
+def _read_config(directory: Path) -> tuple[dict[str, Any], str | None]:
+    """`read_config`, with the sha256 of the config.json bytes it read (None: there was none), even where it rolled
+    forward to config.next.json: that is what the next look at the directory compares (`ModelRegistry.reload`). A
+    config.json being rewritten in place (a plain `cp` over it) is hashed as it was read, not as it is a moment
+    later."""
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
     path, pending, weights = directory / CONFIG_FILE, directory / NEXT_CONFIG_FILE, directory / WEIGHTS_FILE
     current = _parse_config(path) if path.is_file() else None
+    digest = current[1] if current else None
     if pending.is_file() and weights.is_file():
         try:
-            following = _parse_config(pending)
+            following = _parse_config(pending)[0]
         except CheckpointError:
             following = None
         got = sha256_file(weights)
         current_weights = current[0].get("weights_sha256") if current else None
-        if following and following[0].get("weights_sha256") == got and current_weights != got:
-            return following
+        if following and following.get("weights_sha256") == got and current_weights != got:
+            return following, digest
     if current is None:
         raise CheckpointError(f"{path} is missing: a Folio checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    return current
+    return current[0], digest
 
 
 def _parse_config(path: Path) -> tuple[dict[str, Any], str]:

@@ -366,6 +366,22 @@ def test_a_config_caught_mid_write_is_reloaded_once(models, tmp_path) -> None:
         reg.stop()
 
 
+def test_a_checkpoint_rolled_forward_to_its_pending_config_is_not_reloaded_again(models, tmp_path) -> None:
+    """A save cut short between its renames leaves the new weights, config.next.json, and the old config.json: the
+    load rolls forward to config.next.json (model/checkpoint.py), and the next look, which finds config.json as
+    the load read it, has nothing to reload (recording config.next.json's digest reloaded it at every look)."""
+    new = write_model(tmp_path / "new", 3)
+    (models["a"] / "config.next.json").write_bytes((new / "config.json").read_bytes())
+    (models["a"] / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
+    reg = ModelRegistry(models, loader())
+    try:
+        _, engine, _ = run(reg.acquire("a"))
+        assert greedy(engine) == greedy(loader()(new)[1])  # rolled forward: the new weights serve
+        assert reg.reload("a") is False and reg.reload("a") is False and reg.info()[0].reloads == 0
+    finally:
+        reg.stop()
+
+
 def test_requests_on_retired_weights_finish_however_long_they_take(models, monkeypatch) -> None:
     """A reload's old engine finishes every request it runs before it stops, with no deadline: here its clock says
     an hour passes between two of its checks (a stream of thousands of tokens on a loaded machine), and the request
