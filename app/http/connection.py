@@ -14,7 +14,9 @@ bounds the time a body may take. `FolioHttpProtocol` adds, for every request on 
 
 The number of open connections is bounded as uvicorn's `limit_concurrency` bounds it (`--max-connections`: a request
 on a connection beyond it, or beyond as many requests running, gets 503 and the connection is closed), but the 503
-is the API's JSON error, with `Retry-After`, not uvicorn's plain-text "Service Unavailable" (`_too_many`).
+is the API's JSON error, with `Retry-After`, not uvicorn's plain-text "Service Unavailable" (`_too_many`). A request
+httptools cannot parse (a malformed request line, header or chunk) gets 400 in the same JSON shape, not uvicorn's
+plain text "Invalid HTTP request received.", and the connection is closed.
 
 Each of these counts in `folio_connections_closed_total{reason}`. At shutdown, a connection whose request is still
 arriving is closed at once rather than waited for (see `shutdown`). The idle time between kept-alive requests stays
@@ -36,6 +38,7 @@ from app.settings import Settings
 MAX_HEADERS = 100  # as Python's http.client and http.server
 
 HEADER_TIMEOUT, BODY_TIMEOUT, HEAD_TOO_LARGE = "header_timeout", "body_timeout", "head_too_large"
+MALFORMED = "malformed"
 TOO_MANY_CONNECTIONS = "too_many_connections"
 
 
@@ -95,7 +98,7 @@ class FolioHttpProtocol(HttpToolsProtocol):
 
     def _answer(self, status: int, message: str, path: str = "") -> None:
         """Write a whole error response (the API family's body shape) and close the connection."""
-        kind = {408: "timeout", 431: "headers_too_large"}[status]
+        kind = {400: "bad_request", 408: "timeout", 431: "headers_too_large"}[status]
         body = json.dumps(error_body(path, status, kind, "invalid_request_error", message, None)).encode()
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
@@ -130,11 +133,23 @@ class FolioHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to what httptools cannot parse, which includes a parse `on_header` stopped."""
+        """uvicorn's answer to what httptools cannot parse, which includes a parse `on_header` stopped. The path is
+        the request's where its head was parsed (a malformed chunk of its body), so the body has its API's shape."""
         if self._too_many_headers:
             self._too_large(f"the request has more than {MAX_HEADERS} headers")
-        else:
-            super().send_400_response(msg)
+            return
+        self._disarm()
+        self.on_closed(MALFORMED)
+        cycle = self.cycle if not self._in_head else None
+        if cycle is not None:  # the app's pending `receive` returns http.disconnect; what it sends goes nowhere
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        path = "" if self._in_head else self.scope.get("path", "")
+        self._answer(400, "malformed HTTP/1.1 request: its request line, headers or chunked body could not be "
+                          "parsed", path)
 
     def _too_large(self, message: str) -> None:
         self._disarm()

@@ -30,7 +30,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.connections_closed = Counter(
             "folio_connections_closed", "connections answered and closed by a limit of the HTTP layer "
-            "(app/http/connection.py): header_timeout, body_timeout, head_too_large", ["reason"], registry=r)
+            "(app/http/connection.py): header_timeout, body_timeout, head_too_large, malformed, "
+            "too_many_connections", ["reason"], registry=r)
         self.vllm = VllmMetrics(r)  # the same figures under vLLM's and TGI's names (app/http/vllm_metrics.py)
         r.register(GcCollector())
 

@@ -359,6 +359,31 @@ def test_a_request_head_too_large_is_431(server: str, headers: list, needle: byt
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+@pytest.mark.parametrize(("raw", "body"), [
+    (b"NOT AN HTTP REQUEST\r\n\r\n", {"error_type": "bad_request"}),  # no path parsed: TGI's shape
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", {"error_type": "bad_request"}),
+    # a chunk size that is not hex, after the head of an OpenAI route: that API's shape
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+     {"error": {"type": "invalid_request_error", "param": None, "code": None}}),
+])
+def test_a_request_http_cannot_parse_is_a_json_400(server: str, raw: bytes, body: dict) -> None:
+    """What httptools cannot parse gets 400 in the API's JSON error shape (uvicorn answered it in plain text), the
+    connection closed, counted as malformed; nothing is left reserved, and the server serves on."""
+    before = closed_count(server, "malformed")
+    answer = read_until_closed(connect(port_of(server), raw))
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head, answer[:300]
+    got = json.loads(payload)
+    assert "malformed HTTP/1.1 request" in json.dumps(got) and got["request_id"] is None, got
+    for key, value in body.items():
+        assert got[key] == value if not isinstance(value, dict) else {k: got[key][k] for k in value} == value, got
+    assert closed_count(server, "malformed") == before + 1
+    assert metric(httpx.get(f"{server}/metrics").text, "folio_reserved_slots") == 0
+    assert httpx.post(f"{server}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2}},
+                      timeout=30).status_code == 200
+
+
 def test_client_timeout_cancels_a_whole_generation(server: str) -> None:
     before = metric(httpx.get(f"{server}/metrics").text, "folio_cancelled_requests_total")
     with pytest.raises(httpx.ReadTimeout):
