@@ -9,7 +9,7 @@ cores, so that the load generator is not what limits a GPU server), each sending
 Reported per C:
 requests/s, output tokens/s, time to first token and inter-token latency (p50/p99), and the ratio of HTTP
 throughput to engine-only throughput (the same prompts and lengths through an in-process `Engine`, same
-batch limit). Side by side: bench/hf_server.py, a FastAPI endpoint calling `transformers` `generate` per
+batch limit, measured right after the server at each level). Side by side: bench/hf_server.py, a FastAPI endpoint calling `transformers` `generate` per
 request on the same weights, at the concurrency levels in `--baseline-concurrency`.
 
 Writes bench/results/server_load.json and server_load.png.
@@ -112,31 +112,41 @@ async def _in_processes(port: int, groups: list[list[int]], per_client: int, new
     return [json.loads(out) for out, _ in outs]
 
 
-def engine_only(checkpoint: str, clients: int, per_client: int, new_tokens: int, max_batch: int,
-                device: str = "cpu") -> dict:
-    """Output tokens/s of the same workload through an in-process engine (no HTTP), and the CPU it used."""
-    ck = load_checkpoint(checkpoint)
-    engine = Engine(ck, max_batch_size=max_batch, max_waiting=4 * max_batch, device=device).start()
-    engine.warmup()
+class EngineAlone:
+    """The same workload through an in-process engine (no HTTP), built once and kept beside the server, so that each
+    concurrency level measures the server and the engine alone back to back: this machine's speed drifts by 15% over
+    minutes (three rounds of GPT-2 at batch 1 on a Zen 5 gave 76, 79 and 93 tok/s), which a ratio of figures taken
+    minutes apart would carry."""
 
-    async def run() -> float:
+    def __init__(self, checkpoint: str, max_batch: int, device: str = "cpu") -> None:
+        self.checkpoint = load_checkpoint(checkpoint)
+        self.engine = Engine(self.checkpoint, max_batch_size=max_batch, max_waiting=4 * max_batch,
+                             device=device).start()
+        self.engine.warmup()
+
+    def measure(self, clients: int, per_client: int, new_tokens: int) -> dict[str, float]:
+        """Output tokens/s of `clients` clients sending `per_client` requests each, after the same unmeasured round
+        the server gets, and the CPU seconds this process used."""
+        encode = self.checkpoint.tokenizer.encode
+
         async def client(i: int, requests: int) -> int:
             n = 0
             for r in range(requests):
-                prompt = ck.tokenizer.encode(PROMPTS[(i + r) % len(PROMPTS)])
-                res = await engine.submit(prompt, SamplingParams(max_new_tokens=new_tokens)).collect()
+                prompt = encode(PROMPTS[(i + r) % len(PROMPTS)])
+                res = await self.engine.submit(prompt, SamplingParams(max_new_tokens=new_tokens)).collect()
                 n += res.finished.generated_tokens
             return n
 
-        await asyncio.gather(*(client(i, 1) for i in range(clients)))  # the same warm-up round as the server's
-        cpu, t = time.process_time(), time.perf_counter()
-        total = sum(await asyncio.gather(*(client(i, per_client) for i in range(clients))))
-        return {"tok_s": total / (time.perf_counter() - t), "cpu_s": time.process_time() - cpu, "tokens": total}
+        async def run() -> dict[str, float]:
+            await asyncio.gather(*(client(i, 1) for i in range(clients)))
+            cpu, t = time.process_time(), time.perf_counter()
+            total = sum(await asyncio.gather(*(client(i, per_client) for i in range(clients))))
+            return {"tok_s": total / (time.perf_counter() - t), "cpu_s": time.process_time() - cpu, "tokens": total}
 
-    try:
         return asyncio.run(run())
-    finally:
-        engine.stop()
+
+    def stop(self) -> None:
+        self.engine.stop()
 
 
 def gpt2_checkpoint(directory: Path, bpe_dir: str) -> str:
@@ -148,23 +158,25 @@ def measure_model(ck: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any
     """One checkpoint: Folio over HTTP at every concurrency level, the engine alone, and the `transformers` server."""
     levels = [int(x) for x in args.concurrency.split(",") if x]
     base_levels = [int(x) for x in args.baseline_concurrency.split(",") if x]
-    entry: dict[str, Any] = {"folio": {}, "engine_tok_s": {}, "transformers_server": {}}
+    entry: dict[str, Any] = {"folio": {}, "engine_tok_s": {}, "engine_cpu_ms_per_token": {},
+                             "transformers_server": {}}
+    alone = EngineAlone(ck, args.max_batch_size, args.device)
     server, port = start([sys.executable, "-m", "app", "--checkpoint", ck, "--port", "{port}", "--max-batch-size",
                           str(args.max_batch_size), "--max-waiting", "1024", "--log-level", "warning",
                           "--device", args.device],
                          tmp / "folio.log")
     try:
         asyncio.run(load(port, 1, 1, 8, True))  # warm the HTTP path
-        for c in levels:
+        for c in levels:  # the server, then the engine alone, at each level (EngineAlone says why)
             asyncio.run(load(port, c, 1, args.new_tokens, True))  # a round at this level first, not counted
             entry["folio"][str(c)] = asyncio.run(load(port, c, args.requests_per_client, args.new_tokens, True,
                                                       server.pid, args.client_processes))
+            e = alone.measure(c, args.requests_per_client, args.new_tokens)
+            entry["engine_tok_s"][str(c)] = e["tok_s"]
+            entry["engine_cpu_ms_per_token"][str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
     finally:
         stop(server, grace=30)
-    for c in levels:
-        e = engine_only(ck, c, args.requests_per_client, args.new_tokens, args.max_batch_size, args.device)
-        entry["engine_tok_s"][str(c)] = e["tok_s"]
-        entry.setdefault("engine_cpu_ms_per_token", {})[str(c)] = 1e3 * e["cpu_s"] / e["tokens"]
+        alone.stop()
     if base_levels:
         base, port = start([sys.executable, "-m", "bench.hf_server", "--checkpoint", ck, "--port", "{port}",
                             "--device", args.device],
