@@ -9,8 +9,9 @@ cores, so that the load generator is not what limits a GPU server), each sending
 Reported per C:
 requests/s, output tokens/s, time to first token and inter-token latency (p50/p99), and the ratio of HTTP
 throughput to engine-only throughput (the same prompts and lengths through an in-process `Engine`, same
-batch limit, measured right after the server at each level). Side by side: bench/hf_server.py, a FastAPI endpoint calling `transformers` `generate` per
-request on the same weights, at the concurrency levels in `--baseline-concurrency`.
+batch limit, measured right after the server at each level). Side by side: bench/hf_server.py, a FastAPI
+endpoint calling `transformers` `generate` per request on the same weights, at the concurrency levels in
+`--baseline-concurrency`.
 
 Writes bench/results/server_load.json and server_load.png.
 """
