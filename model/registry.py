@@ -243,14 +243,13 @@ class ModelRegistry:
         try:
             self._take_place(name)
             try:
-                digest = config_digest(slot.info.path)
                 checkpoint, engine = self._load(slot.info.path)
             except BaseException:
                 self._give_place(name)
                 raise
             with slot.lock:
                 slot.checkpoint, slot.engine, slot.failed = checkpoint, engine, None
-            self._loaded(slot.info, checkpoint, digest)
+            self._loaded(slot.info, checkpoint)
             heap.refreeze()  # a server's heap stays frozen with the new model in it (model/heap.py)
         except Exception as e:  # this model alone fails; the others serve
             log.error("model %s could not be loaded from %s: %s", name, slot.info.path, e)
@@ -259,12 +258,11 @@ class ModelRegistry:
             future.set_result(None)
 
     @staticmethod
-    def _loaded(info: ModelInfo, checkpoint: Checkpoint, digest: str | None) -> None:
+    def _loaded(info: ModelInfo, checkpoint: Checkpoint) -> None:
         info.state, info.error, info.loaded_at = LOADED, None, time.time()
-        # the digest of the config.json the load parsed: one looked at before the load may have been caught
-        # mid-write (a plain `cp` over it), and would make the next look reload the same files again
-        info.config_sha256 = checkpoint.config_sha256 or digest
-        info.weights_sha256 = checkpoint.meta.get("weights_sha256")
+        # the digest of config.json as the load read it (`Checkpoint.config_sha256`), not one taken before the load:
+        # that may have caught a plain `cp` mid-write, and made the next look reload the same files again
+        info.config_sha256, info.weights_sha256 = checkpoint.config_sha256, checkpoint.meta.get("weights_sha256")
 
     # -- the places (max_loaded) ------------------------------------------------------------------------
     def _take_place(self, name: str) -> None:
@@ -349,12 +347,12 @@ class ModelRegistry:
                 return False
             slot.incoming = Future()
             try:
-                return self._swap_in(name, slot, digest, stamp)
+                return self._swap_in(name, slot, stamp)
             finally:
                 incoming, slot.incoming = slot.incoming, None
                 incoming.set_result(None)
 
-    def _swap_in(self, name: str, slot: _Slot, digest: str, stamp: tuple) -> bool:
+    def _swap_in(self, name: str, slot: _Slot, stamp: tuple) -> bool:
         """Load the slot's checkpoint beside its engine, swap it in and retire the old one; False where the reload
         was refused (the reason in `ModelInfo.error`)."""
         try:
@@ -376,7 +374,7 @@ class ModelRegistry:
             old = slot.engine
             if old is not None:  # (unloaded meanwhile: its place is given back, so the new engine goes too)
                 slot.engine, slot.checkpoint = engine, checkpoint
-                self._loaded(slot.info, checkpoint, digest)
+                self._loaded(slot.info, checkpoint)
                 slot.info.reloads += 1
                 slot.refused = slot.short_of_memory = None
         self._retire(old if old is not None else engine)

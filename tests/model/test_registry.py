@@ -164,8 +164,8 @@ def test_a_model_unloaded_before_its_waiter_got_it_is_loaded_again(models) -> No
     reg = ModelRegistry(models, loader(), max_loaded=2)
     loads, unloaded = [], []
 
-    def loaded(info, checkpoint, digest) -> None:  # another load makes room by unloading it, at once (once)
-        ModelRegistry._loaded(info, checkpoint, digest)
+    def loaded(info, checkpoint) -> None:  # another load makes room by unloading it, at once (once)
+        ModelRegistry._loaded(info, checkpoint)
         loads.append(info.name)
         if not unloaded:
             unloaded.append(info.name)
@@ -241,7 +241,7 @@ class BlockingLoader:
         finally:
             with self.lock:
                 self.loading -= 1
-        return SimpleNamespace(meta={}), FakeEngine(path.name)
+        return SimpleNamespace(meta={}, config_sha256=None), FakeEngine(path.name)
 
 
 def five(tmp_path: Path) -> dict[str, Path]:
@@ -266,6 +266,7 @@ def test_max_loaded_holds_under_concurrent_loads(tmp_path) -> None:
             return [(await r)[0] for r in requests]
 
         assert run_long(main()) == list("abcde")
+        assert not [i for i in reg.info() if i.state == FAILED], reg.info()
         assert max(load.in_memory) == 2 and len(load.in_memory) >= 5, load.in_memory
         assert len(reg.loaded()) <= 2
     finally:
@@ -301,7 +302,7 @@ def test_a_load_waits_for_a_place_until_a_loaded_model_is_idle(tmp_path) -> None
             return (await request)[0]
 
         assert run_long(main()) == "b"
-        assert a.stopped and [n for n, _, _ in reg.loaded()] == ["b"]
+        assert a.stopped and [n for n, _, _ in reg.loaded()] == ["b"] and reg.info()[1].state == LOADED
     finally:
         logger.removeHandler(note)
         logger.setLevel(level)
