@@ -82,19 +82,23 @@ class FolioHttpProtocol(HttpToolsProtocol):
             else:
                 self.transport.close()  # a connection that never sent a byte gets no answer
             return
-        cycle = self.cycle
-        if cycle is None:
+        if self.cycle is None:
             self.transport.close()
             return
-        answer = not cycle.response_started
-        # the app's pending `receive` returns http.disconnect, and whatever it sends later goes nowhere
+        self._abandon(408, f"the request body did not arrive within {self.body_timeout:g} s of its headers")
+
+    def _abandon(self, status: int, message: str) -> None:
+        """End the request whose body is arriving: the app's pending `receive` returns http.disconnect, and whatever
+        it sends later goes nowhere; the client gets `status` in its route's error shape, unless its response has
+        begun, and the connection is closed."""
+        cycle = self.cycle
+        assert cycle is not None
         cycle.disconnected = True
         cycle.message_event.set()
-        if answer:
-            self._answer(408, f"the request body did not arrive within {self.body_timeout:g} s of its headers",
-                         self.scope.get("path", ""))
-        else:
+        if cycle.response_started:
             self.transport.close()
+        else:
+            self._answer(status, message, self.scope.get("path", ""))
 
     def _answer(self, status: int, message: str, path: str = "") -> None:
         """Write a whole error response (the API family's body shape) and close the connection."""
@@ -140,16 +144,11 @@ class FolioHttpProtocol(HttpToolsProtocol):
             return
         self._disarm()
         self.on_closed(MALFORMED)
-        cycle = self.cycle if not self._in_head else None
-        if cycle is not None:  # the app's pending `receive` returns http.disconnect; what it sends goes nowhere
-            cycle.disconnected = True
-            cycle.message_event.set()
-            if cycle.response_started:
-                self.transport.close()
-                return
-        path = "" if self._in_head else self.scope.get("path", "")
-        self._answer(400, "malformed HTTP/1.1 request: its request line, headers or chunked body could not be "
-                          "parsed", path)
+        message = "malformed HTTP/1.1 request: its request line, headers or chunked body could not be parsed"
+        if self._in_head or self.cycle is None:
+            self._answer(400, message)
+        else:
+            self._abandon(400, message)
 
     def _too_large(self, message: str) -> None:
         self._disarm()
