@@ -14,10 +14,9 @@ from app.api.openai.protocol import OpenAIError
 from app.api.protocol import ErrorBody
 from app.api.tgi.protocol import GenerateResponse, StreamResponse
 from app.api.tokenizer.router import DetokenizeResponse, SimpleToken, TokenizeResponse
-from app.http.errors import OPENAI_CODES, error_kind, family_status
+from app.http.errors import ANTHROPIC_PATHS, OPENAI_CODES, error_kind, family_status
 from app.testing import parse_sse, parse_sse_events
 
-ANTHROPIC = "/v1/messages"  # the prefix of Anthropic's routes
 NAMED_EVENTS = ("/v1/messages", "/v1/responses")  # streams of `event:` + `data:` events
 
 
@@ -99,7 +98,7 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
         problems.append(f"{where}: server error {body[:200]!r}")
     if documented is not None and status not in documented:
         problems.append(f"{where}: status not documented ({sorted(documented)})")
-    anthropic = path.startswith(ANTHROPIC)
+    anthropic = path.startswith(ANTHROPIC_PATHS)
     openai = path.startswith("/v1/") and not anthropic
     try:
         text = body.decode("utf-8")
@@ -135,7 +134,7 @@ def check_response(path: str, streamed: bool, status: int, content_type: str, bo
 
 def _answer_fits(path: str, obj: Any, openai: bool) -> bool:
     """Whether a 200's JSON body has its route's shape."""
-    if path.startswith(ANTHROPIC):
+    if path.startswith(ANTHROPIC_PATHS):
         return _anthropic_answer(obj)
     if path == "/v1/responses":
         return _response_object(obj)
